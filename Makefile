@@ -1,0 +1,33 @@
+# stepwire: `make test` and `make run` work on a fresh machine with only Python 3.11 on it.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip install -q --disable-pip-version-check
+# Re-install only when the dependency list changes.
+DEV_STAMP := $(VENV)/.stamp-dev
+
+.PHONY: test lint bench run clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(DEV_STAMP): pyproject.toml | $(PY)
+	$(PIP) -e '.[dev]'
+	touch $@
+
+lint: $(DEV_STAMP)
+	$(VENV)/bin/ruff check .
+
+test: lint
+	$(PY) -m pytest -q
+
+bench: $(DEV_STAMP)
+	$(PY) bench/scheduler_step.py
+
+run:
+	@echo "make run: the three services (scheduler, executor, gateway) land with issue #4."
+	@echo "Today stepwire is the scheduler core only; see README.md for what works."
+	@exit 1
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

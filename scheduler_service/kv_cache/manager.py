@@ -1,0 +1,151 @@
+"""The KV-cache manager: which blocks each request holds, prefix-cache lookups, allocation and freeing.
+
+The scheduler asks it two questions, "which of this prompt is already cached?" and "can this request
+have N more tokens?", and never touches blocks itself.
+"""
+
+from __future__ import annotations
+
+from scheduler_service.kv_cache.block_pool import BlockPool, PrefixCacheStats
+from scheduler_service.kv_cache.free_queue import KVCacheBlock
+from scheduler_service.request import Request
+
+_NO_BLOCKS: tuple = ()
+
+
+class _Held:
+    """What one request holds: its block table and how many leading blocks are already in the prefix cache.
+
+    `capacity` and `next_full` are derived, kept so that a decode step that needs no new block and fills
+    none can leave allocate_slots after one comparison: that is the common case by far.
+    """
+
+    __slots__ = ("blocks", "num_cached", "capacity", "next_full")
+
+    def __init__(self) -> None:
+        self.blocks: list[KVCacheBlock] = []
+        self.num_cached = 0
+        self.capacity = 0  # token slots in `blocks`
+        self.next_full = 0  # token count at which the first uncached block becomes full
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, max_model_len: int, enable_caching: bool = True):
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.prefix_cache_stats = PrefixCacheStats()
+        self._held: dict[str, _Held] = {}
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest run of cached full blocks at the start of the request, and the tokens it covers.
+
+        The hit stops short of the last token: its logits are needed to sample, so it is always computed.
+        """
+        if not self.enable_caching:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits = []
+        get = self.pool.get_cached_block
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = get(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def record_prefix_cache_stats(self, request: Request, num_hit_tokens: int) -> None:
+        if self.enable_caching:
+            self.prefix_cache_stats.record(request.num_tokens, num_hit_tokens, request.num_preemptions > 0)
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: list[KVCacheBlock] | tuple = _NO_BLOCKS,
+    ) -> list[int] | tuple | None:
+        """Give the request room for `num_new_tokens` more tokens after its computed (and just-hit) ones.
+
+        Returns the ids of the newly allocated blocks (possibly none), or None if the pool cannot serve
+        the request, in which case nothing has changed. On success the prefix-hit blocks join the request
+        and every block that this step fills is entered into the prefix cache.
+        """
+        held = self._held.get(request.request_id)
+        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        end = num_computed + num_new_tokens
+        if held is not None and end <= held.capacity and end < held.next_full and num_new_tokens > 0:
+            return _NO_BLOCKS
+        if num_new_tokens <= 0:
+            raise ValueError(f"num_new_tokens must be > 0, got {num_new_tokens}")
+        block_size = self.block_size
+        pool = self.pool
+        num_need_slot = end if end < self.max_model_len else self.max_model_len
+        num_held = 0 if held is None else len(held.blocks)
+        num_new_blocks = -(-num_need_slot // block_size) - num_held - len(new_computed_blocks)
+        if num_new_blocks < 0:
+            num_new_blocks = 0
+        # A hit block that nobody holds sits in the free queue: taking it costs a free block too.
+        num_evictable = 0
+        for block in new_computed_blocks:
+            if block.ref_cnt == 0:
+                num_evictable += 1
+        if num_new_blocks + num_evictable > pool.free_queue.num_free_blocks:
+            return None
+
+        if held is None:
+            held = self._held[request.request_id] = _Held()
+        blocks = held.blocks
+        if new_computed_blocks:
+            pool.touch(new_computed_blocks)
+            blocks.extend(new_computed_blocks)
+            held.num_cached = len(blocks)
+        if num_new_blocks:
+            new_blocks = pool.get_new_blocks(num_new_blocks)
+            blocks.extend(new_blocks)
+            new_ids = [b.block_id for b in new_blocks]
+        else:
+            new_ids = _NO_BLOCKS
+
+        held.capacity = len(blocks) * block_size
+        if self.enable_caching:
+            # Only tokens that exist can be cached; a block filled this step is hashed now so that a request
+            # admitted later in the same step can already hit it.
+            num_full = min(end, len(request.block_hashes) * block_size) // block_size
+            if num_full > held.num_cached:
+                pool.cache_full_blocks(blocks, request.block_hashes, held.num_cached, num_full)
+                held.num_cached = num_full
+            held.next_full = (held.num_cached + 1) * block_size
+        else:
+            held.next_full = 1 << 62
+        return new_ids
+
+    def free(self, request: Request) -> None:
+        """Release every block of the request, tail first so the tail is evicted before the shared head."""
+        held = self._held.pop(request.request_id, None)
+        if held is not None:
+            self.pool.free_blocks(reversed(held.blocks))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        held = self._held.get(request_id)
+        return [] if held is None else [b.block_id for b in held.blocks]
+
+    def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
+        held = self._held.get(request_id)
+        return [] if held is None else held.blocks
+
+    def holders(self) -> dict[str, list[KVCacheBlock]]:
+        """Every request's block table (for invariant checks and debugging)."""
+        return {rid: held.blocks for rid, held in self._held.items()}
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()

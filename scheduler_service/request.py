@@ -1,0 +1,160 @@
+"""A request as the scheduler sees it: token ids, the sampling knobs that decide when it stops, and progress."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from scheduler_service.errors import InvalidRequestError
+from scheduler_service.kv_cache.hashing import extend_block_hashes
+
+
+class RequestStatus(enum.IntEnum):
+    # Ordered so that `status >= FINISHED_STOPPED` means finished; the hot loops rely on it.
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Everything a request asks of generation. The scheduler reads the stop-related fields; the executor's
+    sampler reads the rest (it arrives in the step diff with the request)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 (or 0) disables
+    min_p: float = 0.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None  # top-n logprobs per sampled token
+
+    def validate(self) -> None:
+        """Raise InvalidRequestError naming the first bad field; never mutates anything."""
+        _check_int("max_tokens", self.max_tokens)
+        if self.max_tokens < 1:
+            raise InvalidRequestError("max_tokens", f"must be >= 1, got {self.max_tokens}")
+        _check_number("temperature", self.temperature)
+        if self.temperature < 0:
+            raise InvalidRequestError("temperature", f"must be >= 0, got {self.temperature}")
+        _check_number("top_p", self.top_p)
+        if not 0 < self.top_p <= 1:
+            raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p}")
+        _check_int("top_k", self.top_k)
+        if self.top_k < -1:
+            raise InvalidRequestError("top_k", f"must be -1 (disabled) or >= 0, got {self.top_k}")
+        _check_number("min_p", self.min_p)
+        if not 0 <= self.min_p <= 1:
+            raise InvalidRequestError("min_p", f"must be in [0, 1], got {self.min_p}")
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+        _check_int("min_tokens", self.min_tokens)
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequestError("min_tokens", f"must be in [0, max_tokens], got {self.min_tokens}")
+        for tok in self.stop_token_ids:
+            _check_int("stop_token_ids", tok)
+            if tok < 0:
+                raise InvalidRequestError("stop_token_ids", f"token ids are >= 0, got {tok}")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs)
+            if self.logprobs < 0:
+                raise InvalidRequestError("logprobs", f"must be >= 0, got {self.logprobs}")
+
+
+def _check_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequestError(name, f"must be an integer, got {type(value).__name__}")
+
+
+def _check_number(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidRequestError(name, f"must be a number, got {type(value).__name__}")
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One generation request. `all_token_ids` is prompt + output; `num_computed_tokens` chases its length.
+
+    There is no prefill or decode phase: a request simply has `num_tokens - num_computed_tokens` tokens
+    left to compute, and the scheduler hands out as many as the budget allows.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    cache_salt: str | None = None
+
+    all_token_ids: list[int] = field(init=False)
+    num_prompt_tokens: int = field(init=False)
+    status: RequestStatus = field(init=False, default=RequestStatus.WAITING)
+    num_computed_tokens: int = field(init=False, default=0)
+    num_preemptions: int = field(init=False, default=0)
+    # Prompt tokens served from the prefix cache at first admission; -1 until then.
+    num_cached_tokens: int = field(init=False, default=-1)
+    # Chained hashes of every full block of all_token_ids, kept up to date as tokens are appended.
+    block_hashes: list[bytes] = field(init=False, default_factory=list)
+    # The stop conditions, folded once into what update_from_output compares for every token:
+    # a token in `stop_ids` (stop token ids, plus EOS unless ignored) stops the request once it has
+    # `min_stop_len` tokens; reaching `length_limit` tokens (the scheduler caps it at max_model_len) ends it.
+    stop_ids: frozenset[int] = field(init=False)
+    min_stop_len: int = field(init=False)
+    length_limit: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        sp = self.sampling_params
+        stop = set(sp.stop_token_ids)
+        if self.eos_token_id is not None and not sp.ignore_eos:
+            stop.add(self.eos_token_id)
+        self.stop_ids = frozenset(stop)
+        self.min_stop_len = self.num_prompt_tokens + sp.min_tokens
+        self.length_limit = self.num_prompt_tokens + sp.max_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def max_tokens(self) -> int:
+        return self.sampling_params.max_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)
+
+    def hash_extra(self) -> bytes:
+        """Extra key mixed into the first block's hash, so tenants with different salts never share KV."""
+        return b"" if self.cache_salt is None else b"salt:" + self.cache_salt.encode()
+
+    def update_block_hashes(self, block_size: int) -> None:
+        extend_block_hashes(self.block_hashes, self.all_token_ids, block_size, self.hash_extra())

@@ -1,0 +1,329 @@
+"""The unified scheduler: one token budget shared by every request, whatever it is doing.
+
+Each step, running requests go first (each capped by the long-prefill threshold, the remaining budget
+and max_model_len); when the pool cannot give one its blocks, requests are preempted from the tail (LIFO
+under fcfs, lowest rank under priority) and recomputed later. Waiting requests are admitted only in a
+step that preempted nothing, within max_num_seqs, after a prefix-cache lookup; an allocation failure
+while admitting stops admission and never preempts. Semantics follow vLLM v1 (see README for the few
+deliberate differences).
+
+One Scheduler owns one block pool, so a scheduler service keeps one instance per executor. No
+module-level state: any number of instances can live in one process.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from scheduler_service.config import SchedulerConfig
+from scheduler_service.errors import InvalidRequestError
+from scheduler_service.kv_cache.manager import KVCacheManager
+from scheduler_service.output import (
+    CachedRequestData,
+    NewRequestData,
+    RequestDelta,
+    RunnerOutput,
+    SchedulerOutput,
+)
+from scheduler_service.request import Request, RequestStatus
+from scheduler_service.request_queue import make_queue
+
+_WAITING = RequestStatus.WAITING
+_RUNNING = RequestStatus.RUNNING
+_PREEMPTED = RequestStatus.PREEMPTED
+_STOPPED = RequestStatus.FINISHED_STOPPED
+_LENGTH = RequestStatus.FINISHED_LENGTH_CAPPED
+_ABORTED = RequestStatus.FINISHED_ABORTED
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_free_blocks: int
+    num_total_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+
+
+def _preemption_rank(request: Request) -> tuple[int, float]:
+    return request.priority, request.arrival_time
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, num_blocks: int):
+        self.config = config
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.max_model_len,
+                                 config.enable_prefix_caching)
+        # Unfinished requests only: waiting, running or preempted.
+        self.requests: dict[str, Request] = {}
+        self.waiting = make_queue(config.policy)
+        self.running: list[Request] = []
+        # Ended since the last schedule(); the next output tells the executors to drop them.
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ requests in and out
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request, or raise InvalidRequestError naming the bad field without changing anything."""
+        rid = request.request_id
+        if not isinstance(rid, str) or not rid:
+            raise InvalidRequestError("request_id", "must be a non-empty string")
+        if rid in self.requests:
+            raise InvalidRequestError("request_id", f"duplicate request id {rid!r}")
+        prompt = request.prompt_token_ids
+        if not prompt:
+            raise InvalidRequestError("prompt_token_ids", "prompt must not be empty")
+        if not all(type(t) is int and t >= 0 for t in prompt):
+            raise InvalidRequestError("prompt_token_ids", "token ids must be integers >= 0")
+        if len(prompt) >= self.config.max_model_len:
+            raise InvalidRequestError(
+                "prompt_token_ids",
+                f"prompt has {len(prompt)} tokens; with at least one output token it cannot fit "
+                f"max_model_len={self.config.max_model_len}")
+        request.sampling_params.validate()
+        if isinstance(request.priority, bool) or not isinstance(request.priority, int):
+            raise InvalidRequestError("priority", "must be an integer")
+        if request.status != _WAITING or request.num_computed_tokens or request.num_output_tokens:
+            raise InvalidRequestError("request_id", f"request {rid!r} was already scheduled elsewhere")
+        if self.config.enable_prefix_caching:
+            request.update_block_hashes(self.config.block_size)
+        request.length_limit = min(request.num_prompt_tokens + request.sampling_params.max_tokens,
+                                   self.config.max_model_len)
+        self.requests[rid] = request
+        self.waiting.add(request)
+
+    def abort_requests(self, request_ids) -> list[Request]:
+        """End the requests now, in whatever state they are, and free their blocks. Unknown ids are ignored
+        (the request may have just finished on its own). Returns the requests that were aborted."""
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        victims = []
+        for rid in dict.fromkeys(request_ids):
+            req = self.requests.get(rid)
+            if req is not None:
+                victims.append(req)
+        if not victims:
+            return []
+        running = {id(r) for r in victims if r.status == _RUNNING}
+        if running:
+            self.running = [r for r in self.running if id(r) not in running]
+        if len(running) < len(victims):
+            self.waiting.remove_all(r for r in victims if id(r) not in running)
+        for req in victims:
+            req.status = _ABORTED
+            self._release(req)
+        return victims
+
+    def _release(self, request: Request) -> None:
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        self.finished_req_ids.add(request.request_id)
+
+    def _preempt(self, request: Request) -> None:
+        # Recompute, not swap: the blocks go back now; their full blocks stay hittable until reused.
+        self.kv.free(request)
+        request.status = _PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend(request)
+
+    # ------------------------------------------------------------------ one step
+
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        kv = self.kv
+        allocate = kv.allocate_slots
+        running = self.running
+        max_model_len = cfg.max_model_len
+        token_budget = cfg.max_num_batched_tokens
+        # The threshold keeps one long prefill from starving others; alone, there is nobody to starve.
+        threshold = cfg.long_prefill_token_threshold if len(running) + len(self.waiting) > 1 else 0
+        by_priority = cfg.policy == "priority"
+
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached = CachedRequestData()
+        c_ids = cached.req_ids
+        c_blocks = cached.new_block_ids
+        c_computed = cached.num_computed_tokens
+        preempted: list[Request] = []
+
+        # Running requests. num_computed_tokens advances as soon as a request is scheduled: nothing later
+        # in this step reads it for an already scheduled request, and a preempted one is reset to 0 anyway.
+        i = 0
+        while i < len(running) and token_budget > 0:
+            req = running[i]
+            computed = req.num_computed_tokens
+            n = len(req.all_token_ids) - computed
+            if 0 < threshold < n:
+                n = threshold
+            if n > token_budget:
+                n = token_budget
+            if n > max_model_len - 1 - computed:
+                n = max_model_len - 1 - computed
+            if n <= 0:
+                i += 1
+                continue
+            new_ids = allocate(req, n)
+            while new_ids is None:
+                if by_priority:
+                    victim = max(running, key=_preemption_rank)
+                    vi = running.index(victim)
+                    del running[vi]
+                    if vi < i:
+                        i -= 1
+                    restored = num_scheduled.pop(victim.request_id, None)
+                    if restored is not None:
+                        token_budget += restored
+                        k = c_ids.index(victim.request_id)
+                        del c_ids[k], c_blocks[k], c_computed[k]
+                else:
+                    victim = running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+                new_ids = allocate(req, n)
+            if new_ids is None:
+                if by_priority:
+                    # It was the lowest-ranked request; higher-ranked ones after it may still fit, and
+                    # removing it already moved them up to index i.
+                    continue
+                break
+            rid = req.request_id
+            req.num_computed_tokens = computed + n
+            num_scheduled[rid] = n
+            token_budget -= n
+            c_ids.append(rid)
+            c_blocks.append(new_ids)
+            c_computed.append(computed)
+            i += 1
+
+        # Waiting requests, only if nothing was preempted: admitting while evicting would just thrash.
+        if not preempted:
+            waiting = self.waiting
+            max_num_seqs = cfg.max_num_seqs
+            chunked = cfg.enable_chunked_prefill
+            while waiting and token_budget > 0 and len(running) < max_num_seqs:
+                req = waiting.peek()
+                hit_blocks, num_hit = kv.get_computed_blocks(req)
+                n = len(req.all_token_ids) - num_hit
+                if 0 < threshold < n:
+                    n = threshold
+                if n > token_budget:
+                    if not chunked:
+                        break
+                    n = token_budget
+                if allocate(req, n, num_hit, hit_blocks) is None:
+                    break
+                kv.record_prefix_cache_stats(req, num_hit)
+                waiting.pop()
+                running.append(req)
+                rid = req.request_id
+                block_ids = kv.get_block_ids(rid)
+                if req.status == _WAITING:
+                    req.num_cached_tokens = num_hit
+                    new_reqs.append(NewRequestData(rid, req.prompt_token_ids, [], req.sampling_params,
+                                                   block_ids, num_hit))
+                else:
+                    c_ids.append(rid)
+                    c_blocks.append(block_ids)
+                    c_computed.append(num_hit)
+                    cached.resumed_req_ids.add(rid)
+                req.status = _RUNNING
+                req.num_computed_tokens = num_hit + n
+                num_scheduled[rid] = n
+                token_budget -= n
+
+        out = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=cfg.max_num_batched_tokens - token_budget,
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids={r.request_id for r in preempted},
+        )
+        self.finished_req_ids = set()
+        return out
+
+    def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput) -> list[RequestDelta]:
+        """Append sampled tokens, apply stop conditions, free finished requests; return per-request deltas."""
+        if len(runner_output.req_ids) != len(runner_output.sampled_token_ids):
+            raise ValueError(f"runner output has {len(runner_output.req_ids)} request ids but "
+                             f"{len(runner_output.sampled_token_ids)} token lists")
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        requests = self.requests
+        block_size = self.config.block_size
+        caching = self.config.enable_prefix_caching
+        deltas: list[RequestDelta] = []
+        any_finished = False
+        logprobs = runner_output.logprobs
+        lp_iter = itertools.repeat(None) if logprobs is None else logprobs
+
+        for rid, tokens, lps in zip(runner_output.req_ids, runner_output.sampled_token_ids, lp_iter, strict=False):
+            if not tokens:
+                continue  # mid-prefill: nothing for the client yet
+            req = requests.get(rid)
+            # Aborted since the step was scheduled, or never part of it: the tokens are dropped.
+            if req is None or req.status is not _RUNNING or rid not in num_scheduled:
+                continue
+            all_ids = req.all_token_ids
+            finish = None
+            for k, tok in enumerate(tokens):
+                all_ids.append(tok)
+                num_tokens = len(all_ids)
+                if caching and num_tokens % block_size == 0:
+                    req.update_block_hashes(block_size)
+                # EOS and stop ids before length, as vLLM does: a request ending both ways "stopped".
+                if tok in req.stop_ids and num_tokens >= req.min_stop_len:
+                    finish = _STOPPED
+                elif num_tokens >= req.length_limit:
+                    finish = _LENGTH
+                else:
+                    continue
+                if k + 1 < len(tokens):
+                    tokens = tokens[:k + 1]
+                    if lps is not None:
+                        lps = lps[:k + 1]
+                break
+            if finish is None:
+                deltas.append(RequestDelta(rid, tokens, None, req.num_cached_tokens, lps))
+            else:
+                req.status = finish
+                self._release(req)
+                any_finished = True
+                deltas.append(RequestDelta(rid, tokens, "stop" if finish is _STOPPED else "length",
+                                           req.num_cached_tokens, lps))
+        if any_finished:
+            self.running = [r for r in self.running if r.status is _RUNNING]
+        return deltas
+
+    # ------------------------------------------------------------------ introspection
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_request_counts(self) -> tuple[int, int]:
+        return len(self.running), len(self.waiting)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.reset_prefix_cache()
+
+    def stats(self) -> SchedulerStats:
+        pcs = self.kv.prefix_cache_stats
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv.usage,
+            num_free_blocks=self.kv.num_free_blocks,
+            num_total_blocks=self.kv.pool.num_blocks - 1,
+            prefix_cache_queries=pcs.queries,
+            prefix_cache_hits=pcs.hits,
+            num_preemptions=self.num_preemptions,
+        )

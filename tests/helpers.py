@@ -1,0 +1,48 @@
+"""Small drivers shared by the scheduler tests: a fake runner and ways to put a scheduler in a given state."""
+
+from __future__ import annotations
+
+from scheduler_service import Request, RequestStatus, RunnerOutput, SamplingParams, Scheduler, SchedulerConfig
+
+OUT = 7  # the token the fake model samples
+
+
+def make_scheduler(num_blocks: int = 1000, **cfg) -> Scheduler:
+    cfg.setdefault("max_model_len", 20000)
+    cfg.setdefault("max_num_batched_tokens", 8192)
+    return Scheduler(SchedulerConfig(**cfg), num_blocks=num_blocks)
+
+
+def req(rid: str, n: int, max_tokens: int = 1000, first: int = 0, **kw) -> Request:
+    """A request whose prompt is `n` distinct tokens starting at `first` (distinct so blocks never collide)."""
+    sp_keys = {"stop_token_ids", "ignore_eos", "min_tokens", "temperature", "seed"}
+    sp = SamplingParams(max_tokens=max_tokens, **{k: v for k, v in kw.items() if k in sp_keys})
+    rest = {k: v for k, v in kw.items() if k not in sp_keys}
+    return Request(rid, list(range(first, first + n)), sp, **rest)
+
+
+def fake_runner(sched: Scheduler, out, token: int = OUT) -> RunnerOutput:
+    """What a model runner would return: a token for each request whose scheduled tokens reach its end."""
+    ids = list(out.num_scheduled_tokens)
+    return RunnerOutput(ids, [[token] if sched.requests[r].num_computed_tokens >= sched.requests[r].num_tokens
+                              else [] for r in ids])
+
+
+def step(sched: Scheduler, token: int = OUT):
+    """One engine step with the fake runner: returns (scheduler output, deltas)."""
+    out = sched.schedule()
+    return out, sched.update_from_output(out, fake_runner(sched, out, token))
+
+
+def place_running(sched: Scheduler, request: Request, num_computed: int, num_output: int = 0) -> Request:
+    """Put a request straight into the running queue as if it had computed `num_computed` tokens and
+    generated `num_output` tokens, holding exactly the blocks that needs (through the KV manager)."""
+    sched.add_request(request)
+    sched.waiting.remove_all([request])
+    request.all_token_ids.extend([OUT] * num_output)
+    request.update_block_hashes(sched.config.block_size)
+    assert sched.kv.allocate_slots(request, num_computed) is not None
+    request.num_computed_tokens = num_computed
+    request.status = RequestStatus.RUNNING
+    sched.running.append(request)
+    return request

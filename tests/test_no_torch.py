@@ -1,0 +1,35 @@
+"""The scheduler image carries no torch: importing any scheduler module must not import it."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Runs in a fresh interpreter: a meta-path hook makes any attempt to import torch fail loudly, whether or
+# not torch is installed, then every module of the package is imported.
+PROBE = r"""
+import importlib, pkgutil, sys
+
+class NoTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("scheduler_service tried to import " + name)
+        return None
+
+sys.meta_path.insert(0, NoTorch())
+import scheduler_service
+names = [m.name for m in pkgutil.walk_packages(scheduler_service.__path__, "scheduler_service.")]
+for name in names:
+    importlib.import_module(name)
+assert "torch" not in sys.modules
+print(len(names))
+"""
+
+
+def test_importing_every_scheduler_service_module_loads_no_torch():
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert int(proc.stdout.strip()) >= 8   # the walk really found the package's modules
