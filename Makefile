@@ -11,8 +11,10 @@ DEV_STAMP := $(VENV)/.stamp-dev
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
+# torch first, pinned: anything that depends on it would otherwise pull the newest CUDA build.
 $(DEV_STAMP): pyproject.toml | $(PY)
-	$(PIP) -e '.[dev]'
+	$(PIP) torch==2.13.0
+	$(PIP) -e '.[executor,gateway,dev]'
 	touch $@
 
 lint: $(DEV_STAMP)

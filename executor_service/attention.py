@@ -1,0 +1,82 @@
+"""Paged attention in plain torch: one code path for CPU and CUDA.
+
+A step's batch is flattened: the tokens of every scheduled request one after another, whether a whole
+prompt, a prefill chunk, a single decode token, or the rest of a prompt whose head came from the prefix
+cache. Each layer first writes the step's K/V at the slot mapping, for every request, and only then
+attends: a request admitted in the same step on another's just-filled blocks (a same-step prefix hit)
+reads K/V that already exist.
+
+Decodes (one query token) are batched into one masked SDPA over their gathered blocks. Longer chunks are
+few per step, so each gets its own SDPA with a causal mask offset by the tokens already in its cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor          # [T] flat cache slot of each token
+    # Decodes: requests with exactly one query token this step.
+    decode_token_idx: torch.Tensor      # [Bd] index of each decode's token in the flat batch
+    decode_block_table: torch.Tensor    # [Bd, nb] block ids (padded with 0, the null block)
+    decode_seq_lens: torch.Tensor       # [Bd] tokens in cache after this step
+    # Chunks: (first token index in the flat batch, query length, sequence length, block ids [nb]).
+    chunks: list[tuple[int, int, int, torch.Tensor]]
+
+
+class PagedAttention:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int):
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.block_size = block_size
+        self.scale = head_dim ** -0.5
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, H, D], k/v [T, KVH, D]; caches [num_blocks, block_size, KVH, D]. Returns [T, H, D]."""
+        kvh, d = self.num_kv_heads, self.head_dim
+        k_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        if meta.decode_token_idx.numel():
+            out[meta.decode_token_idx] = self._decode(q[meta.decode_token_idx], k_cache, v_cache, meta)
+        for start, q_len, seq_len, blocks in meta.chunks:
+            out[start:start + q_len] = self._chunk(q[start:start + q_len], k_cache, v_cache, seq_len, blocks)
+        return out
+
+    def _gather(self, cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        # [..., nb] block ids -> [..., KVH, nb * block_size, D], the layout SDPA wants
+        g = cache[blocks]
+        g = g.flatten(-4, -3)  # [..., nb * bs, KVH, D]
+        return g.transpose(-3, -2)
+
+    def _decode(self, q, k_cache, v_cache, meta) -> torch.Tensor:
+        keys = self._gather(k_cache, meta.decode_block_table)      # [Bd, KVH, L, D]
+        values = self._gather(v_cache, meta.decode_block_table)
+        length = keys.shape[-2]
+        valid = torch.arange(length, device=q.device) < meta.decode_seq_lens[:, None]   # [Bd, L]
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=valid[:, None, None, :],
+                                           scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads)
+        return o.squeeze(2)
+
+    def _chunk(self, q, k_cache, v_cache, seq_len: int, blocks: torch.Tensor) -> torch.Tensor:
+        q_len = q.shape[0]
+        keys = self._gather(k_cache, blocks)[:, :seq_len]       # [KVH, S, D]
+        values = self._gather(v_cache, blocks)[:, :seq_len]
+        qh = q.transpose(0, 1)                                    # [H, Lq, D]
+        gqa = self.num_kv_heads != self.num_heads
+        if q_len == seq_len:
+            o = F.scaled_dot_product_attention(qh, keys, values, is_causal=True, scale=self.scale, enable_gqa=gqa)
+        else:
+            # Query i sits at position seq_len - q_len + i and sees every key up to and including it.
+            offset = seq_len - q_len
+            mask = (torch.arange(seq_len, device=q.device)[None, :]
+                    <= torch.arange(q_len, device=q.device)[:, None] + offset)
+            o = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
+        return o.transpose(0, 1)

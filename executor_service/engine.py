@@ -1,0 +1,91 @@
+"""The in-process engine: one scheduler and one model runner in one process, stepping in lockstep.
+
+It is the reference the gRPC split must match token for token, and the fastest single-process baseline.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from executor_service.runner import ModelRunner, RunnerConfig
+from scheduler_service import Request, RequestDelta, SamplingParams, Scheduler, SchedulerConfig
+
+
+@dataclass
+class Completion:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+
+
+class LLMEngine:
+    def __init__(self, runner_config: RunnerConfig, scheduler_config: SchedulerConfig | None = None):
+        self.runner = ModelRunner(runner_config)
+        facts = self.runner.describe()
+        if scheduler_config is None:
+            scheduler_config = SchedulerConfig(max_num_seqs=runner_config.max_num_seqs,
+                                               max_model_len=facts["max_model_len"],
+                                               block_size=facts["block_size"])
+        if scheduler_config.block_size != facts["block_size"]:
+            raise ValueError(f"scheduler block_size {scheduler_config.block_size} != executor's "
+                             f"{facts['block_size']}")
+        self.scheduler = Scheduler(scheduler_config, facts["num_blocks"])
+        eos = facts["eos_token_ids"]
+        self.eos_token_id = eos[0] if eos else None
+        self._ids = itertools.count()
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, priority: int = 0) -> str:
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        self.scheduler.add_request(Request(rid, list(prompt_token_ids), params or SamplingParams(),
+                                           eos_token_id=self.eos_token_id, priority=priority))
+        return rid
+
+    def abort(self, request_ids) -> None:
+        self.scheduler.abort_requests(request_ids)
+
+    def step(self) -> list[RequestDelta]:
+        out = self.scheduler.schedule()
+        if out.is_empty and not out.finished_req_ids:
+            return []
+        return self.scheduler.update_from_output(out, self.runner.execute(out))
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[Completion]:
+        """Run every prompt to completion; results in the order of `prompts`."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        done: dict[str, Completion] = {}
+        order = []
+        for prompt, p in zip(prompts, plist, strict=True):
+            rid = self.add_request(prompt, p)
+            done[rid] = Completion(rid, list(prompt))
+            order.append(rid)
+        while self.has_unfinished():
+            for d in self.step():
+                c = done.get(d.req_id)
+                if c is not None:
+                    c.token_ids += d.new_token_ids
+                    c.finish_reason = d.finish_reason
+                    c.num_cached_tokens = d.num_cached_tokens
+        return [done[r] for r in order]
+
+    def stream(self, prompt: list[int], params: SamplingParams | None = None) -> Iterator[RequestDelta]:
+        """Yield this request's deltas as they come; other queued requests keep running alongside."""
+        rid = self.add_request(prompt, params)
+        try:
+            while True:
+                for d in self.step():
+                    if d.req_id == rid:
+                        yield d
+                        if d.finish_reason is not None:
+                            return
+        finally:
+            if rid in self.scheduler.requests:
+                self.abort([rid])

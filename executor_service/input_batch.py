@@ -1,0 +1,198 @@
+"""The persistent batch: fixed-capacity arrays, one row per request, updated by each step's diff.
+
+The executor keeps, per row, the request's token ids, how many are computed, its block table and its
+sampling parameters. A step's diff adds rows (new requests, resumed ones), appends block ids, and drops
+finished and preempted rows; `condense` then fills the holes from the end so rows 0..n-1 are live.
+Model inputs come from these arrays by vectorized numpy indexing: no Python loop per token.
+
+A preempted request leaves the batch but not the executor: its tokens and sampling state wait in
+`self.parked` until the scheduler resumes it (with a new block table) or finishes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from scheduler_service.output import SchedulerOutput
+from scheduler_service.request import SamplingParams
+
+
+@dataclass
+class RequestState:
+    req_id: str
+    sampling_params: SamplingParams
+    num_prompt_tokens: int
+    # Filled only while the request is parked (preempted); live rows keep tokens in the batch arrays.
+    token_ids: np.ndarray | None = None
+    generator: object | None = None      # the request's own RNG when seeded (a torch.Generator)
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class StepInputs:
+    """Everything the model needs for one step, as numpy arrays in the scheduler's request order."""
+
+    req_ids: list[str]
+    rows: np.ndarray            # [B] batch row of each scheduled request
+    num_scheduled: np.ndarray   # [B]
+    query_start: np.ndarray     # [B] first token of each request in the flat batch
+    input_ids: np.ndarray       # [T]
+    positions: np.ndarray       # [T]
+    slot_mapping: np.ndarray    # [T]
+    seq_lens: np.ndarray        # [B] tokens in cache after the step
+    sample_mask: np.ndarray     # [B] True where the step reaches the end of the request's known tokens
+
+
+class InputBatch:
+    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int):
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        max_blocks = -(-max_model_len // block_size)
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_computed = np.zeros(max_num_reqs, dtype=np.int64)
+        self.block_table = np.zeros((max_num_reqs, max_blocks), dtype=np.int64)
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        self.temperature = np.ones(max_num_reqs, dtype=np.float32)
+        self.top_p = np.ones(max_num_reqs, dtype=np.float32)
+        self.top_k = np.zeros(max_num_reqs, dtype=np.int64)
+        self.min_p = np.zeros(max_num_reqs, dtype=np.float32)
+        self.req_ids: list[str | None] = [None] * max_num_reqs
+        self.row_of: dict[str, int] = {}
+        self.states: dict[str, RequestState] = {}   # live rows
+        self.parked: dict[str, RequestState] = {}   # preempted, awaiting resume
+        self.num_reqs = 0                           # rows 0..num_reqs-1 in use once condensed
+        self._holes: list[int] = []
+
+    # ------------------------------------------------------------------ applying a diff
+
+    def apply(self, out: SchedulerOutput, make_state=None) -> None:
+        """Bring the batch in line with the scheduler's decision. `make_state(new_request_data)` lets the
+        runner attach things such as a seeded generator to a new request's state."""
+        for rid in out.finished_req_ids:
+            self.parked.pop(rid, None)
+            if rid in self.row_of:
+                self._remove(rid)
+        for rid in out.preempted_req_ids:
+            if rid in self.row_of:
+                row = self.row_of[rid]
+                state = self.states[rid]
+                state.token_ids = self.token_ids[row, :self.num_tokens[row]].copy()
+                self._remove(rid)
+                self.parked[rid] = state
+        cached = out.scheduled_cached_reqs
+        for rid, new_blocks, computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens,
+                                             strict=True):
+            if rid in cached.resumed_req_ids:
+                state = self.parked.pop(rid)
+                tokens, state.token_ids = state.token_ids, None
+                self._add(state, tokens, list(new_blocks), computed)
+            else:
+                row = self.row_of[rid]
+                if new_blocks:
+                    n = self.num_blocks[row]
+                    self.block_table[row, n:n + len(new_blocks)] = new_blocks
+                    self.num_blocks[row] = n + len(new_blocks)
+                self.num_computed[row] = computed
+        for new in out.scheduled_new_reqs:
+            state = RequestState(new.req_id, new.sampling_params, len(new.prompt_token_ids))
+            if make_state is not None:
+                make_state(state)
+            tokens = np.asarray(new.prompt_token_ids + new.output_token_ids, dtype=np.int64)
+            self._add(state, tokens, new.block_ids, new.num_computed_tokens)
+        self.condense()
+
+    def _add(self, state: RequestState, tokens: np.ndarray, block_ids: list[int], num_computed: int) -> None:
+        if self._holes:
+            row = self._holes.pop()
+        else:
+            row = self.num_reqs
+            if row >= self.max_num_reqs:
+                raise RuntimeError(f"persistent batch is full ({self.max_num_reqs} rows)")
+            self.num_reqs += 1
+        n = len(tokens)
+        self.token_ids[row, :n] = tokens
+        self.num_tokens[row] = n
+        self.num_computed[row] = num_computed
+        self.block_table[row, :len(block_ids)] = block_ids
+        self.num_blocks[row] = len(block_ids)
+        sp = state.sampling_params
+        self.temperature[row] = sp.temperature
+        self.top_p[row] = sp.top_p
+        self.top_k[row] = sp.top_k
+        self.min_p[row] = sp.min_p
+        self.req_ids[row] = state.req_id
+        self.row_of[state.req_id] = row
+        self.states[state.req_id] = state
+
+    def _remove(self, rid: str) -> None:
+        row = self.row_of.pop(rid)
+        del self.states[rid]
+        self.req_ids[row] = None
+        self._holes.append(row)
+
+    def condense(self) -> None:
+        """Move the last live rows into the holes so that rows 0..num_reqs-1 are exactly the live ones."""
+        holes = sorted(self._holes)
+        self._holes = []
+        last = self.num_reqs - 1
+        for hole in holes:
+            while last >= 0 and self.req_ids[last] is None:
+                last -= 1
+            if hole >= last:
+                break
+            self._move(last, hole)
+            last -= 1
+        self.num_reqs = len(self.row_of)
+
+    def _move(self, src: int, dst: int) -> None:
+        n = self.num_tokens[src]
+        self.token_ids[dst, :n] = self.token_ids[src, :n]
+        nb = self.num_blocks[src]
+        self.block_table[dst, :nb] = self.block_table[src, :nb]
+        for arr in (self.num_tokens, self.num_computed, self.num_blocks, self.temperature, self.top_p,
+                    self.top_k, self.min_p):
+            arr[dst] = arr[src]
+        rid = self.req_ids[src]
+        self.req_ids[dst], self.req_ids[src] = rid, None
+        self.row_of[rid] = dst
+
+    # ------------------------------------------------------------------ building a step's inputs
+
+    def prepare(self, num_scheduled_tokens: dict[str, int]) -> StepInputs:
+        req_ids = list(num_scheduled_tokens)
+        b = len(req_ids)
+        row_of = self.row_of
+        rows = np.fromiter((row_of[r] for r in req_ids), dtype=np.int64, count=b)
+        n_sched = np.fromiter(num_scheduled_tokens.values(), dtype=np.int64, count=b)
+        computed = self.num_computed[rows]
+        seq_lens = computed + n_sched
+        bs = self.block_size
+        total = int(seq_lens.sum() - computed.sum())
+        if total == b:
+            # Pure decode: one token per request, so the per-token arrays are the per-request ones.
+            query_start = np.arange(b, dtype=np.int64)
+            tok_rows, positions = rows, computed
+        else:
+            cu = np.cumsum(n_sched)
+            query_start = cu - n_sched
+            req_of_tok = np.repeat(np.arange(b), n_sched)
+            positions = computed[req_of_tok] + (np.arange(total) - query_start[req_of_tok])
+            tok_rows = rows[req_of_tok]
+        input_ids = self.token_ids[tok_rows, positions]
+        slot_mapping = self.block_table[tok_rows, positions // bs] * bs + positions % bs
+        sample_mask = seq_lens >= self.num_tokens[rows]
+        return StepInputs(req_ids, rows, n_sched, query_start, input_ids, positions, slot_mapping, seq_lens,
+                          sample_mask)
+
+    def append_sampled(self, inputs: StepInputs, sampled: np.ndarray) -> None:
+        """Record the step: computed counts advance; rows that sampled get their new token."""
+        rows = inputs.rows
+        self.num_computed[rows] = inputs.seq_lens
+        r = rows[inputs.sample_mask]
+        pos = self.num_tokens[r]
+        self.token_ids[r, pos] = sampled
+        self.num_tokens[r] = pos + 1

@@ -1,0 +1,124 @@
+"""The model runner: apply a step's diff to the persistent batch, run the model, sample, report tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from executor_service.attention import AttentionMetadata
+from executor_service.input_batch import InputBatch, RequestState, StepInputs
+from executor_service.kv_cache import allocate_kv_caches, num_blocks_for_budget
+from executor_service.loader import load_model
+from executor_service.model_config import ModelConfig
+from executor_service.sampler import Sampler, SamplingTensors
+from scheduler_service.output import RunnerOutput, SchedulerOutput
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def default_dtype(device: str) -> str:
+    return "bfloat16" if device.startswith("cuda") else "float32"
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    model: str
+    device: str = "cpu"
+    dtype: str | None = None                 # None: float32 on CPU, bfloat16 on CUDA
+    kv_cache_memory: int = 1 << 30           # bytes for all layers' K and V
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_model_len: int | None = None         # None: the model's max_position_embeddings
+
+
+class ModelRunner:
+    def __init__(self, cfg: RunnerConfig):
+        self.cfg = cfg
+        self.device = torch.device(cfg.device)
+        self.dtype = DTYPES[cfg.dtype or default_dtype(cfg.device)]
+        self.model_config = ModelConfig.from_dir(cfg.model)
+        self.max_model_len = min(cfg.max_model_len or self.model_config.max_position_embeddings,
+                                 self.model_config.max_position_embeddings)
+        self.model = load_model(cfg.model, cfg.block_size, self.max_model_len, self.device, self.dtype)
+        self.num_blocks = num_blocks_for_budget(self.model_config, cfg.kv_cache_memory, cfg.block_size, self.dtype)
+        self.kv_caches = allocate_kv_caches(self.model_config, self.num_blocks, cfg.block_size, self.device,
+                                            self.dtype)
+        self.batch = InputBatch(cfg.max_num_seqs, self.max_model_len, cfg.block_size)
+        self.sampler = Sampler()
+
+    def describe(self) -> dict:
+        """What the scheduler needs to size this executor's block pool."""
+        mc = self.model_config
+        return {"model": str(mc.path), "architecture": mc.architecture, "vocab_size": mc.vocab_size,
+                "max_model_len": self.max_model_len, "block_size": self.cfg.block_size,
+                "num_blocks": self.num_blocks, "dtype": str(self.dtype).removeprefix("torch."),
+                "device": str(self.device), "eos_token_ids": list(mc.eos_token_ids)}
+
+    def _new_state(self, state: RequestState) -> None:
+        seed = state.sampling_params.seed
+        if seed is not None:
+            state.generator = torch.Generator(device=self.device).manual_seed(seed)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        self.batch.apply(out, self._new_state)
+        if not out.num_scheduled_tokens:
+            return RunnerOutput([], [])
+        inputs = self.batch.prepare(out.num_scheduled_tokens)
+        logits = self.forward(inputs)
+        sampled, logprobs = self._sample(inputs, logits, out)
+        self.batch.append_sampled(inputs, sampled)
+        return self._runner_output(inputs, sampled, logprobs)
+
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Logits [num sampling requests, vocab] for the requests whose step reaches their last token."""
+        dev = self.device
+        to = lambda a: torch.from_numpy(a).to(dev, non_blocking=True)  # noqa: E731
+        meta = self._attention_metadata(inputs, to)
+        hidden = self.model(to(inputs.input_ids), to(inputs.positions), self.kv_caches, meta)
+        last = inputs.query_start + inputs.num_scheduled - 1
+        return self.model.compute_logits(hidden[to(last[inputs.sample_mask])])
+
+    def _attention_metadata(self, inputs: StepInputs, to) -> AttentionMetadata:
+        bs = self.cfg.block_size
+        table = self.batch.block_table
+        decode = inputs.num_scheduled == 1
+        d_rows = inputs.rows[decode]
+        d_lens = inputs.seq_lens[decode]
+        nb = int(-(-d_lens.max() // bs)) if len(d_lens) else 0
+        chunks = []
+        for i in np.flatnonzero(~decode):
+            row, seq_len = inputs.rows[i], int(inputs.seq_lens[i])
+            blocks = to(table[row, :-(-seq_len // bs)])
+            chunks.append((int(inputs.query_start[i]), int(inputs.num_scheduled[i]), seq_len, blocks))
+        return AttentionMetadata(
+            slot_mapping=to(inputs.slot_mapping),
+            decode_token_idx=to(inputs.query_start[decode]),
+            decode_block_table=to(np.ascontiguousarray(table[d_rows, :nb])),
+            decode_seq_lens=to(d_lens),
+            chunks=chunks,
+        )
+
+    def _sample(self, inputs: StepInputs, logits: torch.Tensor, out: SchedulerOutput):
+        rows = inputs.rows[inputs.sample_mask]
+        if len(rows) == 0:  # every request is mid-prefill: nothing to sample
+            return np.empty(0, dtype=np.int64), None
+        b = self.batch
+        states = [b.states[b.req_ids[r]] for r in rows]
+        generators = {i: s.generator for i, s in enumerate(states) if s.generator is not None}
+        num_logprobs = max((s.sampling_params.logprobs or 0 for s in states if s.sampling_params.logprobs is not None),
+                           default=None)
+        t = torch.from_numpy
+        st = SamplingTensors.from_cpu(t(b.temperature[rows]), t(b.top_p[rows]), t(b.top_k[rows]), t(b.min_p[rows]),
+                                      vocab_size=self.model_config.vocab_size, device=self.device,
+                                      max_num_logprobs=num_logprobs)
+        res = self.sampler(logits, st, generators, num_logprobs)
+        return res.token_ids.cpu().numpy(), res.logprobs
+
+    def _runner_output(self, inputs: StepInputs, sampled: np.ndarray, logprobs) -> RunnerOutput:
+        tokens: list[list[int]] = [[] for _ in inputs.req_ids]
+        for k, i in enumerate(np.flatnonzero(inputs.sample_mask).tolist()):
+            tokens[i] = [int(sampled[k])]
+        return RunnerOutput(inputs.req_ids, tokens)

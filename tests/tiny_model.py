@@ -1,0 +1,39 @@
+"""A tiny randomly initialised Llama checkpoint on disk, for fast executor tests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+TINY = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0,
+            tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+
+
+def write_tiny_llama(path: Path, seed: int = 0, **overrides) -> Path:
+    cfg = dict(TINY, architectures=["LlamaForCausalLM"], model_type="llama", **overrides)
+    g = torch.Generator().manual_seed(seed)
+    h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    hd = h // cfg["num_attention_heads"]
+    kv = cfg["num_key_value_heads"] * hd
+    rnd = lambda *shape: torch.randn(*shape, generator=g) * 0.2  # noqa: E731
+    t = {"model.embed_tokens.weight": rnd(v, h), "model.norm.weight": 1 + rnd(h)}
+    if not cfg["tie_word_embeddings"]:
+        t["lm_head.weight"] = rnd(v, h)
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        t |= {p + "self_attn.q_proj.weight": rnd(h, h), p + "self_attn.k_proj.weight": rnd(kv, h),
+              p + "self_attn.v_proj.weight": rnd(kv, h), p + "self_attn.o_proj.weight": rnd(h, h),
+              p + "mlp.gate_proj.weight": rnd(inter, h), p + "mlp.up_proj.weight": rnd(inter, h),
+              p + "mlp.down_proj.weight": rnd(h, inter), p + "input_layernorm.weight": 1 + rnd(h),
+              p + "post_attention_layernorm.weight": 1 + rnd(h)}
+        if overrides.get("attention_bias"):
+            t |= {p + "self_attn.q_proj.bias": rnd(h), p + "self_attn.k_proj.bias": rnd(kv),
+                  p + "self_attn.v_proj.bias": rnd(kv)}
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg))
+    save_file({k: v.contiguous() for k, v in t.items()}, str(path / "model.safetensors"))
+    return path
