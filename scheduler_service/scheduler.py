@@ -86,6 +86,15 @@ class Scheduler:
                 f"prompt has {len(prompt)} tokens; with at least one output token it cannot fit "
                 f"max_model_len={self.config.max_model_len}")
         request.sampling_params.validate()
+        # The last step computes every token but the final sampled one; a request whose worst case cannot
+        # fit the whole pool would be preempted and resumed forever, so it is refused now.
+        capacity = (self.kv.pool.num_blocks - 1) * self.config.block_size
+        worst = min(len(prompt) + request.sampling_params.max_tokens, self.config.max_model_len) - 1
+        if worst > capacity:
+            field = "prompt_token_ids" if len(prompt) > capacity else "max_tokens"
+            raise InvalidRequestError(
+                field, f"prompt ({len(prompt)} tokens) plus max_tokens ({request.sampling_params.max_tokens}) "
+                       f"needs KV for {worst} tokens; this executor's cache holds {capacity}")
         if isinstance(request.priority, bool) or not isinstance(request.priority, int):
             raise InvalidRequestError("priority", "must be an integer")
         if request.status != _WAITING or request.num_computed_tokens or request.num_output_tokens:
@@ -180,6 +189,8 @@ class Scheduler:
                         i -= 1
                     restored = num_scheduled.pop(victim.request_id, None)
                     if restored is not None:
+                        # Scheduled earlier in this step: withdraw the step, and the block hashes it made.
+                        kv.uncache_from(victim, victim.num_computed_tokens - restored)
                         token_budget += restored
                         k = c_ids.index(victim.request_id)
                         del c_ids[k], c_blocks[k], c_computed[k]

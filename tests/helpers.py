@@ -13,7 +13,7 @@ def make_scheduler(num_blocks: int = 1000, **cfg) -> Scheduler:
     return Scheduler(SchedulerConfig(**cfg), num_blocks=num_blocks)
 
 
-def req(rid: str, n: int, max_tokens: int = 1000, first: int = 0, **kw) -> Request:
+def req(rid: str, n: int, max_tokens: int = 4, first: int = 0, **kw) -> Request:
     """A request whose prompt is `n` distinct tokens starting at `first` (distinct so blocks never collide)."""
     sp_keys = {"stop_token_ids", "ignore_eos", "min_tokens", "temperature", "seed"}
     sp = SamplingParams(max_tokens=max_tokens, **{k: v for k, v in kw.items() if k in sp_keys})

@@ -149,7 +149,7 @@ def test_without_prefix_caching_nothing_is_hashed_or_hit():
 def test_the_diff_sends_a_request_in_full_once_then_only_counts_and_new_blocks():
     bs = 4
     s = make_scheduler(block_size=bs)
-    s.add_request(req("A", 6))
+    s.add_request(req("A", 6, max_tokens=10))
     out, _ = step(s)
     assert [(n.req_id, n.prompt_token_ids, n.block_ids, n.num_computed_tokens) for n in out.scheduled_new_reqs] \
         == [("A", list(range(6)), [1, 2], 0)]
@@ -240,3 +240,15 @@ def test_reset_prefix_cache_is_refused_while_blocks_are_held_then_forgets_every_
     s.add_request(req("B", 12))
     out, _ = step(s)
     assert out.scheduled_new_reqs[0].num_computed_tokens == 0
+
+
+def test_a_request_that_could_never_fit_the_pool_is_refused_at_the_edge():
+    s = make_scheduler(num_blocks=5, block_size=4)                 # 16 tokens of KV
+    s.add_request(req("fits", 10, max_tokens=7))                   # computes at most 16 tokens
+    with pytest.raises(InvalidRequestError) as e:
+        s.add_request(req("grows", 10, max_tokens=8, first=100))   # would need 17
+    assert e.value.field == "max_tokens" and "16" in str(e.value)
+    with pytest.raises(InvalidRequestError) as e:
+        s.add_request(req("huge", 17, max_tokens=1, first=200))
+    assert e.value.field == "prompt_token_ids"
+    assert list(s.requests) == ["fits"]

@@ -22,6 +22,7 @@ for _p in (str(_TESTS.parent), str(_TESTS)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
+import pytest  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from hypothesis.stateful import (  # noqa: E402
@@ -31,7 +32,7 @@ from hypothesis.stateful import (  # noqa: E402
     precondition,
     rule,
 )
-from invariants import assert_pool_invariants, cdiv, exclusive_block_count  # noqa: E402
+from invariants import assert_pool_invariants, cached_entries, cdiv, exclusive_block_count  # noqa: E402
 
 from scheduler_service import (  # noqa: E402
     InvalidRequestError,
@@ -46,6 +47,7 @@ from scheduler_service import (  # noqa: E402
 VOCAB = 6  # tokens 0..5: prompts and samples collide often, so blocks are shared and stop tokens fire
 EOS = VOCAB - 1
 MAX_PROMPT = 60
+
 
 
 # ---------------------------------------------------------------------------------------------- strategies
@@ -67,18 +69,19 @@ class Spec:
 @st.composite
 def configs(draw, max_blocks: int = 40):
     block_size = draw(st.integers(1, 8))
-    max_model_len = draw(st.integers(48, 128))
     chunked = draw(st.sampled_from([True, True, True, False]))
     if chunked:
+        max_model_len = draw(st.integers(48, 128))
         budget = draw(st.integers(1, 64))
-    else:  # the config demands a whole prompt fit one step
-        budget = draw(st.integers(max_model_len, max_model_len + 64))
+    else:  # the config demands a whole prompt fit one step; a short max_model_len keeps that budget tight
+        max_model_len = draw(st.integers(8, 64))
+        budget = draw(st.integers(max_model_len, max_model_len + 16))
     cfg = SchedulerConfig(
         max_num_seqs=draw(st.integers(1, 8)),
         max_num_batched_tokens=budget,
         max_model_len=max_model_len,
         block_size=block_size,
-        long_prefill_token_threshold=draw(st.integers(0, 16)),
+        long_prefill_token_threshold=draw(st.one_of(st.just(0), st.integers(0, 16))),
         enable_chunked_prefill=chunked,
         enable_prefix_caching=draw(st.booleans()),
         policy=draw(st.sampled_from(["fcfs", "priority"])),
@@ -94,8 +97,12 @@ def bases():
 
 
 @st.composite
-def specs(draw, base_seqs, max_prompt: int = MAX_PROMPT, max_tokens: int = 20, capacity: int | None = None):
-    """A request; with `capacity` (token slots of the pool), one that can always run alone to its end."""
+def specs(draw, base_seqs, max_prompt: int = MAX_PROMPT, max_tokens: int = 20, capacity: int | None = None,
+          max_model_len: int | None = None):
+    """A request; with `capacity` (token slots of the pool), one that can always run alone to its end;
+    with `max_model_len`, one whose prompt is accepted."""
+    if max_model_len is not None:
+        max_prompt = max(1, min(max_prompt, max_model_len - 1))
     if capacity is not None:
         max_prompt = max(1, min(max_prompt, capacity))
     length = draw(st.integers(1, max_prompt))
@@ -136,11 +143,11 @@ class Harness:
         self.mirror: dict[str, list[int]] = {}  # the executors' block tables
         self.slots: dict[int, list] = {}  # block id -> fingerprint per slot (what KV it holds)
         self.fps: dict[str, list[int]] = {}
+        self.hash_fps: dict[bytes, list[int]] = {}  # block hash -> fingerprints of the block it names
+        self.check_cache_contents = True
         self.pending = None  # (SchedulerOutput, RunnerOutput) between schedule and update
         self.num_added = 0
         self.num_steps = 0
-        self.num_preempted = 0
-        self.num_hit_tokens = 0
 
     # ---- model helpers
     def tokens(self, rid: str) -> list[int]:
@@ -179,18 +186,24 @@ class Harness:
                             ignore_eos=spec.ignore_eos, min_tokens=spec.min_tokens)
         req = Request(rid, list(spec.prompt), sp, eos_token_id=spec.eos, priority=spec.priority,
                       arrival_time=float(self.num_added), cache_salt=spec.salt)
-        if len(spec.prompt) >= self.cfg.max_model_len:
+        capacity = (s.kv.pool.num_blocks - 1) * self.cfg.block_size
+        too_long = len(spec.prompt) >= self.cfg.max_model_len
+        too_big = min(len(spec.prompt) + spec.max_tokens, self.cfg.max_model_len) - 1 > capacity
+        if too_long or too_big:
             before = (dict(s.requests), len(s.waiting))
             try:
                 s.add_request(req)
             except InvalidRequestError as e:
-                assert e.field == "prompt_token_ids"
+                assert e.field == ("prompt_token_ids" if too_long or len(spec.prompt) > capacity else "max_tokens")
             else:
-                raise AssertionError(f"prompt of {len(spec.prompt)} >= max_model_len was accepted")
+                raise AssertionError(f"a request that cannot fit (prompt {len(spec.prompt)}) was accepted")
             assert (dict(s.requests), len(s.waiting)) == before, "a rejected request changed the scheduler"
             return None
+        order = [r.request_id for r in s.waiting]
         s.add_request(req)
         assert s.requests[rid] is req and req.status == RequestStatus.WAITING
+        if self.cfg.policy == "fcfs":
+            assert [r.request_id for r in s.waiting] == order + [rid], "fcfs did not queue a new request last"
         self.specs[rid] = spec
         self.outputs[rid] = []
         self.fps[rid] = []
@@ -203,7 +216,12 @@ class Harness:
         alive = [rid for rid in dict.fromkeys(id_list) if rid in s.requests]
         assert all(rid in self.live() for rid in alive)
         expect_free = pool.num_free_blocks + exclusive_block_count(s, alive)
+        expect_waiting = [r.request_id for r in s.waiting if r.request_id not in alive]
+        expect_running = [r.request_id for r in s.running if r.request_id not in alive]
         victims = s.abort_requests(ids)
+        assert [r.request_id for r in s.running] == expect_running, "abort reordered the running list"
+        if self.cfg.policy == "fcfs":
+            assert [r.request_id for r in s.waiting] == expect_waiting, "abort reordered the waiting queue"
         assert [v.request_id for v in victims] == alive, "abort returned the wrong requests"
         for v in victims:
             assert v.status == RequestStatus.FINISHED_ABORTED and v.finish_reason == "abort"
@@ -220,7 +238,6 @@ class Harness:
         s = self.sched
         cfg = self.cfg
         bs = self.bs
-        pool = s.kv.pool
         budget = cfg.max_num_batched_tokens
         before_computed = {rid: r.num_computed_tokens for rid, r in s.requests.items()}
         before_tokens = {rid: r.num_tokens for rid, r in s.requests.items()}
@@ -281,7 +298,6 @@ class Harness:
             assert list(nr.block_ids) == s.kv.get_block_ids(rid), f"{rid}'s new-request block ids are stale"
             self.check_hit(rid, nr.num_computed_tokens, before_tokens[rid])
             self.first_hit[rid] = nr.num_computed_tokens
-            self.num_hit_tokens += nr.num_computed_tokens
         for rid, blocks, comp in zip(c_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True):
             table = s.kv.get_block_ids(rid)
             if rid in cached.resumed_req_ids:
@@ -323,7 +339,6 @@ class Harness:
             assert req.status == RequestStatus.PREEMPTED and req.num_computed_tokens == 0
             assert s.kv.get_block_ids(rid) == []
         if preempted:
-            self.num_preempted += len(preempted)
             if cfg.policy == "fcfs":
                 assert set(running_order[len(running_order) - len(preempted):]) == preempted, (
                     f"fcfs preempted {sorted(preempted)}, not the tail of {running_order}")
@@ -335,6 +350,11 @@ class Harness:
                         "priority preempted a request ranked above one that kept running")
         elif cfg.policy == "fcfs":
             assert sched_running == running_order[:len(sched_running)], "fcfs served running requests out of order"
+        if cfg.policy == "fcfs":
+            # Preempted requests go back to the front of the queue, earliest-running first; the rest keep order.
+            expect_waiting = [rid for rid in running_order if rid in preempted]
+            expect_waiting += [rid for rid in waiting_order if rid not in admitted]
+            assert [r.request_id for r in s.waiting] == expect_waiting, "fcfs waiting queue out of order"
 
         # -- the executors' mirror: apply the diff, then it must match the scheduler's tables
         m = self.mirror
@@ -369,11 +389,27 @@ class Harness:
                 assert got == fp[p], (
                     f"{rid} reads position {p} from block {table[p // bs]}, which holds another prefix's KV "
                     f"(or was never computed)")
-        assert pool.num_free_blocks >= 0
+        if self.check_cache_contents:
+            self.check_cached_blocks_hold_their_prefix()
 
         ids = list(ns)
         sampled = [[sample()] if s.requests[r].num_computed_tokens >= s.requests[r].num_tokens else [] for r in ids]
         self.pending = (out, RunnerOutput(ids, sampled))
+
+    def check_cached_blocks_hold_their_prefix(self) -> None:
+        """Every block the prefix cache can serve holds, in every slot, the KV of the prefix its hash names:
+        computed (by this step at the latest) and not overwritten since."""
+        s = self.sched
+        bs = self.bs
+        for rid, req in s.requests.items():
+            fp = self.fingerprints(rid)
+            for i, block_hash in enumerate(req.block_hashes):
+                self.hash_fps.setdefault(block_hash, fp[i * bs:(i + 1) * bs])
+        for block_hash, block in cached_entries(s.kv.pool):
+            expected = self.hash_fps.get(block_hash)
+            got = self.slots.get(block.block_id, [None] * bs)
+            assert got == expected, (
+                f"block {block.block_id} is in the prefix cache but does not hold the computed KV of its prefix")
 
     def check_hit(self, rid: str, num_hit: int, num_tokens: int) -> None:
         assert num_hit % self.bs == 0 and 0 <= num_hit < num_tokens, f"{rid}: bad hit length {num_hit}"
@@ -503,8 +539,11 @@ class SchedulerInterleavings(RuleBasedStateMachine):
     @rule(data=st.data())
     def add_requests(self, data):
         for _ in range(data.draw(st.integers(1, 3), label="how many")):
-            capacity = data.draw(st.sampled_from([self.capacity] * 4 + [None]), label="fits the pool")
-            self.h.add(data.draw(specs(self.base_seqs, capacity=capacity)))
+            if data.draw(st.sampled_from([True] * 4 + [False]), label="fits the pool and max_model_len"):
+                spec = specs(self.base_seqs, capacity=self.capacity, max_model_len=self.h.cfg.max_model_len)
+            else:
+                spec = specs(self.base_seqs)
+            self.h.add(data.draw(spec))
 
     @rule(data=st.data())
     def abort_requests(self, data):
@@ -634,4 +673,73 @@ def test_abort_frees_exactly_the_victims_blocks_at_once_and_it_never_reappears(w
     assert not any(seen), "an aborted request was scheduled again"
     if was_live:
         assert h.finish_deltas[victim] == 0 and h.ended[victim] == "abort"
+    h.assert_all_blocks_free()
+
+
+@st.composite
+def staggered_workloads(draw):
+    """Requests arriving over time into a tight pool with small steps: long low-priority prompts are still
+    being chunked when higher-priority requests arrive and grow, so preemption (of requests scheduled
+    earlier in the same step, under the priority policy) is common."""
+    block_size = draw(st.integers(1, 4))
+    cfg = SchedulerConfig(
+        max_num_seqs=draw(st.integers(2, 6)),
+        max_num_batched_tokens=draw(st.integers(2, 12)),
+        max_model_len=64,
+        block_size=block_size,
+        long_prefill_token_threshold=draw(st.integers(0, 4)),
+        enable_prefix_caching=draw(st.sampled_from([True, True, False])),
+        policy=draw(st.sampled_from(["priority", "priority", "fcfs"])),
+    )
+    base_seqs = draw(bases())
+    work = draw(st.lists(st.tuples(st.integers(0, 12), specs(base_seqs, max_prompt=24, max_tokens=8)),
+                         min_size=2, max_size=8))
+    work.sort(key=lambda item: item[0])
+    need = max(fits_alone(spec, cfg) for _, spec in work)
+    return cfg, 1 + need + draw(st.integers(0, 3)), work
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workload=staggered_workloads(), rng=st.randoms(use_true_random=False))
+def test_staggered_arrivals_into_a_tight_pool_all_finish_with_every_invariant_kept(workload, rng):
+    cfg, num_blocks, work = workload
+    h = Harness(cfg, num_blocks)
+    sample = lambda: rng.randrange(VOCAB)
+    pending = list(work)
+    ids = []
+    while pending or h.sched.has_unfinished_requests():
+        assert h.num_steps < 3000, "workload did not drain"
+        while pending and pending[0][0] <= h.num_steps:
+            ids.append(h.add(pending.pop(0)[1]))
+        h.check()
+        h.step(sample)
+    for rid in ids:
+        assert h.ended.get(rid) in ("stop", "length") and h.finish_deltas[rid] == 1
+    h.assert_all_blocks_free()
+
+
+# ---------------------------------------------------------------------------------------------- regression
+
+def test_priority_preemption_of_an_already_scheduled_request_caches_no_uncomputed_block():
+    """block_size 2, 6 usable blocks, budget 3, long-prefill threshold 2, priority policy.
+
+    step 1: low-priority v (9 tokens) runs alone: 3 tokens.   step 2: r (higher priority) arrives;
+    v gets 2 tokens and r is admitted.   step 3: v 2 more tokens, r decodes.   step 4: v (first in the
+    running list) is scheduled for tokens 7..8, which fills block 3 (positions 6..7, position 7 not yet
+    computed) and hashes it; r then needs a block, none is free, and the lowest-ranked victim is v, so v is
+    preempted and dropped from the step. Its block 3 goes back to the free queue still hashed.   step 6: v
+    resumes and hits 8 tokens of prefix cache, position 7 included, which nobody ever computed.
+    """
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=3, max_model_len=64, block_size=2,
+                          long_prefill_token_threshold=2, enable_prefix_caching=True, policy="priority")
+    h = Harness(cfg, num_blocks=7)
+    h.check_cache_contents = True
+    sample = lambda: 3
+    v = h.add(Spec((1,) * 9, max_tokens=3, priority=1, stop_token_ids=(), eos=None, ignore_eos=False,
+                   min_tokens=0, salt=None))
+    h.step(sample)
+    h.add(Spec((2,), max_tokens=4, priority=0, stop_token_ids=(), eos=None, ignore_eos=False, min_tokens=0,
+               salt=None))
+    h.run_until_done(sample, max_steps=50)
+    assert h.ended[v] == "length"
     h.assert_all_blocks_free()

@@ -93,11 +93,12 @@ class BlockPool:
         blocks = self.free_queue.popleft_n(num_blocks)
         for block in blocks:
             if block.block_hash is not None:
-                self._evict(block)
+                self.evict(block)
             block.ref_cnt = 1
         return blocks
 
-    def _evict(self, block: KVCacheBlock) -> None:
+    def evict(self, block: KVCacheBlock) -> None:
+        """Drop the block's hash from the prefix cache (the block itself stays where it is)."""
         block_hash = block.block_hash
         block.block_hash = None
         entry = self._cached.get(block_hash)

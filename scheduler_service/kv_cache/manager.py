@@ -129,6 +129,23 @@ class KVCacheManager:
             held.next_full = 1 << 62
         return new_ids
 
+    def uncache_from(self, request: Request, num_computed_tokens: int) -> None:
+        """Take out of the prefix cache the blocks this request hashed beyond `num_computed_tokens`.
+
+        Blocks are hashed when a step that will fill them is scheduled. If that step is then withdrawn
+        (the request is preempted later in the same schedule()), their KV will never be written, so the
+        hashes must go before the blocks return to the free queue, or a later request could hit garbage.
+        """
+        held = self._held.get(request.request_id)
+        if held is None:
+            return
+        keep = num_computed_tokens // self.block_size
+        for block in held.blocks[keep:held.num_cached]:
+            if block.block_hash is not None and block.ref_cnt == 1:
+                self.pool.evict(block)
+        if held.num_cached > keep:
+            held.num_cached = keep
+
     def free(self, request: Request) -> None:
         """Release every block of the request, tail first so the tail is evicted before the shared head."""
         held = self._held.pop(request.request_id, None)
