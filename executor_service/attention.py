@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -80,3 +81,25 @@ class PagedAttention:
                     <= torch.arange(q_len, device=q.device)[:, None] + offset)
             o = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
         return o.transpose(0, 1)
+
+
+def build_attention_metadata(inputs, block_table: np.ndarray, block_size: int, to) -> AttentionMetadata:
+    """Metadata for one step from the persistent batch's block table; `to` moves a numpy array to the device."""
+    chunks = []
+    if len(inputs.input_ids) == len(inputs.rows):   # pure decode: every request is a decode
+        d_rows, d_lens, d_tok = inputs.rows, inputs.seq_lens, inputs.query_start
+    else:
+        decode = inputs.num_scheduled == 1
+        d_rows, d_lens, d_tok = inputs.rows[decode], inputs.seq_lens[decode], inputs.query_start[decode]
+        for i in np.flatnonzero(~decode):
+            seq_len = int(inputs.seq_lens[i])
+            blocks = to(block_table[inputs.rows[i], :-(-seq_len // block_size)])
+            chunks.append((int(inputs.query_start[i]), int(inputs.num_scheduled[i]), seq_len, blocks))
+    nb = int(-(-d_lens.max() // block_size)) if len(d_lens) else 0
+    return AttentionMetadata(
+        slot_mapping=to(inputs.slot_mapping),
+        decode_token_idx=to(d_tok),
+        decode_block_table=to(np.ascontiguousarray(block_table[d_rows, :nb])),
+        decode_seq_lens=to(d_lens),
+        chunks=chunks,
+    )

@@ -12,6 +12,8 @@ A preempted request leaves the batch but not the executor: its tokens and sampli
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
+from operator import itemgetter
 
 import numpy as np
 
@@ -66,6 +68,7 @@ class InputBatch:
         self.parked: dict[str, RequestState] = {}   # preempted, awaiting resume
         self.num_reqs = 0                           # rows 0..num_reqs-1 in use once condensed
         self._holes: list[int] = []
+        self._last_cached: tuple[list[str], np.ndarray] = ([], np.empty(0, dtype=np.int64))
 
     # ------------------------------------------------------------------ applying a diff
 
@@ -84,19 +87,9 @@ class InputBatch:
                 self._remove(rid)
                 self.parked[rid] = state
         cached = out.scheduled_cached_reqs
-        for rid, new_blocks, computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens,
-                                             strict=True):
-            if rid in cached.resumed_req_ids:
-                state = self.parked.pop(rid)
-                tokens, state.token_ids = state.token_ids, None
-                self._add(state, tokens, list(new_blocks), computed)
-            else:
-                row = self.row_of[rid]
-                if new_blocks:
-                    n = self.num_blocks[row]
-                    self.block_table[row, n:n + len(new_blocks)] = new_blocks
-                    self.num_blocks[row] = n + len(new_blocks)
-                self.num_computed[row] = computed
+        if cached.req_ids:
+            self._apply_cached(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens,
+                               cached.resumed_req_ids)
         for new in out.scheduled_new_reqs:
             state = RequestState(new.req_id, new.sampling_params, len(new.prompt_token_ids))
             if make_state is not None:
@@ -104,6 +97,44 @@ class InputBatch:
             tokens = np.asarray(new.prompt_token_ids + new.output_token_ids, dtype=np.int64)
             self._add(state, tokens, new.block_ids, new.num_computed_tokens)
         self.condense()
+
+    def rows_of(self, req_ids: list[str]) -> np.ndarray:
+        """Batch rows of the given requests, looked up in C: this runs for every request every step."""
+        if len(req_ids) <= 1:
+            return np.array([self.row_of[r] for r in req_ids], dtype=np.int64)
+        return np.array(itemgetter(*req_ids)(self.row_of), dtype=np.int64)
+
+    def _apply_cached(self, req_ids, new_block_ids, num_computed, resumed) -> None:
+        # The steady-decode hot path: one vectorized write of the computed counts, and block appends only
+        # for the few requests that crossed a block boundary.
+        if resumed:
+            for rid, blocks, computed in zip(req_ids, new_block_ids, num_computed, strict=True):
+                if rid in resumed:
+                    state = self.parked.pop(rid)
+                    tokens, state.token_ids = state.token_ids, None
+                    self._add(state, tokens, list(blocks), computed)
+        rows = self.rows_of(req_ids)
+        # In steady decode the step schedules exactly these requests in this order; prepare() reuses them.
+        self._last_cached = (req_ids, rows)
+        self.num_computed[rows] = num_computed
+        # Block appends only for the requests that crossed a block boundary (found in one C-speed pass),
+        # vectorized: a decode batch crossing boundaries together must not pay a slice assignment each.
+        idx = [i for i, b in enumerate(new_block_ids) if b and req_ids[i] not in resumed]
+        if not idx:
+            return
+        sub = rows[idx]
+        blocks = [new_block_ids[i] for i in idx]
+        nblocks = self.num_blocks
+        if all(len(b) == 1 for b in blocks):
+            self.block_table[sub, nblocks[sub]] = [b[0] for b in blocks]
+            nblocks[sub] += 1
+            return
+        counts = np.fromiter(map(len, blocks), dtype=np.int64, count=len(blocks))
+        flat = np.fromiter(chain.from_iterable(blocks), dtype=np.int64, count=int(counts.sum()))
+        rep_rows = np.repeat(sub, counts)
+        offsets = np.arange(len(flat)) - np.repeat(np.cumsum(counts) - counts, counts)
+        self.block_table[rep_rows, nblocks[rep_rows] + offsets] = flat
+        nblocks[sub] += counts
 
     def _add(self, state: RequestState, tokens: np.ndarray, block_ids: list[int], num_computed: int) -> None:
         if self._holes:
@@ -149,6 +180,7 @@ class InputBatch:
         self.num_reqs = len(self.row_of)
 
     def _move(self, src: int, dst: int) -> None:
+        self._last_cached = ([], self._last_cached[1][:0])   # rows moved: the stashed lookup is stale
         n = self.num_tokens[src]
         self.token_ids[dst, :n] = self.token_ids[src, :n]
         nb = self.num_blocks[src]
@@ -162,16 +194,19 @@ class InputBatch:
 
     # ------------------------------------------------------------------ building a step's inputs
 
-    def prepare(self, num_scheduled_tokens: dict[str, int]) -> StepInputs:
+    def prepare(self, num_scheduled_tokens: dict[str, int], total: int | None = None) -> StepInputs:
+        """`total` (the step's token count, if the caller knows it) lets pure decode skip a pass."""
         req_ids = list(num_scheduled_tokens)
         b = len(req_ids)
-        row_of = self.row_of
-        rows = np.fromiter((row_of[r] for r in req_ids), dtype=np.int64, count=b)
-        n_sched = np.fromiter(num_scheduled_tokens.values(), dtype=np.int64, count=b)
+        last_ids, last_rows = self._last_cached
+        rows = last_rows if last_ids == req_ids else self.rows_of(req_ids)
+        if total is None:
+            total = sum(num_scheduled_tokens.values())
+        n_sched = (np.ones(b, dtype=np.int64) if total == b
+                   else np.fromiter(num_scheduled_tokens.values(), dtype=np.int64, count=b))
         computed = self.num_computed[rows]
         seq_lens = computed + n_sched
         bs = self.block_size
-        total = int(seq_lens.sum() - computed.sum())
         if total == b:
             # Pure decode: one token per request, so the per-token arrays are the per-request ones.
             query_start = np.arange(b, dtype=np.int64)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from executor_service.attention import AttentionMetadata
+from executor_service.attention import build_attention_metadata
 from executor_service.input_batch import InputBatch, RequestState, StepInputs
 from executor_service.kv_cache import allocate_kv_caches, num_blocks_for_budget
 from executor_service.loader import load_model
@@ -66,7 +66,7 @@ class ModelRunner:
         self.batch.apply(out, self._new_state)
         if not out.num_scheduled_tokens:
             return RunnerOutput([], [])
-        inputs = self.batch.prepare(out.num_scheduled_tokens)
+        inputs = self.batch.prepare(out.num_scheduled_tokens, out.total_num_scheduled_tokens)
         logits = self.forward(inputs)
         sampled, logprobs = self._sample(inputs, logits, out)
         self.batch.append_sampled(inputs, sampled)
@@ -76,30 +76,10 @@ class ModelRunner:
         """Logits [num sampling requests, vocab] for the requests whose step reaches their last token."""
         dev = self.device
         to = lambda a: torch.from_numpy(a).to(dev, non_blocking=True)  # noqa: E731
-        meta = self._attention_metadata(inputs, to)
+        meta = build_attention_metadata(inputs, self.batch.block_table, self.cfg.block_size, to)
         hidden = self.model(to(inputs.input_ids), to(inputs.positions), self.kv_caches, meta)
         last = inputs.query_start + inputs.num_scheduled - 1
         return self.model.compute_logits(hidden[to(last[inputs.sample_mask])])
-
-    def _attention_metadata(self, inputs: StepInputs, to) -> AttentionMetadata:
-        bs = self.cfg.block_size
-        table = self.batch.block_table
-        decode = inputs.num_scheduled == 1
-        d_rows = inputs.rows[decode]
-        d_lens = inputs.seq_lens[decode]
-        nb = int(-(-d_lens.max() // bs)) if len(d_lens) else 0
-        chunks = []
-        for i in np.flatnonzero(~decode):
-            row, seq_len = inputs.rows[i], int(inputs.seq_lens[i])
-            blocks = to(table[row, :-(-seq_len // bs)])
-            chunks.append((int(inputs.query_start[i]), int(inputs.num_scheduled[i]), seq_len, blocks))
-        return AttentionMetadata(
-            slot_mapping=to(inputs.slot_mapping),
-            decode_token_idx=to(inputs.query_start[decode]),
-            decode_block_table=to(np.ascontiguousarray(table[d_rows, :nb])),
-            decode_seq_lens=to(d_lens),
-            chunks=chunks,
-        )
 
     def _sample(self, inputs: StepInputs, logits: torch.Tensor, out: SchedulerOutput):
         rows = inputs.rows[inputs.sample_mask]

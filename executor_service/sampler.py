@@ -130,13 +130,13 @@ class Sampler:
         `num_logprobs` (normally st.max_num_logprobs) asks for the top-n logprobs of the raw logits."""
         # The caller's logits are never written to: the first op on the random path makes a new tensor.
         logits = logits.float()
-        greedy = None if st.all_random else logits.argmax(dim=-1)
         if st.all_greedy:
-            token_ids = greedy
+            token_ids = logits.argmax(dim=-1)
         else:
             sampled = _sample_random(logits, st, generators)
             # Greedy rows take the argmax of the raw logits, not of the processed ones.
-            token_ids = sampled if greedy is None else torch.where(st.temperature < SAMPLING_EPS, greedy, sampled)
+            greedy = st.temperature < SAMPLING_EPS
+            token_ids = sampled if st.all_random else torch.where(greedy, logits.argmax(dim=-1), sampled)
         lp = None if num_logprobs is None else compute_logprobs(logits, token_ids, num_logprobs)
         return SamplerOutput(token_ids=token_ids, logprobs=lp)
 
@@ -176,12 +176,13 @@ def apply_top_k_only(logits: torch.Tensor, k: torch.Tensor, max_top_k: int) -> t
     """Top-k without a full sort: topk(max_top_k) gives each row its k-th largest value as a threshold.
 
     Same mask as the sort path (values below the k-th largest are dropped, ties with it kept), so a row's
-    token does not depend on which path its batch took. `k` is normalized (disabled rows hold vocab)."""
-    vocab = logits.shape[-1]
-    disabled = k >= vocab
-    # Disabled rows would index past max_top_k: point them at column 0 and drop their threshold below.
+    token does not depend on which path its batch took. `k` is normalized (disabled rows hold vocab).
+    max_top_k covers the random rows only; a greedy row asking for more is left unmasked, as its token is
+    the raw argmax anyway."""
+    disabled = k > max_top_k
+    # Those rows would index past max_top_k: point them at column 0 and drop their threshold below.
     idx = (k.masked_fill(disabled, 1) - 1).unsqueeze(1)
-    thresh = logits.topk(min(max_top_k, vocab), dim=-1).values.gather(1, idx)
+    thresh = logits.topk(max_top_k, dim=-1).values.gather(1, idx)
     thresh.masked_fill_(disabled.unsqueeze(1), float("-inf"))
     return logits.masked_fill_(logits < thresh, float("-inf"))
 
@@ -213,14 +214,15 @@ def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]
 
     Unseeded rows share one batched draw from the default generator; each seeded row then overwrites its
     own row from its own generator, so its noise is independent of the batch and of its row index."""
-    q = torch.empty_like(probs)
+    u = torch.empty_like(probs)
     if len(generators) < probs.shape[0]:
-        q.exponential_()
+        u.uniform_()
     for row, gen in generators.items():
-        q[row].exponential_(generator=gen)
-    # CPU's exponential_ can return exactly 0 (CUDA's cannot); 0/0 is NaN, which argmax would pick even for
-    # a masked token. A tiny floor keeps masked tokens at 0 and a q = 0 token the certain winner.
-    q.clamp_min_(torch.finfo(q.dtype).tiny)
+        u[row].uniform_(generator=gen)
+    # q = -log(u) is Exp(1); written out because CPU's exponential_() is ~5x slower than uniform_ + log.
+    # uniform_ gives u in [0, 1), so q > 0 and a masked token (p = 0) scores exactly 0: it never wins.
+    # The floor keeps q finite: u = 0 would give q = inf and zero out a row whose only allowed token drew it.
+    q = u.clamp_min_(torch.finfo(u.dtype).tiny).log_().neg_()
     return probs.div_(q).argmax(dim=-1)
 
 

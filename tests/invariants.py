@@ -47,7 +47,15 @@ def exclusive_block_count(sched, request_ids) -> int:
 def assert_free_queue_links(pool) -> list[KVCacheBlock]:
     """The intrusive list is well formed: walking it forward, each block's back link points at its
     predecessor; blocks outside it carry no links (`remove` relies on prev_free being None). Returns the walk."""
-    walk = pool.free_queue.blocks()
+    # Walk it ourselves first, bounded: a corrupted list can be a cycle, and blocks() would never return.
+    queue = pool.free_queue
+    node = queue._head.next_free
+    for _ in range(pool.num_blocks + 1):
+        if node is None or node is queue._tail:
+            break
+        node = node.next_free
+    assert node is queue._tail, "the free queue does not end at its tail (a cycle or a dangling link)"
+    walk = queue.blocks()
     assert len({id(b) for b in walk}) == len(walk), "a block appears twice in the free queue"
     for k, block in enumerate(walk):
         assert pool.blocks[block.block_id] is block, f"free queue holds a foreign block {block!r}"

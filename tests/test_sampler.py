@@ -81,10 +81,11 @@ def test_tiny_temperature_is_greedy():
     [
         {"top_k": 1},
         {"top_p": 1e-6},
+        {"top_p": 1e-9},  # 1 - p rounds to 1.0 in float32: only the always-keep-the-top rule saves the row
         {"min_p": 1.0},
         {"top_k": 1, "top_p": 0.95},
     ],
-    ids=["top_k_1", "top_p_tiny", "min_p_1", "top_k_1_with_top_p"],
+    ids=["top_k_1", "top_p_tiny", "top_p_below_float32_eps", "min_p_1", "top_k_1_with_top_p"],
 )
 @pytest.mark.parametrize("neighbour_forces_sort", [False, True])
 def test_knobs_that_keep_one_token_equal_greedy(knob, neighbour_forces_sort):
@@ -153,6 +154,14 @@ def test_top_k_only_path_masks_exactly_like_the_sort_path():
     kept = torch.isfinite(fast).sum(-1)
     assert torch.all(kept >= torch.clamp(k, max=vocab))  # at least k survive (more only on ties)
     assert torch.equal(kept[k == vocab], torch.full_like(kept[k == vocab], vocab))
+
+
+def test_greedy_row_with_a_wider_top_k_than_any_random_row_does_not_break_the_top_k_only_path():
+    # max_top_k only counts random rows, so the top-k-only path must not index a greedy row's larger k.
+    logits = flat_logits(3, 50, seed=9)
+    st = tensors(3, 50, temperature=[1.0, 0.0, 0.0], top_k=[1, 30, 49])
+    assert st.no_top_p and not st.no_top_k and st.max_top_k == 1
+    assert torch.equal(sampler(logits, st, {}).token_ids, logits.argmax(-1))
 
 
 # ---------------------------------------------------------------- distributions
@@ -310,6 +319,15 @@ def test_no_logprobs_unless_asked_and_caller_logits_untouched():
     out = sampler(logits, tensors(4, 30, temperature=[0.0, 1.0, 0.7, 1.0], top_p=0.5, min_p=0.1, top_k=4), {})
     assert out.logprobs is None
     assert torch.equal(logits, before)
+
+
+def test_empty_batch_and_bfloat16_logits():
+    out = sampler(torch.empty(0, 30), tensors(0, 30), {}, num_logprobs=2)
+    assert out.token_ids.shape == (0,) and out.logprobs.token_ids.shape == (0, 3)
+    logits = flat_logits(4, 30, seed=10).bfloat16()  # what a CUDA model in bf16 hands over
+    out = sampler(logits, tensors(4, 30, temperature=[0.0, 1.0, 0.0, 0.5], top_p=0.5), gens({1: 1}), num_logprobs=1)
+    assert out.token_ids.dtype == torch.int64 and out.logprobs.logprobs.dtype == torch.float32
+    assert torch.equal(out.token_ids[[0, 2]], logits.argmax(-1)[[0, 2]])
 
 
 # ---------------------------------------------------------------- flags
