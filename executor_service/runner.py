@@ -99,6 +99,16 @@ class ModelRunner:
 
     def _runner_output(self, inputs: StepInputs, sampled: np.ndarray, logprobs) -> RunnerOutput:
         tokens: list[list[int]] = [[] for _ in inputs.req_ids]
-        for k, i in enumerate(np.flatnonzero(inputs.sample_mask).tolist()):
+        sampling = np.flatnonzero(inputs.sample_mask).tolist()
+        for k, i in enumerate(sampling):
             tokens[i] = [int(sampled[k])]
-        return RunnerOutput(inputs.req_ids, tokens)
+        if logprobs is None:
+            return RunnerOutput(inputs.req_ids, tokens)
+        # Column 0 is the sampled token itself, then the top-n; each request keeps the n it asked for.
+        ids, lps = logprobs.token_ids.tolist(), logprobs.logprobs.tolist()
+        per_req: list[list[list[tuple[int, float]]]] = [[] for _ in inputs.req_ids]
+        for k, i in enumerate(sampling):
+            n = self.batch.states[inputs.req_ids[i]].sampling_params.logprobs
+            if n is not None:
+                per_req[i] = [list(zip(ids[k][:n + 1], lps[k][:n + 1], strict=True))]
+        return RunnerOutput(inputs.req_ids, tokens, per_req)

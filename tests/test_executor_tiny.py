@@ -114,3 +114,23 @@ def test_a_seeded_sampled_request_gives_the_same_tokens_alone_and_in_a_batch(tin
     others = [SamplingParams(max_tokens=16, temperature=0.8, ignore_eos=True)] * 6
     batch = engine(tiny_dir).generate([[3, 4]] * 3 + [prompt] + [[10, 11, 12]] * 3, others[:3] + [seeded] + others[3:])
     assert batch[3].token_ids == alone
+
+
+def test_logprobs_come_back_for_the_requests_that_ask_and_match_log_softmax(tiny_dir):
+    e = engine(tiny_dir)
+    seen = record_logits(e)
+    e.add_request([5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0, logprobs=2, ignore_eos=True), "lp")
+    e.add_request([8, 9], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), "plain")
+    got = {}
+    while e.has_unfinished():
+        for d in e.step():
+            got.setdefault(d.req_id, []).extend(zip(d.new_token_ids, d.logprobs or [None] * len(d.new_token_ids),
+                                                    strict=True))
+    assert all(lp is None for _, lp in got["plain"])
+    logits = [lg for rid, _, lg in seen if rid == "lp"]
+    for (tok, lp), lg in zip(got["lp"], logits, strict=True):
+        ref = torch.log_softmax(lg, -1)
+        assert len(lp) == 3 and lp[0][0] == tok                      # sampled token first, then top-2
+        assert abs(lp[0][1] - ref[tok].item()) < 1e-5
+        top = torch.topk(ref, 2)
+        assert [t for t, _ in lp[1:]] == top.indices.tolist()
