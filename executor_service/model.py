@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from executor_service.attention import AttentionMetadata, PagedAttention
+from executor_service.linear import Linear
 from executor_service.model_config import ModelConfig
 from executor_service.rope import RotaryEmbedding
 
@@ -34,11 +35,11 @@ class DecoderLayer(nn.Module):
         self.q_size, self.kv_size = h * d, cfg.num_kv_heads * d
         self.num_heads, self.num_kv_heads, self.head_dim = h, cfg.num_kv_heads, d
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.attn = PagedAttention(h, cfg.num_kv_heads, d, block_size)
 
     def forward(self, x, rope: RotaryEmbedding, positions, k_cache, v_cache, meta: AttentionMetadata):
@@ -62,7 +63,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, block_size) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope: RotaryEmbedding | None = None
 
     def init_rope(self, max_positions: int, device, dtype) -> None:

@@ -7,10 +7,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from executor_service.attention import build_attention_metadata
+from executor_service.attention import GatherScratch, build_attention_metadata
 from executor_service.input_batch import InputBatch, RequestState, StepInputs
 from executor_service.kv_cache import allocate_kv_caches, num_blocks_for_budget
 from executor_service.loader import load_model
+from executor_service.memory import keep_freed_memory
 from executor_service.model_config import ModelConfig
 from executor_service.sampler import Sampler, SamplingTensors
 from scheduler_service.output import RunnerOutput, SchedulerOutput
@@ -37,6 +38,8 @@ class ModelRunner:
     def __init__(self, cfg: RunnerConfig):
         self.cfg = cfg
         self.device = torch.device(cfg.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()
         self.dtype = DTYPES[cfg.dtype or default_dtype(cfg.device)]
         self.model_config = ModelConfig.from_dir(cfg.model)
         self.max_model_len = min(cfg.max_model_len or self.model_config.max_position_embeddings,
@@ -47,6 +50,7 @@ class ModelRunner:
                                             self.dtype)
         self.batch = InputBatch(cfg.max_num_seqs, self.max_model_len, cfg.block_size)
         self.sampler = Sampler()
+        self.scratch = GatherScratch()
 
     def describe(self) -> dict:
         """What the scheduler needs to size this executor's block pool."""
@@ -76,7 +80,7 @@ class ModelRunner:
         """Logits [num sampling requests, vocab] for the requests whose step reaches their last token."""
         dev = self.device
         to = lambda a: torch.from_numpy(a).to(dev, non_blocking=True)  # noqa: E731
-        meta = build_attention_metadata(inputs, self.batch.block_table, self.cfg.block_size, to)
+        meta = build_attention_metadata(inputs, self.batch.block_table, self.cfg.block_size, to, self.scratch)
         hidden = self.model(to(inputs.input_ids), to(inputs.positions), self.kv_caches, meta)
         last = inputs.query_start + inputs.num_scheduled - 1
         return self.model.compute_logits(hidden[to(last[inputs.sample_mask])])
