@@ -49,6 +49,10 @@ class ModelConfig:
         if arch is None:
             raise ModelLoadError(f"{path}: architecture {archs or c.get('model_type')!r} is not supported; "
                                  f"stepwire serves {sorted(SUPPORTED_ARCHITECTURES)}")
+        # Older checkpoints carry rope_theta / rope_scaling; transformers 5 writes both into rope_parameters.
+        rope = dict(c.get("rope_parameters") or {})
+        rope_theta = c.get("rope_theta", rope.pop("rope_theta", 10000.0))
+        rope_scaling = c.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         try:
             num_heads = c["num_attention_heads"]
             hidden = c["hidden_size"]
@@ -64,8 +68,8 @@ class ModelConfig:
                 num_kv_heads=c.get("num_key_value_heads") or num_heads,
                 head_dim=c.get("head_dim") or hidden // num_heads,
                 rms_norm_eps=c.get("rms_norm_eps", 1e-6),
-                rope_theta=c.get("rope_theta", 10000.0),
-                rope_scaling=c.get("rope_scaling"),
+                rope_theta=rope_theta,
+                rope_scaling=rope_scaling,
                 max_position_embeddings=c.get("max_position_embeddings", 4096),
                 tie_word_embeddings=c.get("tie_word_embeddings", False),
                 # Qwen2 always has q/k/v biases; Llama checkpoints may declare them with attention_bias.

@@ -1,0 +1,98 @@
+"""Every supported architecture loads from a Hugging Face directory and computes what transformers computes."""
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from tiny_model import write_tiny_llama  # noqa: E402
+
+from executor_service.engine import LLMEngine  # noqa: E402
+from executor_service.loader import load_model  # noqa: E402
+from executor_service.model_config import ModelLoadError  # noqa: E402
+from executor_service.runner import RunnerConfig  # noqa: E402
+from scheduler_service import SamplingParams, SchedulerConfig  # noqa: E402
+
+TINY = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=1,
+            eos_token_id=2)
+
+FAMILIES = {
+    "llama-tied": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(tie_word_embeddings=True)),
+    "llama3-rope-untied": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(
+        tie_word_embeddings=False, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 64})),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(tie_word_embeddings=False,
+                                                                                  sliding_window=None)),
+    "qwen2-qkv-bias": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(tie_word_embeddings=True)),
+}
+
+
+def _save(tmp_path, name, shard: bool):
+    cfg_cls, model_cls, extra = FAMILIES[name]
+    torch.manual_seed(0)
+    hf = model_cls(cfg_cls(**TINY, **extra)).eval()
+    with torch.no_grad():   # make biases and norms non-trivial so a dropped tensor shows up
+        for n, p in hf.named_parameters():
+            if n.endswith("bias") or "norm" in n:
+                p.add_(torch.randn_like(p) * 0.1)
+    path = tmp_path / name
+    hf.save_pretrained(path, max_shard_size="100KB" if shard else "1GB")
+    return hf, path
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_greedy_tokens_and_logits_match_transformers(tmp_path, name):
+    hf, path = _save(tmp_path, name, shard=name == "mistral")
+    if name == "mistral":
+        assert (path / "model.safetensors.index.json").exists()     # really sharded
+    prompt = [5, 17, 33, 8, 91, 4, 60, 23, 2 + 70, 11, 42, 7]
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)[0, len(prompt):].tolist()
+        ref_logits = hf(torch.tensor([prompt + ref])).logits[0]
+    e = LLMEngine(RunnerConfig(str(path), block_size=4, kv_cache_memory=4 << 20, max_model_len=256,
+                               max_num_seqs=4),
+                  SchedulerConfig(block_size=4, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=5))
+    seen = []
+    forward = e.runner.forward
+
+    def spy(inputs):
+        logits = forward(inputs)
+        seen.extend(logits)
+        return logits
+
+    e.runner.forward = spy
+    got = e.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0].token_ids
+    assert got == ref
+    for k, lg in enumerate(seen):
+        assert torch.allclose(lg, ref_logits[len(prompt) - 1 + k], rtol=1e-4, atol=1e-4)
+
+
+def test_a_missing_weight_file_or_unknown_architecture_is_a_clear_start_up_error(tmp_path):
+    path = write_tiny_llama(tmp_path / "m")
+    (path / "model.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match="no model.safetensors"):
+        load_model(path, 4, 64)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="not supported"):
+        load_model(path, 4, 64)
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        load_model(tmp_path / "nowhere", 4, 64)
+
+
+def test_bfloat16_is_selectable_and_stays_close_to_float32(tmp_path):
+    path = write_tiny_llama(tmp_path / "m")
+    outs = {}
+    for dtype in ("float32", "bfloat16"):
+        e = LLMEngine(RunnerConfig(str(path), dtype=dtype, block_size=4, kv_cache_memory=1 << 20, max_model_len=128,
+                                   max_num_seqs=2))
+        assert e.runner.describe()["dtype"] == dtype
+        assert e.runner.kv_caches[0][0].dtype == getattr(torch, dtype)
+        outs[dtype] = e.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert outs["bfloat16"][0].token_ids[0] == outs["float32"][0].token_ids[0]
