@@ -68,7 +68,6 @@ class InputBatch:
         self.parked: dict[str, RequestState] = {}   # preempted, awaiting resume
         self.num_reqs = 0                           # rows 0..num_reqs-1 in use once condensed
         self._holes: list[int] = []
-        self._last_cached: tuple[list[str], np.ndarray] = ([], np.empty(0, dtype=np.int64))
 
     # ------------------------------------------------------------------ applying a diff
 
@@ -112,9 +111,6 @@ class InputBatch:
                     state = self.parked.pop(rid)
                     tokens, state.token_ids = state.token_ids, None
                     self._add(state, tokens, list(blocks), computed)
-        rows = self.rows_of(req_ids)
-        # In steady decode the step schedules exactly these requests in this order; prepare() reuses them.
-        self._last_cached = (req_ids, rows)
         # num_computed needs no write: append_sampled already advanced each row to what the scheduler
         # sends (the batch test checks they agree); resumed rows got theirs in _add.
         if not any(new_block_ids):
@@ -124,7 +120,7 @@ class InputBatch:
         idx = [i for i, b in enumerate(new_block_ids) if b and req_ids[i] not in resumed]
         if not idx:
             return
-        sub = rows[idx]
+        sub = self.rows_of([req_ids[i] for i in idx])
         blocks = [new_block_ids[i] for i in idx]
         nblocks = self.num_blocks
         if all(len(b) == 1 for b in blocks):
@@ -182,7 +178,6 @@ class InputBatch:
         self.num_reqs = len(self.row_of)
 
     def _move(self, src: int, dst: int) -> None:
-        self._last_cached = ([], self._last_cached[1][:0])   # rows moved: the stashed lookup is stale
         n = self.num_tokens[src]
         self.token_ids[dst, :n] = self.token_ids[src, :n]
         nb = self.num_blocks[src]
@@ -200,8 +195,7 @@ class InputBatch:
         """`total` (the step's token count, if the caller knows it) lets pure decode skip a pass."""
         req_ids = list(num_scheduled_tokens)
         b = len(req_ids)
-        last_ids, last_rows = self._last_cached
-        rows = last_rows if last_ids == req_ids else self.rows_of(req_ids)
+        rows = self.rows_of(req_ids)
         if total is None:
             total = sum(num_scheduled_tokens.values())
         n_sched = (np.ones(b, dtype=np.int64) if total == b
