@@ -1,0 +1,118 @@
+from stepwire.internal import sampling_pb2 as _sampling_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DescribeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DescribeResponse(_message.Message):
+    __slots__ = ("model", "architecture", "vocab_size", "max_model_len", "block_size", "num_blocks", "dtype", "device", "eos_token_ids", "instance_id")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    architecture: str
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    dtype: str
+    device: str
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    instance_id: str
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ...) -> None: ...
+
+class NewRequest(_message.Message):
+    __slots__ = ("handle", "prompt_token_ids", "output_token_ids", "params", "block_ids", "num_computed_tokens")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    handle: int
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    params: _sampling_pb2.SamplingParams
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_computed_tokens: int
+    def __init__(self, handle: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ...) -> None: ...
+
+class StepRequest(_message.Message):
+    __slots__ = ("epoch", "step", "traceparent", "finished", "preempted", "new_requests", "handles", "num_tokens", "resumed", "resumed_num_computed", "resumed_block_counts", "resumed_block_ids", "grown", "grown_block_counts", "grown_block_ids")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTED_FIELD_NUMBER: _ClassVar[int]
+    NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    HANDLES_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_NUM_COMPUTED_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_BLOCK_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    GROWN_FIELD_NUMBER: _ClassVar[int]
+    GROWN_BLOCK_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    GROWN_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    step: int
+    traceparent: str
+    finished: _containers.RepeatedScalarFieldContainer[int]
+    preempted: _containers.RepeatedScalarFieldContainer[int]
+    new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
+    handles: _containers.RepeatedScalarFieldContainer[int]
+    num_tokens: _containers.RepeatedScalarFieldContainer[int]
+    resumed: _containers.RepeatedScalarFieldContainer[int]
+    resumed_num_computed: _containers.RepeatedScalarFieldContainer[int]
+    resumed_block_counts: _containers.RepeatedScalarFieldContainer[int]
+    resumed_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    grown: _containers.RepeatedScalarFieldContainer[int]
+    grown_block_counts: _containers.RepeatedScalarFieldContainer[int]
+    grown_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., traceparent: _Optional[str] = ..., finished: _Optional[_Iterable[int]] = ..., preempted: _Optional[_Iterable[int]] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., handles: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., resumed: _Optional[_Iterable[int]] = ..., resumed_num_computed: _Optional[_Iterable[int]] = ..., resumed_block_counts: _Optional[_Iterable[int]] = ..., resumed_block_ids: _Optional[_Iterable[int]] = ..., grown: _Optional[_Iterable[int]] = ..., grown_block_counts: _Optional[_Iterable[int]] = ..., grown_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Resync(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class StepResponse(_message.Message):
+    __slots__ = ("epoch", "step", "all_sampled", "sampled", "token_ids", "logprob_rows", "logprob_counts", "logprob_token_ids", "logprob_values", "resync", "forward_seconds")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ALL_SAMPLED_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_ROWS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_VALUES_FIELD_NUMBER: _ClassVar[int]
+    RESYNC_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    step: int
+    all_sampled: bool
+    sampled: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprob_rows: _containers.RepeatedScalarFieldContainer[int]
+    logprob_counts: _containers.RepeatedScalarFieldContainer[int]
+    logprob_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprob_values: _containers.RepeatedScalarFieldContainer[float]
+    resync: Resync
+    forward_seconds: float
+    def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., all_sampled: _Optional[bool] = ..., sampled: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprob_rows: _Optional[_Iterable[int]] = ..., logprob_counts: _Optional[_Iterable[int]] = ..., logprob_token_ids: _Optional[_Iterable[int]] = ..., logprob_values: _Optional[_Iterable[float]] = ..., resync: _Optional[_Union[Resync, _Mapping]] = ..., forward_seconds: _Optional[float] = ...) -> None: ...
