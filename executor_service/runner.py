@@ -72,7 +72,7 @@ class ModelRunner:
             return RunnerOutput([], [])
         inputs = self.batch.prepare(out.num_scheduled_tokens, out.total_num_scheduled_tokens)
         logits = self.forward(inputs)
-        sampled, logprobs = self._sample(inputs, logits, out)
+        sampled, logprobs = self._sample(inputs, logits)
         self.batch.append_sampled(inputs, sampled)
         return self._runner_output(inputs, sampled, logprobs)
 
@@ -85,14 +85,14 @@ class ModelRunner:
         last = inputs.query_start + inputs.num_scheduled - 1
         return self.model.compute_logits(hidden[to(last[inputs.sample_mask])])
 
-    def _sample(self, inputs: StepInputs, logits: torch.Tensor, out: SchedulerOutput):
+    def _sample(self, inputs: StepInputs, logits: torch.Tensor):
         rows = inputs.rows[inputs.sample_mask]
         if len(rows) == 0:  # every request is mid-prefill: nothing to sample
             return np.empty(0, dtype=np.int64), None
         b = self.batch
         states = [b.states[b.req_ids[r]] for r in rows]
         generators = {i: s.generator for i, s in enumerate(states) if s.generator is not None}
-        num_logprobs = max((s.sampling_params.logprobs or 0 for s in states if s.sampling_params.logprobs is not None),
+        num_logprobs = max((s.sampling_params.logprobs for s in states if s.sampling_params.logprobs is not None),
                            default=None)
         t = torch.from_numpy
         st = SamplingTensors.from_cpu(t(b.temperature[rows]), t(b.top_p[rows]), t(b.top_k[rows]), t(b.min_p[rows]),
@@ -104,8 +104,8 @@ class ModelRunner:
     def _runner_output(self, inputs: StepInputs, sampled: np.ndarray, logprobs) -> RunnerOutput:
         tokens: list[list[int]] = [[] for _ in inputs.req_ids]
         sampling = np.flatnonzero(inputs.sample_mask).tolist()
-        for k, i in enumerate(sampling):
-            tokens[i] = [int(sampled[k])]
+        for i, tok in zip(sampling, sampled.tolist(), strict=True):
+            tokens[i] = [tok]
         if logprobs is None:
             return RunnerOutput(inputs.req_ids, tokens)
         # Column 0 is the sampled token itself, then the top-n; each request keeps the n it asked for.
