@@ -1,0 +1,122 @@
+"""The executor as a gRPC service: Describe, and a bidirectional Step stream of diffs and results.
+
+The executor keeps only a cache of the scheduler's state, so anything it cannot place is answered with
+`resync` and changes nothing: a step from an older epoch, or one naming a handle it does not hold (after
+a restart, say). A step from a newer epoch means the scheduler started over: the cache is dropped first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import uuid
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from executor_service.input_batch import InputBatch
+from executor_service.runner import ModelRunner, RunnerConfig
+from executor_service.wire import decode_step, encode_result
+from stepwire.internal import executor_pb2, executor_pb2_grpc
+
+log = logging.getLogger("stepwire.executor")
+SERVICE = executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name
+
+
+class ExecutorService(executor_pb2_grpc.ExecutorServicer):
+    def __init__(self, runner: ModelRunner | None = None):
+        self.runner = runner                # None while the weights load: calls get UNAVAILABLE
+        self.instance_id = uuid.uuid4().hex
+        self.epoch = 0
+        # One step at a time, whatever the number of streams: the batch and the KV cache are shared.
+        self._lock = asyncio.Lock()
+
+    async def _ready(self, context) -> None:
+        if self.runner is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "executor is loading its model")
+
+    async def Describe(self, request, context):
+        await self._ready(context)
+        d = self.runner.describe()
+        return executor_pb2.DescribeResponse(
+            model=d["model"], architecture=d["architecture"], vocab_size=d["vocab_size"],
+            max_model_len=d["max_model_len"], block_size=d["block_size"], num_blocks=d["num_blocks"],
+            dtype=d["dtype"], device=d["device"], eos_token_ids=d["eos_token_ids"], instance_id=self.instance_id)
+
+    async def Step(self, request_iterator, context):
+        await self._ready(context)
+        async for msg in request_iterator:
+            async with self._lock:
+                yield await asyncio.to_thread(self._step, msg)
+
+    def _step(self, msg: executor_pb2.StepRequest) -> executor_pb2.StepResponse:
+        if msg.epoch < self.epoch:
+            return self._resync(msg, f"epoch {msg.epoch} is older than {self.epoch}")
+        if msg.epoch > self.epoch:
+            self._reset(msg.epoch)
+        batch = self.runner.batch
+        known = set(batch.row_of) | set(batch.parked)
+        new = {n.handle for n in msg.new_requests}
+        unknown = [h for h in (*msg.handles, *msg.preempted, *msg.resumed) if h not in known and h not in new]
+        if unknown:
+            return self._resync(msg, f"unknown handles {sorted(set(unknown))[:8]}")
+        out = decode_step(msg)
+        result = self.runner.execute(out)
+        return encode_result(result, msg.epoch, msg.step)
+
+    def _reset(self, epoch: int) -> None:
+        r = self.runner
+        r.batch = InputBatch(r.cfg.max_num_seqs, r.max_model_len, r.cfg.block_size)
+        self.epoch = epoch
+
+    @staticmethod
+    def _resync(msg, reason: str) -> executor_pb2.StepResponse:
+        log.warning("step %d: resync (%s)", msg.step, reason)
+        return executor_pb2.StepResponse(epoch=msg.epoch, step=msg.step, resync=executor_pb2.Resync(reason=reason))
+
+
+async def serve(runner_config: RunnerConfig, address: str) -> None:
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
+                                      ("grpc.max_send_message_length", 64 << 20)])
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection([SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    service = ExecutorService()
+    executor_pb2_grpc.add_ExecutorServicer_to_server(service, server)
+    port = server.add_insecure_port(address)
+    # Not serving until the weights are in: a readiness probe must not route steps to a loading pod.
+    for name in ("", SERVICE):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await server.start()
+    log.info("executor listening on %s (port %d), loading %s", address, port, runner_config.model)
+    runner = await asyncio.to_thread(ModelRunner, runner_config)
+    service.runner = runner
+    for name in ("", SERVICE):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("executor ready: %s", runner.describe())
+    await server.wait_for_termination()
+
+
+def main(argv: list[str] | None = None) -> None:
+    env = os.environ.get
+    ap = argparse.ArgumentParser(prog="stepwire executor", description="Run one stepwire executor.")
+    ap.add_argument("--model", default=env("STEPWIRE_MODEL", "models/SmolLM2-135M-Instruct"))
+    ap.add_argument("--address", default=env("STEPWIRE_EXECUTOR_ADDRESS", "127.0.0.1:50061"))
+    ap.add_argument("--device", default=env("STEPWIRE_DEVICE", "cpu"))
+    ap.add_argument("--dtype", default=env("STEPWIRE_DTYPE"))
+    ap.add_argument("--kv-cache-memory", type=int, default=int(env("STEPWIRE_KV_CACHE_MEMORY", str(1 << 30))))
+    ap.add_argument("--block-size", type=int, default=int(env("STEPWIRE_BLOCK_SIZE", "16")))
+    ap.add_argument("--max-num-seqs", type=int, default=int(env("STEPWIRE_MAX_NUM_SEQS", "256")))
+    ap.add_argument("--max-model-len", type=int, default=int(env("STEPWIRE_MAX_MODEL_LEN", "0")) or None)
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cfg = RunnerConfig(model=a.model, device=a.device, dtype=a.dtype, kv_cache_memory=a.kv_cache_memory,
+                       block_size=a.block_size, max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len)
+    asyncio.run(serve(cfg, a.address))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""The executor service as a real process on a loopback port: health, Describe, the Step stream, resync."""
+
+import queue
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+grpc = pytest.importorskip("grpc")
+pytest.importorskip("torch")
+
+from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
+from tiny_model import write_tiny_llama  # noqa: E402
+
+from executor_service.engine import LLMEngine  # noqa: E402
+from executor_service.runner import RunnerConfig  # noqa: E402
+from scheduler_service import Request, SamplingParams, Scheduler, SchedulerConfig  # noqa: E402
+from scheduler_service.wire import HandleTable, decode_result, encode_step  # noqa: E402
+from stepwire.internal import executor_pb2, executor_pb2_grpc, sampling_pb2  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+KV_BYTES = 64 * 2 * 2 * 4 * 2 * 8 * 4   # 64 blocks of the tiny model
+
+
+def fresh_epoch() -> int:
+    """Epochs only move forward on an executor; a clock reading is above any a previous test used."""
+    return time.monotonic_ns()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def executor(tmp_path_factory):
+    model = write_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama")
+    address = f"127.0.0.1:{free_port()}"
+    proc = subprocess.Popen([sys.executable, "-m", "executor_service.server", "--model", str(model),
+                             "--address", address, "--block-size", "4", "--kv-cache-memory", str(KV_BYTES),
+                             "--max-num-seqs", "8", "--max-model-len", "128"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    channel = grpc.insecure_channel(address)
+    health = health_pb2_grpc.HealthStub(channel)
+    deadline = time.time() + 60
+    while True:
+        try:
+            status = health.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+            if status == health_pb2.HealthCheckResponse.SERVING:
+                break
+        except grpc.RpcError:
+            pass
+        assert proc.poll() is None and time.time() < deadline, "executor did not become ready"
+        time.sleep(0.2)
+    yield model, channel
+    channel.close()
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+class StepStream:
+    """A Step stream driven one message at a time."""
+
+    def __init__(self, channel):
+        self._q: queue.Queue = queue.Queue()
+        self._responses = executor_pb2_grpc.ExecutorStub(channel).Step(iter(self._q.get, None))
+
+    def send(self, msg):
+        self._q.put(msg)
+        return next(self._responses)
+
+    def close(self):
+        self._q.put(None)
+
+
+def test_describe_reports_the_model_and_the_kv_capacity(executor):
+    model, channel = executor
+    d = executor_pb2_grpc.ExecutorStub(channel).Describe(executor_pb2.DescribeRequest(), timeout=5)
+    assert (d.architecture, d.block_size, d.num_blocks, d.max_model_len, d.vocab_size) == \
+        ("LlamaForCausalLM", 4, 64, 128, 97)
+    assert d.instance_id
+
+
+def test_steps_over_the_wire_generate_what_the_in_process_engine_generates(executor):
+    model, channel = executor
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13], list(range(20, 45))]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    local = LLMEngine(RunnerConfig(str(model), block_size=4, kv_cache_memory=KV_BYTES, max_num_seqs=8,
+                                   max_model_len=128),
+                      SchedulerConfig(block_size=4, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=16))
+    expected = [c.token_ids for c in local.generate(prompts, params)]
+
+    sched = Scheduler(SchedulerConfig(block_size=4, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=16),
+                      num_blocks=64)
+    for i, p in enumerate(prompts):
+        sched.add_request(Request(f"r{i}", p, params))
+    handles, stream, got = HandleTable(), StepStream(channel), {}
+    step, epoch = 0, fresh_epoch()
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        msg, order = encode_step(out, handles, epoch=epoch, step=step)
+        reply = stream.send(msg)
+        assert not reply.HasField("resync") and reply.step == step
+        for d in sched.update_from_output(out, decode_result(reply, order)):
+            got.setdefault(d.req_id, []).extend(d.new_token_ids)
+        step += 1
+    stream.close()
+    assert [got[f"r{i}"] for i in range(len(prompts))] == expected
+
+
+def test_unknown_handles_and_stale_epochs_get_resync_and_the_stream_goes_on(executor):
+    _, channel = executor
+    stream, epoch = StepStream(channel), fresh_epoch()
+    r = stream.send(executor_pb2.StepRequest(epoch=epoch, step=0, handles=[42]))
+    assert r.HasField("resync") and "unknown handles [42]" in r.resync.reason
+    r = stream.send(executor_pb2.StepRequest(epoch=epoch - 1, step=1))
+    assert r.HasField("resync") and "older" in r.resync.reason
+    ok = executor_pb2.NewRequest(handle=0, prompt_token_ids=[3, 4, 5], block_ids=[1],
+                                 params=sampling_pb2.SamplingParams(max_tokens=2))
+    r = stream.send(executor_pb2.StepRequest(epoch=epoch, step=2, new_requests=[ok], handles=[0], num_tokens=[3]))
+    assert not r.HasField("resync") and r.all_sampled and len(r.token_ids) == 1
+    stream.close()
