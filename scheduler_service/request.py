@@ -108,6 +108,8 @@ class Request:
     num_preemptions: int = field(init=False, default=0)
     # Prompt tokens served from the prefix cache at first admission; -1 until then.
     num_cached_tokens: int = field(init=False, default=-1)
+    # Set when the executor lost its copy (restart, resync): the next admission re-sends it in full.
+    resend_in_full: bool = field(init=False, default=False)
     # Chained hashes of every full block of all_token_ids, kept up to date as tokens are appended.
     block_hashes: list[bytes] = field(init=False, default_factory=list)
     # The stop conditions, folded once into what update_from_output compares for every token:

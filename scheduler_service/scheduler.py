@@ -142,6 +142,22 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.prepend(request)
 
+    def reset_executor_state(self) -> list[Request]:
+        """The executor lost everything (it restarted, or asked for a resync): every running request is
+        preempted for recompute and, like every preempted one, re-sent in full on its next admission;
+        the prefix cache is emptied, since the KV it indexed is gone. Returns the preempted requests."""
+        victims = self.running[::-1]              # tail first, so the waiting queue keeps their order
+        self.running = []
+        for req in victims:
+            self._preempt(req)
+        for req in self.requests.values():
+            if req.status == _PREEMPTED:
+                req.resend_in_full = True
+        # Ids the executor no longer holds need no "finished" notice in the new epoch.
+        self.finished_req_ids = set()
+        self.kv.reset_prefix_cache()
+        return victims
+
     # ------------------------------------------------------------------ one step
 
     def schedule(self) -> SchedulerOutput:
@@ -238,10 +254,12 @@ class Scheduler:
                 running.append(req)
                 rid = req.request_id
                 block_ids = kv.get_block_ids(rid)
-                if req.status == _WAITING:
-                    req.num_cached_tokens = num_hit
-                    new_reqs.append(NewRequestData(rid, req.prompt_token_ids, [], req.sampling_params,
-                                                   block_ids, num_hit))
+                if req.status == _WAITING or req.resend_in_full:
+                    if req.num_cached_tokens < 0:
+                        req.num_cached_tokens = num_hit
+                    req.resend_in_full = False
+                    new_reqs.append(NewRequestData(rid, req.prompt_token_ids, req.output_token_ids,
+                                                   req.sampling_params, block_ids, num_hit))
                 else:
                     c_ids.append(rid)
                     c_blocks.append(block_ids)

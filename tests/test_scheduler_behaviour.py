@@ -252,3 +252,21 @@ def test_a_request_that_could_never_fit_the_pool_is_refused_at_the_edge():
         s.add_request(req("huge", 17, max_tokens=1, first=200))
     assert e.value.field == "prompt_token_ids"
     assert list(s.requests) == ["fits"]
+
+
+def test_after_an_executor_reset_every_request_is_recomputed_and_resent_in_full():
+    s = make_scheduler(block_size=4)
+    s.add_request(req("A", 6, max_tokens=8))
+    s.add_request(req("B", 9, max_tokens=8, first=50))
+    for _ in range(3):
+        step(s)
+    a_tokens = list(s.requests["A"].all_token_ids)
+    assert [r.request_id for r in s.reset_executor_state()] == ["B", "A"]
+    assert s.kv.num_free_blocks == 999 and s.kv.pool.num_cached_blocks == 0
+    assert [r.request_id for r in s.waiting] == ["A", "B"]
+    out, _ = step(s)
+    new = {n.req_id: n for n in out.scheduled_new_reqs}
+    assert set(new) == {"A", "B"} and not out.scheduled_cached_reqs.req_ids
+    assert new["A"].prompt_token_ids + new["A"].output_token_ids == a_tokens
+    assert new["A"].num_computed_tokens == 0 and out.num_scheduled_tokens["A"] == len(a_tokens)
+    assert s.requests["A"].num_cached_tokens == 0         # the first admission's figure is kept

@@ -1,0 +1,277 @@
+"""The scheduler as a gRPC service: it owns every request and, per executor, a scheduler core and its
+block pool, and drives each executor with one long-lived Step stream.
+
+Each executor link is an asyncio task: connect (retrying, with a log line, until `Describe` answers),
+size the block pool from the answer, then loop schedule -> step -> update while there is work. If the
+stream breaks or the executor asks for a resync, the link preempts everything it ran (recompute), opens
+a new epoch and carries on: clients see their streams continue.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from scheduler_service.config import SchedulerConfig
+from scheduler_service.errors import InvalidRequestError
+from scheduler_service.output import RequestDelta
+from scheduler_service.request import Request, SamplingParams
+from scheduler_service.scheduler import Scheduler
+from scheduler_service.wire import HandleTable, decode_result, encode_step
+from stepwire.internal import executor_pb2, executor_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+
+log = logging.getLogger("stepwire.scheduler")
+SERVICE = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
+
+
+@dataclass
+class SchedulerOptions:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None          # None: what the executor reports
+    long_prefill_token_threshold: int = 0
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    policy: str = "fcfs"
+    max_waiting: int = 1024                   # beyond this, new requests get RESOURCE_EXHAUSTED
+    retry_seconds: float = 1.0
+
+
+@dataclass
+class ExecutorLink:
+    address: str
+    options: SchedulerOptions
+    core: Scheduler | None = None
+    epoch: int = 0
+    step: int = 0
+    wire_bytes: int = 0
+    wire_request_steps: int = 0
+    connected: bool = False
+    eos_token_ids: list[int] = field(default_factory=list)
+    streams: dict[str, asyncio.Queue] = field(default_factory=dict)
+    wakeup: asyncio.Event = field(default_factory=asyncio.Event)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def run(self) -> None:
+        while True:
+            channel = grpc.aio.insecure_channel(self.address)
+            try:
+                stub = executor_pb2_grpc.ExecutorStub(channel)
+                await self._connect(stub)
+                await self._drive(stub)
+            except grpc.RpcError as e:
+                log.warning("executor %s: stream lost (%s); recomputing its requests", self.address, e.code())
+            finally:
+                self.connected = False
+                await channel.close()
+            if self.core is not None:
+                self.core.reset_executor_state()
+            await asyncio.sleep(self.options.retry_seconds)
+
+    async def _connect(self, stub) -> None:
+        while True:
+            try:
+                d = await stub.Describe(executor_pb2.DescribeRequest(), timeout=5)
+                break
+            except grpc.RpcError as e:
+                log.info("waiting for executor %s (%s); retrying in %.1fs", self.address, e.code(),
+                         self.options.retry_seconds)
+                await asyncio.sleep(self.options.retry_seconds)
+        if self.core is None:
+            o = self.options
+            max_len = min(o.max_model_len or d.max_model_len, d.max_model_len)
+            self.core = Scheduler(SchedulerConfig(
+                max_num_seqs=o.max_num_seqs, max_num_batched_tokens=max(o.max_num_batched_tokens, 1),
+                max_model_len=max_len, block_size=d.block_size,
+                long_prefill_token_threshold=o.long_prefill_token_threshold,
+                enable_chunked_prefill=o.enable_chunked_prefill, enable_prefix_caching=o.enable_prefix_caching,
+                policy=o.policy), num_blocks=d.num_blocks)
+            self.eos_token_ids = list(d.eos_token_ids)
+        # Epochs only grow; a clock reading stays above any earlier one, across scheduler restarts too.
+        self.epoch = max(self.epoch + 1, time.time_ns())
+        self.handles = HandleTable()
+        self.connected = True
+        self.ready.set()
+        log.info("executor %s connected: %d blocks of %d tokens, epoch %d", self.address, d.num_blocks,
+                 d.block_size, self.epoch)
+
+    async def _drive(self, stub) -> None:
+        call = stub.Step()
+        core = self.core
+        while True:
+            if not core.has_unfinished_requests() and not core.finished_req_ids:
+                self.wakeup.clear()
+                await self.wakeup.wait()
+                continue
+            out = core.schedule()
+            if out.is_empty and not out.finished_req_ids and not out.preempted_req_ids:
+                await asyncio.sleep(0.001)     # nothing can run yet (e.g. waiting on admission)
+                continue
+            msg, order = encode_step(out, self.handles, self.epoch, self.step)
+            self.step += 1
+            self.wire_bytes += msg.ByteSize()
+            self.wire_request_steps += len(order)
+            await call.write(msg)
+            reply = await call.read()
+            if reply is grpc.aio.EOF:
+                raise ConnectionError("executor closed the step stream")
+            if reply.HasField("resync"):
+                log.warning("executor %s asked for a resync: %s", self.address, reply.resync.reason)
+                core.reset_executor_state()
+                self.epoch += 1
+                self.handles = HandleTable()
+                continue
+            for d in core.update_from_output(out, decode_result(reply, order)):
+                q = self.streams.get(d.req_id)
+                if q is not None:
+                    q.put_nowait(d)
+
+
+class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
+    def __init__(self, links: list[ExecutorLink], options: SchedulerOptions):
+        self.links = links
+        self.options = options
+
+    def _pick(self) -> ExecutorLink | None:
+        live = [lk for lk in self.links if lk.core is not None]
+        if not live:
+            return None
+        # Fewest requests first; prefix-aware routing comes with several executors.
+        return min(live, key=lambda lk: len(lk.core.requests))
+
+    async def Submit(self, request, context):
+        link = self._pick()
+        if link is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no executor connected yet")
+        core = link.core
+        if len(core.waiting) >= self.options.max_waiting:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{len(core.waiting)} requests already waiting; retry later")
+        p = request.params
+        rid = request.request_id or f"req-{uuid.uuid4().hex[:12]}"
+        try:
+            params = SamplingParams(
+                max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
+                seed=p.seed if p.HasField("seed") else None, stop_token_ids=tuple(p.stop_token_ids),
+                ignore_eos=p.ignore_eos, min_tokens=p.min_tokens,
+                logprobs=p.logprobs if p.HasField("logprobs") else None)
+            eos = request.eos_token_id if request.HasField("eos_token_id") else (
+                link.eos_token_ids[0] if link.eos_token_ids else None)
+            core.add_request(Request(rid, list(request.prompt_token_ids), params, eos_token_id=eos,
+                                     priority=request.priority, cache_salt=request.cache_salt or None))
+        except InvalidRequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        queue: asyncio.Queue = asyncio.Queue()
+        link.streams[rid] = queue
+        link.wakeup.set()
+        finished = False
+        try:
+            while True:
+                d = await queue.get()
+                out = scheduler_pb2.RequestOutput(token_ids=d.new_token_ids, finish_reason=d.finish_reason or "",
+                                                  num_cached_tokens=max(d.num_cached_tokens, 0))
+                if d.logprobs:
+                    for pairs in d.logprobs:
+                        out.logprobs.add(token_ids=[t for t, _ in pairs], logprobs=[v for _, v in pairs])
+                yield out
+                if d.finish_reason is not None:
+                    finished = True
+                    return
+        finally:
+            link.streams.pop(rid, None)
+            if not finished:
+                # The client went away (or the call was cancelled): free the request's blocks now.
+                core.abort_requests([rid])
+                link.wakeup.set()
+
+    async def Abort(self, request, context):
+        aborted = []
+        for link in self.links:
+            if link.core is None:
+                continue
+            for req in link.core.abort_requests(request.request_ids):
+                aborted.append(req.request_id)
+                q = link.streams.get(req.request_id)
+                if q is not None:
+                    q.put_nowait(RequestDelta(req.request_id, [], "abort", max(req.num_cached_tokens, 0)))
+            link.wakeup.set()
+        return scheduler_pb2.AbortResponse(aborted=aborted)
+
+    async def Stats(self, request, context):
+        resp = scheduler_pb2.StatsResponse()
+        for link in self.links:
+            e = resp.executors.add(address=link.address, connected=link.connected, epoch=link.epoch,
+                                   num_steps=link.step, wire_bytes=link.wire_bytes,
+                                   wire_request_steps=link.wire_request_steps)
+            if link.core is not None:
+                s = link.core.stats()
+                e.num_running, e.num_waiting = s.num_running, s.num_waiting
+                e.num_total_blocks, e.num_free_blocks = s.num_total_blocks, s.num_free_blocks
+                e.kv_cache_usage = s.kv_cache_usage
+                e.prefix_cache_queries, e.prefix_cache_hits = s.prefix_cache_queries, s.prefix_cache_hits
+                e.num_preemptions = s.num_preemptions
+                resp.num_requests += len(link.core.requests)
+        return resp
+
+
+async def serve(executors: list[str], address: str, options: SchedulerOptions) -> None:
+    links = [ExecutorLink(a, options) for a in executors]
+    server = grpc.aio.server()
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerService(links, options), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection([SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    port = server.add_insecure_port(address)
+    for name in ("", SERVICE):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await server.start()
+    log.info("scheduler listening on %s (port %d); executors: %s", address, port, ", ".join(executors))
+    tasks = [asyncio.create_task(link.run()) for link in links]
+    # Serving once at least one executor is connected (readiness for Kubernetes).
+    await asyncio.wait([asyncio.create_task(lk.ready.wait()) for lk in links], return_when=asyncio.FIRST_COMPLETED)
+    for name in ("", SERVICE):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    try:
+        await server.wait_for_termination()
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def main(argv: list[str] | None = None) -> None:
+    env = os.environ.get
+    ap = argparse.ArgumentParser(prog="stepwire scheduler", description="Run the stepwire scheduler.")
+    ap.add_argument("--executors", default=env("STEPWIRE_EXECUTORS", "127.0.0.1:50061"),
+                    help="comma-separated host:port of the executors")
+    ap.add_argument("--address", default=env("STEPWIRE_SCHEDULER_ADDRESS", "127.0.0.1:50051"))
+    ap.add_argument("--max-num-seqs", type=int, default=int(env("STEPWIRE_MAX_NUM_SEQS", "256")))
+    ap.add_argument("--max-num-batched-tokens", type=int, default=int(env("STEPWIRE_MAX_NUM_BATCHED_TOKENS", "8192")))
+    ap.add_argument("--max-model-len", type=int, default=int(env("STEPWIRE_MAX_MODEL_LEN", "0")) or None)
+    ap.add_argument("--long-prefill-token-threshold", type=int,
+                    default=int(env("STEPWIRE_LONG_PREFILL_TOKEN_THRESHOLD", "0")))
+    ap.add_argument("--no-chunked-prefill", action="store_true", default=env("STEPWIRE_NO_CHUNKED_PREFILL") == "1")
+    ap.add_argument("--no-prefix-caching", action="store_true", default=env("STEPWIRE_NO_PREFIX_CACHING") == "1")
+    ap.add_argument("--policy", choices=("fcfs", "priority"), default=env("STEPWIRE_POLICY", "fcfs"))
+    ap.add_argument("--max-waiting", type=int, default=int(env("STEPWIRE_MAX_WAITING", "1024")))
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    options = SchedulerOptions(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+                               max_model_len=a.max_model_len,
+                               long_prefill_token_threshold=a.long_prefill_token_threshold,
+                               enable_chunked_prefill=not a.no_chunked_prefill,
+                               enable_prefix_caching=not a.no_prefix_caching, policy=a.policy,
+                               max_waiting=a.max_waiting)
+    asyncio.run(serve([x.strip() for x in a.executors.split(",") if x.strip()], a.address, options))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""Scheduler and executor as real processes on loopback ports, started in the wrong order on purpose."""
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+grpc = pytest.importorskip("grpc")
+pytest.importorskip("torch")
+
+from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
+from tiny_model import write_tiny_llama  # noqa: E402
+
+from executor_service.engine import LLMEngine  # noqa: E402
+from executor_service.runner import RunnerConfig  # noqa: E402
+from scheduler_service import SamplingParams, SchedulerConfig  # noqa: E402
+from stepwire.internal import sampling_pb2, scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+KV_BYTES = 64 * 2 * 2 * 4 * 2 * 8 * 4   # 64 blocks of the tiny model
+BUDGET = 16
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_serving(channel, proc, seconds=60):
+    health = health_pb2_grpc.HealthStub(channel)
+    deadline = time.time() + seconds
+    while True:
+        try:
+            if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
+                return
+        except grpc.RpcError:
+            pass
+        assert proc.poll() is None and time.time() < deadline, "service did not become ready"
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("stack")
+    model = write_tiny_llama(tmp / "llama")
+    sched_log, exec_log = open(tmp / "scheduler.log", "w"), open(tmp / "executor.log", "w")
+    ex_addr, sc_addr = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    scheduler = subprocess.Popen([sys.executable, "-m", "scheduler_service.server", "--executors", ex_addr,
+                                  "--address", sc_addr, "--max-num-batched-tokens", str(BUDGET), "--max-num-seqs", "8"],
+                                 cwd=ROOT, stdout=sched_log, stderr=subprocess.STDOUT)
+    channel = grpc.insecure_channel(sc_addr)
+    time.sleep(1.5)   # the scheduler starts first and must wait for its executor, not crash
+    assert scheduler.poll() is None
+    health = health_pb2_grpc.HealthStub(channel)
+    assert health.Check(health_pb2.HealthCheckRequest(), timeout=2).status == \
+        health_pb2.HealthCheckResponse.NOT_SERVING
+    executor = subprocess.Popen([sys.executable, "-m", "executor_service.server", "--model", str(model),
+                                 "--address", ex_addr, "--block-size", "4", "--kv-cache-memory", str(KV_BYTES),
+                                 "--max-num-seqs", "8", "--max-model-len", "128"], cwd=ROOT,
+                                stdout=exec_log, stderr=subprocess.STDOUT)
+    wait_serving(channel, scheduler)
+    yield model, scheduler_pb2_grpc.SchedulerStub(channel), tmp / "scheduler.log"
+    channel.close()
+    for p in (scheduler, executor):
+        p.terminate()
+        p.wait(timeout=10)
+
+
+def submit(stub, rid, prompt, max_tokens=10, **kw):
+    params = sampling_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, top_p=1.0, top_k=-1,
+                                         ignore_eos=True, **kw)
+    return stub.Submit(scheduler_pb2.SubmitRequest(request_id=rid, prompt_token_ids=prompt, params=params))
+
+
+def test_the_scheduler_started_first_waits_for_its_executor_and_says_so(stack):
+    text = stack[2].read_text()
+    assert "waiting for executor" in text and "connected: 64 blocks of 4 tokens" in text
+    assert text.index("waiting for executor") < text.index("connected")
+
+
+def test_streams_over_the_split_equal_the_in_process_engine(stack):
+    model, stub, _ = stack
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13], list(range(20, 45)), [3, 3, 3, 3, 3]]
+    local = LLMEngine(RunnerConfig(str(model), block_size=4, kv_cache_memory=KV_BYTES, max_num_seqs=8,
+                                   max_model_len=128),
+                      SchedulerConfig(block_size=4, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=BUDGET))
+    expected = [c.token_ids for c in local.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0,
+                                                                           ignore_eos=True))]
+    calls = [submit(stub, f"split-{i}", p) for i, p in enumerate(prompts)]
+    got = []
+    for call in calls:
+        tokens, reasons = [], []
+        for out in call:
+            tokens += out.token_ids
+            reasons.append(out.finish_reason)
+        assert reasons[-1] == "length" and all(r == "" for r in reasons[:-1])
+        got.append(tokens)
+    assert got == expected
+
+
+def test_a_client_that_cancels_mid_stream_has_its_request_aborted_and_every_block_freed(stack):
+    _, stub, _ = stack
+    call = submit(stub, "cancel-me", list(range(10, 30)), max_tokens=60)
+    next(call)
+    call.cancel()
+    deadline = time.time() + 10
+    while True:
+        e = stub.Stats(scheduler_pb2.StatsRequest()).executors[0]
+        if e.num_free_blocks == e.num_total_blocks and e.num_running == 0:
+            break
+        assert time.time() < deadline, e
+        time.sleep(0.1)
+    assert e.wire_request_steps > 0 and e.wire_bytes > 0
+
+
+def test_bad_input_gets_invalid_argument_and_the_stack_still_serves(stack):
+    _, stub, _ = stack
+    for prompt, kw in (([], {}), (list(range(200)), {}), ([1, 2], {"temperature": -1.0})):
+        with pytest.raises(grpc.RpcError) as e:
+            params = sampling_pb2.SamplingParams(max_tokens=4, top_p=1.0, top_k=-1, **kw)
+            list(stub.Submit(scheduler_pb2.SubmitRequest(request_id="bad", prompt_token_ids=prompt, params=params)))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert sum(len(o.token_ids) for o in submit(stub, "good", [4, 5, 6], max_tokens=3)) == 3
