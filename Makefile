@@ -36,10 +36,8 @@ test: lint model
 bench: $(DEV_STAMP)
 	$(PY) bench/scheduler_step.py
 
-run:
-	@echo "make run: the three services (scheduler, executor, gateway) land with issue #4."
-	@echo "Today stepwire is the scheduler core only; see README.md for what works."
-	@exit 1
+run: model
+	$(VENV)/bin/stepwire serve --model $(MODEL_DIR)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

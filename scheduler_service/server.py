@@ -219,6 +219,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 e.kv_cache_usage = s.kv_cache_usage
                 e.prefix_cache_queries, e.prefix_cache_hits = s.prefix_cache_queries, s.prefix_cache_hits
                 e.num_preemptions = s.num_preemptions
+                e.max_model_len = link.core.config.max_model_len
                 resp.num_requests += len(link.core.requests)
         return resp
 

@@ -1,0 +1,171 @@
+"""What both client APIs share: validation, tokenization, the call to the scheduler, detokenization,
+stop strings, n completions, usage. The gRPC and HTTP front ends only translate shapes."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from gateway.detokenizer import IncrementalDetokenizer
+from gateway.stops import StopMatcher
+from gateway.tokenizer import ModelTokenizer
+from scheduler_service.errors import InvalidRequestError
+from scheduler_service.request import SamplingParams
+from stepwire.internal import sampling_pb2, scheduler_pb2, scheduler_pb2_grpc
+
+MAX_LOGPROBS = 20
+MAX_N = 16
+
+
+@dataclass
+class GenerationParams:
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None
+    n: int = 1
+    priority: int = 0
+    cache_salt: str | None = None
+
+
+@dataclass
+class Chunk:
+    """One delta of one completion."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop: str | None = None
+    logprobs: list | None = None   # per token: list of (token id, logprob), sampled first
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
+
+
+class Backend:
+    """The gateway's view of the scheduler: validated, tokenized requests in, text deltas out."""
+
+    def __init__(self, scheduler_address: str, tokenizer: ModelTokenizer, model_name: str):
+        self.channel = grpc.aio.insecure_channel(scheduler_address)
+        self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = 0   # learned from the scheduler once it is connected
+
+    async def refresh(self) -> bool:
+        """True when the scheduler answers and has an executor; learns max_model_len from it."""
+        try:
+            stats = await self.stub.Stats(scheduler_pb2.StatsRequest(), timeout=2)
+        except grpc.RpcError:
+            return False
+        lens = [e.max_model_len for e in stats.executors if e.connected and e.max_model_len]
+        if lens:
+            self.max_model_len = min(lens)
+        return bool(lens)
+
+    def check(self, prompt_ids: list[int], p: GenerationParams) -> GenerationParams:
+        """Validate before anything reaches the scheduler; raises InvalidRequestError naming the field."""
+        if not prompt_ids:
+            raise InvalidRequestError("prompt", "the prompt is empty")
+        limit = self.max_model_len
+        if limit and len(prompt_ids) >= limit:
+            raise InvalidRequestError("prompt", f"this model's maximum context length is {limit} tokens; the "
+                                                f"prompt has {len(prompt_ids)}")
+        if p.max_tokens is None:
+            p.max_tokens = max(limit - len(prompt_ids), 1) if limit else 256
+        elif limit and len(prompt_ids) + p.max_tokens > limit:
+            raise InvalidRequestError("max_tokens", f"this model's maximum context length is {limit} tokens; "
+                                                    f"{len(prompt_ids)} in the prompt plus max_tokens={p.max_tokens} "
+                                                    f"exceed it")
+        if not 1 <= p.n <= MAX_N:
+            raise InvalidRequestError("n", f"must be in [1, {MAX_N}], got {p.n}")
+        if p.logprobs is not None and not 0 <= p.logprobs <= MAX_LOGPROBS:
+            raise InvalidRequestError("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {p.logprobs}")
+        if p.n > 1 and p.temperature == 0:
+            raise InvalidRequestError("n", "n > 1 needs sampling (temperature > 0): greedy copies are identical")
+        SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+                       min_p=p.min_p, seed=p.seed, stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos,
+                       min_tokens=p.min_tokens, logprobs=p.logprobs).validate()
+        return p
+
+    async def generate(self, prompt_ids: list[int], p: GenerationParams, usage: Usage) -> AsyncIterator[Chunk]:
+        """Text deltas of all n completions, interleaved as they come. Leaving early aborts them all."""
+        usage.prompt_tokens = len(prompt_ids)
+        queue: asyncio.Queue = asyncio.Queue()
+        base = uuid.uuid4().hex[:16]
+        tasks = [asyncio.create_task(self._one(f"{base}-{i}", i, prompt_ids, p, queue, usage)) for i in range(p.n)]
+        try:
+            done = 0
+            while done < p.n:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    done += 1
+        finally:
+            for t in tasks:
+                t.cancel()   # cancelling the Submit call aborts the request at the scheduler
+
+    async def _one(self, rid, index, prompt_ids, p, queue, usage) -> None:
+        sp = sampling_pb2.SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p,
+                                         top_k=p.top_k, min_p=p.min_p, stop_token_ids=p.stop_token_ids,
+                                         ignore_eos=p.ignore_eos, min_tokens=p.min_tokens)
+        if p.seed is not None:
+            sp.seed = p.seed + index   # n seeded completions must still differ from each other
+        if p.logprobs is not None:
+            sp.logprobs = p.logprobs
+        detok = IncrementalDetokenizer(self.tokenizer)
+        stops = StopMatcher(p.stop)
+        call = self.stub.Submit(scheduler_pb2.SubmitRequest(
+            request_id=rid, prompt_token_ids=prompt_ids, params=sp, priority=p.priority,
+            cache_salt=p.cache_salt or ""))
+        try:
+            async for out in call:
+                usage.completion_tokens += len(out.token_ids)
+                if index == 0:
+                    usage.cached_prompt_tokens = out.num_cached_tokens
+                text = stops.push(detok.push(list(out.token_ids)))
+                finish = out.finish_reason or None
+                if stops.matched is not None:
+                    # Stop string: release the text before it and end the request at the scheduler.
+                    call.cancel()
+                    queue.put_nowait(Chunk(index, text, list(out.token_ids), "stop", stops.matched, _lp(out)))
+                    return
+                if finish is not None:
+                    text += stops.push(detok.flush()) + stops.flush()
+                    stop = None
+                    if finish == "stop" and out.token_ids and out.token_ids[-1] in p.stop_token_ids:
+                        stop = str(out.token_ids[-1])
+                    queue.put_nowait(Chunk(index, text, list(out.token_ids), finish, stop, _lp(out)))
+                    return
+                queue.put_nowait(Chunk(index, text, list(out.token_ids), None, None, _lp(out)))
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.CANCELLED:
+                return
+            queue.put_nowait(e)
+        except asyncio.CancelledError:
+            call.cancel()
+            raise
+
+
+def _lp(out) -> list | None:
+    if not out.logprobs:
+        return None
+    return [list(zip(lp.token_ids, lp.logprobs, strict=True)) for lp in out.logprobs]

@@ -1,0 +1,260 @@
+"""OpenAI-compatible HTTP: /v1/completions, /v1/chat/completions (SSE or not), /v1/models, /health."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Any, Literal
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from gateway.core import Backend, GenerationParams, Usage
+from gateway.tokenizer import ChatTemplateError
+from scheduler_service.errors import InvalidRequestError
+
+
+class _Strict(BaseModel):
+    # Unknown fields are refused, as OpenAI refuses them, instead of being silently ignored.
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Sampling(_Strict):
+    model: str
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    user: str | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # Beyond OpenAI, as vLLM accepts them.
+    top_k: int = -1
+    min_p: float = 0.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = Field(default_factory=list)
+    priority: int = 0
+    cache_salt: str | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int]
+    logprobs: int | None = None
+    echo: bool = False
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "param": param,
+                                                                "code": None}})
+
+
+def build_app(backend: Backend) -> FastAPI:
+    app = FastAPI(title="stepwire", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        return _error(400, f"{loc or 'body'}: {first.get('msg', 'invalid request')}", loc or None)
+
+    @app.exception_handler(InvalidRequestError)
+    async def _bad(request, exc: InvalidRequestError):
+        return _error(400, str(exc), exc.field)
+
+    @app.get("/health")
+    async def health():
+        ok = await backend.refresh()
+        return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
+
+    @app.get("/v1/models")
+    async def models():
+        await backend.refresh()
+        return {"object": "list", "data": [{"id": backend.model_name, "object": "model", "created": 0,
+                                            "owned_by": "stepwire", "max_model_len": backend.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, raw: Request):
+        p = _params(backend, req, req.max_tokens, req.logprobs)
+        if req.echo:
+            raise InvalidRequestError("echo", "echo is not supported")
+        prompt = req.prompt if isinstance(req.prompt, list) else backend.tokenizer.encode(req.prompt)
+        if isinstance(req.prompt, list) and any(t < 0 or t >= backend.tokenizer.vocab_size for t in req.prompt):
+            raise InvalidRequestError("prompt", "token ids must be within the vocabulary")
+        return await _respond(backend, raw, req, prompt, p, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatRequest, raw: Request):
+        n_lp = (req.top_logprobs or 0) if req.logprobs else None
+        if req.top_logprobs is not None and not req.logprobs:
+            raise InvalidRequestError("top_logprobs", "top_logprobs needs logprobs: true")
+        p = _params(backend, req, req.max_completion_tokens or req.max_tokens, n_lp)
+        messages = [{"role": m.role, "content": _text(m.content)} for m in req.messages]
+        try:
+            prompt = backend.tokenizer.encode_chat(messages)
+        except ChatTemplateError as e:
+            raise InvalidRequestError("messages", str(e)) from None
+        return await _respond(backend, raw, req, prompt, p, chat=True)
+
+    return app
+
+
+def _text(content) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for part in content:
+        if part.get("type") != "text":
+            raise InvalidRequestError("messages", f"content parts of type {part.get('type')!r} are not supported")
+        parts.append(part.get("text", ""))
+    return "".join(parts)
+
+
+def _params(backend: Backend, req: _Sampling, max_tokens: int | None, logprobs: int | None) -> GenerationParams:
+    if req.model != backend.model_name:
+        raise InvalidRequestError("model", f"the model {req.model!r} does not exist; this server serves "
+                                           f"{backend.model_name!r}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name):
+            raise InvalidRequestError(name, f"{name} is not supported yet")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    return GenerationParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                            min_p=req.min_p, seed=req.seed, stop=stop, stop_token_ids=req.stop_token_ids,
+                            ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, logprobs=logprobs, n=req.n,
+                            priority=req.priority, cache_salt=req.cache_salt)
+
+
+async def _respond(backend: Backend, raw: Request, req, prompt: list[int], p: GenerationParams, chat: bool):
+    if not backend.max_model_len:
+        await backend.refresh()
+    backend.check(prompt, p)
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    created = int(time.time())
+    usage = Usage()
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return StreamingResponse(_sse(backend, prompt, p, usage, rid, created, chat, include_usage),
+                                 media_type="text/event-stream")
+    texts = [""] * p.n
+    finish: list[str | None] = [None] * p.n
+    lps: list[list] = [[] for _ in range(p.n)]
+    gen = backend.generate(prompt, p, usage)
+    task = asyncio.ensure_future(_collect(gen, texts, finish, lps))
+    # A client that hangs up on a non-streaming call still frees its blocks: watch for it.
+    while not task.done():
+        await asyncio.wait([task], timeout=0.25)
+        if not task.done() and await raw.is_disconnected():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            return JSONResponse({}, status_code=499)
+    try:
+        task.result()
+    except grpc.aio.AioRpcError as e:
+        return _rpc_error(e)
+    choices = []
+    for i in range(p.n):
+        if chat:
+            choices.append({"index": i, "message": {"role": "assistant", "content": texts[i]},
+                            "logprobs": _chat_lp(backend, lps[i]) if p.logprobs is not None else None,
+                            "finish_reason": finish[i]})
+        else:
+            choices.append({"index": i, "text": texts[i], "finish_reason": finish[i],
+                            "logprobs": _completion_lp(backend, lps[i]) if p.logprobs is not None else None})
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+            "model": backend.model_name, "choices": choices, "usage": _usage(usage)}
+
+
+async def _collect(gen, texts, finish, lps) -> None:
+    async for c in gen:
+        texts[c.index] += c.text
+        lps[c.index] += c.logprobs or []
+        if c.finish_reason is not None:
+            finish[c.index] = c.finish_reason
+
+
+async def _sse(backend, prompt, p, usage, rid, created, chat, include_usage):
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def event(choices, **extra):
+        body = {"id": rid, "object": obj, "created": created, "model": backend.model_name, "choices": choices}
+        body.update(extra)
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    if chat:
+        for i in range(p.n):
+            yield event([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None}])
+    try:
+        async for c in backend.generate(prompt, p, usage):
+            if chat:
+                choice = {"index": c.index, "delta": {"content": c.text} if c.text else {},
+                          "logprobs": _chat_lp(backend, c.logprobs or []) if p.logprobs is not None else None,
+                          "finish_reason": c.finish_reason}
+            else:
+                choice = {"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
+                          "logprobs": _completion_lp(backend, c.logprobs or []) if p.logprobs is not None else None}
+            if c.text or c.finish_reason is not None or c.logprobs:
+                yield event([choice])
+    except grpc.aio.AioRpcError as e:
+        yield f"data: {json.dumps({'error': {'message': e.details(), 'type': 'server_error'}})}\n\n"
+        return
+    if include_usage:
+        yield event([], usage=_usage(usage))
+    yield "data: [DONE]\n\n"
+
+
+def _usage(u: Usage) -> dict:
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens}}
+
+
+def _completion_lp(backend, per_token) -> dict:
+    tt = backend.tokenizer.token_text
+    return {"tokens": [tt(pairs[0][0]) for pairs in per_token],
+            "token_logprobs": [pairs[0][1] for pairs in per_token],
+            "top_logprobs": [{tt(t): v for t, v in pairs[1:]} for pairs in per_token],
+            "text_offset": []}
+
+
+def _chat_lp(backend, per_token) -> dict:
+    tt = backend.tokenizer.token_text
+    return {"content": [{"token": tt(pairs[0][0]), "logprob": pairs[0][1],
+                         "bytes": list(tt(pairs[0][0]).encode()),
+                         "top_logprobs": [{"token": tt(t), "logprob": v, "bytes": list(tt(t).encode())}
+                                          for t, v in pairs[1:]]} for pairs in per_token]}
+
+
+def _rpc_error(e: grpc.aio.AioRpcError):
+    if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+        return _error(400, e.details())
+    if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return _error(429, e.details(), kind="rate_limit_error")
+    return _error(503, f"scheduler unavailable: {e.details()}", kind="server_error")
