@@ -1,0 +1,157 @@
+"""The whole stack as three processes on loopback ports, driven over HTTP with the official openai client."""
+
+import concurrent.futures
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+pytest.importorskip("torch")
+
+from executor_service.engine import LLMEngine  # noqa: E402
+from executor_service.runner import RunnerConfig  # noqa: E402
+from gateway.tokenizer import ModelTokenizer  # noqa: E402
+from scheduler_service import SamplingParams  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
+NAME = "SmolLM2-135M-Instruct"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    if not (MODEL / "conversion.json").exists():
+        pytest.skip("embedded model not converted (make model)")
+    logs = tmp_path_factory.mktemp("logs")
+    ex, sc, http = free_port(), free_port(), free_port()
+    py = sys.executable
+    # Deliberately the wrong way round: gateway, then scheduler, then executor. Each waits for the next.
+    order = [("gateway", [py, "-m", "gateway.server", "--model", str(MODEL), "--scheduler", f"127.0.0.1:{sc}",
+                          "--port", str(http)]),
+             ("scheduler", [py, "-m", "scheduler_service.server", "--executors", f"127.0.0.1:{ex}",
+                            "--address", f"127.0.0.1:{sc}"]),
+             ("executor", [py, "-m", "executor_service.server", "--model", str(MODEL), "--address",
+                           f"127.0.0.1:{ex}", "--kv-cache-memory", str(256 << 20), "--max-model-len", "2048"])]
+    procs = {}
+    for name, cmd in order:
+        procs[name] = subprocess.Popen(cmd, cwd=ROOT, stdout=open(logs / f"{name}.log", "w"),
+                                       stderr=subprocess.STDOUT)
+        time.sleep(1.0)
+    url = f"http://127.0.0.1:{http}"
+    deadline = time.time() + 120
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        dead = [n for n, p in procs.items() if p.poll() is not None]
+        assert not dead and time.time() < deadline, f"stack not ready; dead: {dead}"
+        time.sleep(0.3)
+    yield url, openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0), sc
+    for p in procs.values():
+        p.terminate()
+        p.wait(timeout=15)
+
+
+def test_greedy_chat_and_completion_equal_the_in_process_engine(stack):
+    url, client, _ = stack
+    tok = ModelTokenizer(MODEL)
+    engine = LLMEngine(RunnerConfig(str(MODEL), kv_cache_memory=128 << 20, max_num_seqs=8, max_model_len=2048))
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=False)
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    want_chat = engine.generate([tok.encode_chat(question)], greedy)[0]
+    got = client.chat.completions.create(model=NAME, messages=question, max_tokens=24, temperature=0)
+    assert got.choices[0].message.content == tok.decode(want_chat.token_ids)
+    assert got.usage.completion_tokens == len(want_chat.token_ids)
+    want_text = engine.generate([tok.encode("The three primary colors are")], greedy)[0]
+    got = client.completions.create(model=NAME, prompt="The three primary colors are", max_tokens=24, temperature=0)
+    assert got.choices[0].text == tok.decode(want_text.token_ids)
+    stream = client.chat.completions.create(model=NAME, messages=question, max_tokens=24, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == tok.decode(want_chat.token_ids)
+    assert chunks[-1].usage.completion_tokens == len(want_chat.token_ids)
+
+
+def test_32_concurrent_streams_of_mixed_lengths_all_complete(stack):
+    _, client, _ = stack
+
+    def one(i):
+        s = client.completions.create(model=NAME, prompt=f"Story number {i}:", max_tokens=4 + i % 13,
+                                      temperature=0.8, seed=i, stream=True, extra_body={"ignore_eos": True})
+        parts = list(s)
+        return parts[-1].choices[0].finish_reason, sum(1 for p in parts if p.choices and p.choices[0].text)
+
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(one, range(32)))
+    assert all(reason == "length" for reason, _ in results)
+    assert all(n > 0 for _, n in results)
+
+
+def test_a_client_that_disconnects_mid_stream_frees_every_block(stack):
+    url, _, sc = stack
+    body = {"model": NAME, "prompt": "Tell me a very long story.", "max_tokens": 500, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break            # one chunk, then hang up
+    import grpc
+
+    from stepwire.internal import scheduler_pb2, scheduler_pb2_grpc
+    stub = scheduler_pb2_grpc.SchedulerStub(grpc.insecure_channel(f"127.0.0.1:{sc}"))
+    deadline = time.time() + 20
+    while True:
+        e = stub.Stats(scheduler_pb2.StatsRequest()).executors[0]
+        if e.num_running == 0 and e.num_waiting == 0 and e.num_free_blocks == e.num_total_blocks:
+            break
+        assert time.time() < deadline, e
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"model": "nope", "prompt": "hi"}, "model"),
+    ({"model": NAME, "prompt": ""}, "prompt"),
+    ({"model": NAME, "prompt": "hi " * 3000}, "prompt"),
+    ({"model": NAME, "prompt": "hi", "temperature": -1}, "temperature"),
+    ({"model": NAME, "prompt": "hi", "top_p": 0}, "top_p"),
+    ({"model": NAME, "prompt": "hi", "top_k": -2}, "top_k"),
+    ({"model": NAME, "prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"model": NAME, "prompt": "hi", "max_tokens": "ten"}, "max_tokens"),
+    ({"model": NAME, "prompt": "hi", "frobnicate": True}, "frobnicate"),
+    ({"model": NAME}, "prompt"),
+])
+def test_bad_input_gets_a_400_with_an_openai_error_body_and_the_stack_still_serves(stack, body, param):
+    url, client, _ = stack
+    r = httpx.post(url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and param in (err["param"] or "") and err["message"]
+    ok = client.completions.create(model=NAME, prompt="Hello", max_tokens=2, temperature=0)
+    assert ok.usage.completion_tokens == 2
+
+
+def test_malformed_json_is_a_400(stack):
+    url, _, _ = stack
+    r = httpx.post(url + "/v1/chat/completions", content=b"{not json", headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and "error" in r.json()
+
+
+def test_a_stop_string_ends_the_text_before_it(stack):
+    _, client, _ = stack
+    full = client.completions.create(model=NAME, prompt="1, 2, 3,", max_tokens=12, temperature=0).choices[0].text
+    assert "6" in full
+    cut = client.completions.create(model=NAME, prompt="1, 2, 3,", max_tokens=12, temperature=0, stop=["6"])
+    assert cut.choices[0].text == full[:full.index("6")] and cut.choices[0].finish_reason == "stop"
