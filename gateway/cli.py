@@ -23,6 +23,7 @@ def serve(argv: list[str]) -> None:
     ap.add_argument("--port", type=int, default=8000, help="HTTP port of the gateway")
     ap.add_argument("--executor-port", type=int, default=50061)
     ap.add_argument("--scheduler-port", type=int, default=50051)
+    ap.add_argument("--grpc-port", type=int, default=50050, help="gRPC port of the gateway (stepwire.v1)")
     ap.add_argument("--kv-cache-memory", type=int, default=1 << 30)
     a = ap.parse_args(argv)
     py = sys.executable
@@ -31,7 +32,8 @@ def serve(argv: list[str]) -> None:
         "executor": [py, "-m", "executor_service.server", "--model", a.model, "--address", ex,
                      "--kv-cache-memory", str(a.kv_cache_memory)],
         "scheduler": [py, "-m", "scheduler_service.server", "--executors", ex, "--address", sc],
-        "gateway": [py, "-m", "gateway.server", "--model", a.model, "--scheduler", sc, "--port", str(a.port)],
+        "gateway": [py, "-m", "gateway.server", "--model", a.model, "--scheduler", sc, "--port", str(a.port),
+                    "--grpc-address", f"127.0.0.1:{a.grpc_port}"],
     }
     procs = {name: subprocess.Popen(cmd) for name, cmd in commands.items()}
 
@@ -61,8 +63,8 @@ def serve(argv: list[str]) -> None:
             pass
         time.sleep(0.5)
     model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
-    print(f"\nstepwire is ready: OpenAI-compatible API at {url}/v1 (model {model!r}); "
-          f"scheduler gRPC at {sc}. Ctrl-C stops everything.\n", flush=True)
+    print(f"\nstepwire is ready: OpenAI-compatible API at {url}/v1 (model {model!r}); gRPC stepwire.v1 at "
+          f"127.0.0.1:{a.grpc_port}; scheduler at {sc}. Ctrl-C stops everything.\n", flush=True)
     while True:
         for name, p in procs.items():
             if p.poll() is not None:

@@ -34,11 +34,11 @@ def stack(tmp_path_factory):
     if not (MODEL / "conversion.json").exists():
         pytest.skip("embedded model not converted (make model)")
     logs = tmp_path_factory.mktemp("logs")
-    ex, sc, http = free_port(), free_port(), free_port()
+    ex, sc, http, gw = free_port(), free_port(), free_port(), free_port()
     py = sys.executable
     # Deliberately the wrong way round: gateway, then scheduler, then executor. Each waits for the next.
     order = [("gateway", [py, "-m", "gateway.server", "--model", str(MODEL), "--scheduler", f"127.0.0.1:{sc}",
-                          "--port", str(http)]),
+                          "--port", str(http), "--grpc-address", f"127.0.0.1:{gw}"]),
              ("scheduler", [py, "-m", "scheduler_service.server", "--executors", f"127.0.0.1:{ex}",
                             "--address", f"127.0.0.1:{sc}"]),
              ("executor", [py, "-m", "executor_service.server", "--model", str(MODEL), "--address",
@@ -59,14 +59,14 @@ def stack(tmp_path_factory):
         dead = [n for n, p in procs.items() if p.poll() is not None]
         assert not dead and time.time() < deadline, f"stack not ready; dead: {dead}"
         time.sleep(0.3)
-    yield url, openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0), sc
+    yield url, openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0), sc, gw
     for p in procs.values():
         p.terminate()
         p.wait(timeout=15)
 
 
 def test_greedy_chat_and_completion_equal_the_in_process_engine(stack):
-    url, client, _ = stack
+    url, client, *_ = stack
     tok = ModelTokenizer(MODEL)
     engine = LLMEngine(RunnerConfig(str(MODEL), kv_cache_memory=128 << 20, max_num_seqs=8, max_model_len=2048))
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=False)
@@ -86,7 +86,7 @@ def test_greedy_chat_and_completion_equal_the_in_process_engine(stack):
 
 
 def test_32_concurrent_streams_of_mixed_lengths_all_complete(stack):
-    _, client, _ = stack
+    _, client, *_ = stack
 
     def one(i):
         s = client.completions.create(model=NAME, prompt=f"Story number {i}:", max_tokens=4 + i % 13,
@@ -101,7 +101,7 @@ def test_32_concurrent_streams_of_mixed_lengths_all_complete(stack):
 
 
 def test_a_client_that_disconnects_mid_stream_frees_every_block(stack):
-    url, _, sc = stack
+    url, _, sc, _ = stack
     body = {"model": NAME, "prompt": "Tell me a very long story.", "max_tokens": 500, "stream": True,
             "ignore_eos": True}
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
@@ -134,7 +134,7 @@ def test_a_client_that_disconnects_mid_stream_frees_every_block(stack):
     ({"model": NAME}, "prompt"),
 ])
 def test_bad_input_gets_a_400_with_an_openai_error_body_and_the_stack_still_serves(stack, body, param):
-    url, client, _ = stack
+    url, client, *_ = stack
     r = httpx.post(url + "/v1/completions", json=body, timeout=30)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
@@ -144,14 +144,43 @@ def test_bad_input_gets_a_400_with_an_openai_error_body_and_the_stack_still_serv
 
 
 def test_malformed_json_is_a_400(stack):
-    url, _, _ = stack
+    url, *_ = stack
     r = httpx.post(url + "/v1/chat/completions", content=b"{not json", headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and "error" in r.json()
 
 
 def test_a_stop_string_ends_the_text_before_it(stack):
-    _, client, _ = stack
+    _, client, *_ = stack
     full = client.completions.create(model=NAME, prompt="1, 2, 3,", max_tokens=12, temperature=0).choices[0].text
     assert "6" in full
     cut = client.completions.create(model=NAME, prompt="1, 2, 3,", max_tokens=12, temperature=0, stop=["6"])
     assert cut.choices[0].text == full[:full.index("6")] and cut.choices[0].finish_reason == "stop"
+
+
+def test_the_grpc_api_streams_and_answers_what_http_answers(stack):
+    import grpc
+
+    from stepwire.v1 import generation_pb2 as g
+    from stepwire.v1 import generation_pb2_grpc
+    _, client, _, gw = stack
+    stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{gw}"))
+    chat = g.Chat(messages=[g.ChatMessage(role="user", content="What is the capital of France?")])
+    params = g.SamplingParameters(max_tokens=16, temperature=0)
+    http = client.chat.completions.create(model=NAME, messages=[{"role": "user",
+                                                                 "content": "What is the capital of France?"}],
+                                          max_tokens=16, temperature=0).choices[0].message.content
+    whole = stub.Generate(g.GenerateRequest(chat=chat, params=params))
+    assert whole.completions[0].text == http and whole.usage.completion_tokens == len(whole.completions[0].token_ids)
+    parts = list(stub.GenerateStream(g.GenerateRequest(chat=chat, params=params)))
+    assert "".join(p.text for p in parts) == http
+    assert parts[-1].finish_reason != g.FINISH_REASON_UNSPECIFIED and parts[-1].usage.completion_tokens > 0
+    info = stub.ModelInfo(g.ModelInfoRequest())
+    assert info.model == NAME and info.max_model_len == 2048 and info.has_chat_template
+    ids = stub.Tokenize(g.TokenizeRequest(text="hello world")).token_ids
+    assert list(ids) == ModelTokenizer(MODEL).encode("hello world")
+    for bad in (g.GenerateRequest(text="hi", params=g.SamplingParameters(temperature=-1)),
+                g.GenerateRequest(params=params), g.GenerateRequest(model="nope", text="hi"),
+                g.GenerateRequest(text="", params=params)):
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.GenerateStream(bad))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -1,0 +1,129 @@
+"""The public gRPC API, stepwire.v1.Generation, on the same core as the HTTP API."""
+
+from __future__ import annotations
+
+import uuid
+
+import grpc
+
+from gateway.core import Backend, GenerationParams, Usage
+from gateway.tokenizer import ChatTemplateError
+from scheduler_service.errors import InvalidRequestError
+from stepwire.v1 import generation_pb2, generation_pb2_grpc
+
+FINISH = {None: generation_pb2.FINISH_REASON_UNSPECIFIED, "stop": generation_pb2.FINISH_REASON_STOP,
+          "length": generation_pb2.FINISH_REASON_LENGTH, "abort": generation_pb2.FINISH_REASON_ABORT}
+
+
+class GenerationService(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, backend: Backend):
+        self.backend = backend
+
+    async def _prepare(self, request, context) -> tuple[list[int], GenerationParams]:
+        b = self.backend
+        try:
+            if request.model and request.model != b.model_name:
+                raise InvalidRequestError("model", f"the model {request.model!r} does not exist; this server "
+                                                   f"serves {b.model_name!r}")
+            which = request.WhichOneof("prompt")
+            if which == "text":
+                prompt = b.tokenizer.encode(request.text)
+            elif which == "token_ids":
+                prompt = list(request.token_ids.ids)
+                if any(t >= b.tokenizer.vocab_size for t in prompt):
+                    raise InvalidRequestError("token_ids", "token ids must be within the vocabulary")
+            elif which == "chat":
+                try:
+                    prompt = b.tokenizer.encode_chat([{"role": m.role, "content": m.content}
+                                                      for m in request.chat.messages])
+                except ChatTemplateError as e:
+                    raise InvalidRequestError("chat", str(e)) from None
+            else:
+                raise InvalidRequestError("prompt", "one of text, token_ids or chat is required")
+            p = request.params
+            has = p.HasField
+            params = GenerationParams(
+                max_tokens=p.max_tokens if has("max_tokens") else None,
+                temperature=p.temperature if has("temperature") else 1.0, top_p=p.top_p if has("top_p") else 1.0,
+                top_k=p.top_k if has("top_k") else -1, min_p=p.min_p if has("min_p") else 0.0,
+                seed=p.seed if has("seed") else None, stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
+                ignore_eos=p.ignore_eos, min_tokens=p.min_tokens, logprobs=p.logprobs if has("logprobs") else None,
+                n=p.n if has("n") else 1, priority=request.priority, cache_salt=request.cache_salt or None)
+            if not b.max_model_len:
+                await b.refresh()
+            b.check(prompt, params)
+        except InvalidRequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return prompt, params
+
+    def _logprobs(self, per_token) -> list:
+        tt = self.backend.tokenizer.token_text
+        out = []
+        for pairs in per_token or []:
+            (tok, lp), top = pairs[0], pairs[1:]
+            out.append(generation_pb2.Logprobs(
+                sampled=generation_pb2.TokenLogprob(token_id=tok, logprob=lp, token=tt(tok)),
+                top=[generation_pb2.TokenLogprob(token_id=t, logprob=v, token=tt(t)) for t, v in top]))
+        return out
+
+    async def Generate(self, request, context):
+        prompt, params = await self._prepare(request, context)
+        usage = Usage()
+        comps = [generation_pb2.Completion(index=i) for i in range(params.n)]
+        try:
+            async for c in self.backend.generate(prompt, params, usage):
+                comp = comps[c.index]
+                comp.text += c.text
+                comp.token_ids.extend(c.token_ids)
+                comp.logprobs.extend(self._logprobs(c.logprobs))
+                if c.finish_reason is not None:
+                    comp.finish_reason = FINISH[c.finish_reason]
+                    comp.stop = c.stop or ""
+        except grpc.aio.AioRpcError as e:
+            await context.abort(e.code(), e.details())
+        return generation_pb2.GenerateResponse(id=f"gen-{uuid.uuid4().hex}", model=self.backend.model_name,
+                                               completions=comps, usage=_usage(usage))
+
+    async def GenerateStream(self, request, context):
+        prompt, params = await self._prepare(request, context)
+        usage = Usage()
+        rid = f"gen-{uuid.uuid4().hex}"
+        last = None
+        try:
+            async for c in self.backend.generate(prompt, params, usage):
+                if last is not None:
+                    yield last
+                last = generation_pb2.GenerateStreamResponse(
+                    id=rid, index=c.index, text=c.text, token_ids=c.token_ids, finish_reason=FINISH[c.finish_reason],
+                    stop=c.stop or "", logprobs=self._logprobs(c.logprobs))
+        except grpc.aio.AioRpcError as e:
+            await context.abort(e.code(), e.details())
+        if last is not None:
+            last.usage.CopyFrom(_usage(usage))   # usage rides on the very last message
+            yield last
+
+    async def Tokenize(self, request, context):
+        b = self.backend
+        if request.model and request.model != b.model_name:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"model: {request.model!r} is not served")
+        if request.WhichOneof("input") == "chat":
+            try:
+                ids = b.tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in request.chat.messages])
+            except ChatTemplateError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"chat: {e}")
+        else:
+            ids = b.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
+        return generation_pb2.TokenizeResponse(token_ids=ids, max_model_len=b.max_model_len)
+
+    async def ModelInfo(self, request, context):
+        b = self.backend
+        if not b.max_model_len:
+            await b.refresh()
+        return generation_pb2.ModelInfoResponse(model=b.model_name, max_model_len=b.max_model_len,
+                                                vocab_size=b.tokenizer.vocab_size,
+                                                has_chat_template=b.tokenizer.chat_template is not None)
+
+
+def _usage(u: Usage) -> generation_pb2.Usage:
+    return generation_pb2.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                                cached_prompt_tokens=u.cached_prompt_tokens)
