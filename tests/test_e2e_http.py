@@ -184,3 +184,21 @@ def test_the_grpc_api_streams_and_answers_what_http_answers(stack):
         with pytest.raises(grpc.RpcError) as e:
             list(stub.GenerateStream(bad))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_n_seed_and_logprobs_over_http(stack):
+    _, client, *_ = stack
+    kw = dict(model=NAME, prompt="Once upon a time", max_tokens=8, temperature=1.0, extra_body={"ignore_eos": True})
+    a = client.completions.create(n=3, seed=11, **kw)
+    b = client.completions.create(n=3, seed=11, **kw)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]        # seeded: reproducible
+    assert len({c.text for c in a.choices}) > 1                              # n completions differ
+    assert a.usage.completion_tokens == 24
+    r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                       temperature=0, logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for item in content:
+        assert item.logprob <= 0 and len(item.top_logprobs) == 2
+        assert item.top_logprobs[0].logprob >= item.top_logprobs[1].logprob
+        assert item.logprob == pytest.approx(item.top_logprobs[0].logprob, abs=1e-5)   # greedy takes the top
