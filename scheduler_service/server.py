@@ -55,6 +55,7 @@ class ExecutorLink:
     step: int = 0
     wire_bytes: int = 0
     wire_request_steps: int = 0
+    forward_seconds: float = 0.0              # executor time inside execute(), summed over steps
     connected: bool = False
     eos_token_ids: list[int] = field(default_factory=list)
     streams: dict[str, asyncio.Queue] = field(default_factory=dict)
@@ -130,6 +131,7 @@ class ExecutorLink:
                 self.epoch += 1
                 self.handles = HandleTable()
                 continue
+            self.forward_seconds += reply.forward_seconds
             for d in core.update_from_output(out, decode_result(reply, order)):
                 q = self.streams.get(d.req_id)
                 if q is not None:

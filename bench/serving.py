@@ -1,0 +1,182 @@
+#!/usr/bin/env python3
+"""Serving benchmark: closed-loop streaming clients against stepwire's split stack, and the in-process
+engine at the same concurrency, in one run.
+
+Each client sends a chat completion (streaming), waits for it to finish, and sends the next, until all
+requests are done. Reports output tokens/s, TTFT and TPOT p50/p99, and the scheduler's wire bytes per
+request per step.
+
+Usage: bench/serving.py [--concurrency 64] [--requests 256] [--tokens 64] [--url URL (an already running
+OpenAI-compatible server: measured alone)]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import httpx  # noqa: E402
+
+MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+async def http_run(url: str, model: str, prompts: list[str], tokens: int, concurrency: int) -> dict:
+    queue: asyncio.Queue = asyncio.Queue()
+    for p in prompts:
+        queue.put_nowait(p)
+    ttft, tpot, out_tokens = [], [], 0
+
+    async def client(http: httpx.AsyncClient):
+        nonlocal out_tokens
+        while not queue.empty():
+            prompt = queue.get_nowait()
+            body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": tokens,
+                    "temperature": 0, "stream": True, "ignore_eos": True,
+                    "stream_options": {"include_usage": True}}
+            t0 = time.perf_counter()
+            first = last = None
+            n = 0
+            async with http.stream("POST", url + "/v1/chat/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk.get("usage"):
+                        n = chunk["usage"]["completion_tokens"]
+                    elif chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                        now = time.perf_counter()
+                        first = first or now
+                        last = now
+            out_tokens += n
+            if first is not None:
+                ttft.append(first - t0)
+                if n > 1:
+                    tpot.append((last - first) / (n - 1))
+
+    t0 = time.perf_counter()
+    async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=concurrency)) as http:
+        await asyncio.gather(*(client(http) for _ in range(concurrency)))
+    dt = time.perf_counter() - t0
+    return {"tok_s": out_tokens / dt, "ttft": ttft, "tpot": tpot}
+
+
+def inproc_run(prompt_ids: list[list[int]], tokens: int, concurrency: int) -> dict:
+    from executor_service.engine import LLMEngine
+    from executor_service.runner import RunnerConfig
+    from scheduler_service import SamplingParams
+
+    engine = LLMEngine(RunnerConfig(str(MODEL), kv_cache_memory=1 << 30))
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    pending = list(prompt_ids)
+    start, first, done_tokens = {}, {}, 0
+    ttft, tpot = [], []
+    t0 = time.perf_counter()
+    for _ in range(min(concurrency, len(pending))):
+        start[engine.add_request(pending.pop(), params)] = time.perf_counter()
+    while engine.has_unfinished():
+        for d in engine.step():
+            now = time.perf_counter()
+            first.setdefault(d.req_id, now)
+            done_tokens += len(d.new_token_ids)
+            if d.finish_reason is not None:
+                ttft.append(first[d.req_id] - start[d.req_id])
+                tpot.append((now - first[d.req_id]) / max(tokens - 1, 1))
+                if pending:
+                    start[engine.add_request(pending.pop(), params)] = time.perf_counter()
+    return {"tok_s": done_tokens / (time.perf_counter() - t0), "ttft": ttft, "tpot": tpot}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_stack():
+    port, grpc_port, sc, ex = free_port(), free_port(), free_port(), free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--model", str(MODEL), "--port", str(port),
+                             "--grpc-port", str(grpc_port), "--scheduler-port", str(sc), "--executor-port", str(ex)],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url, sc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.terminate()
+    raise RuntimeError("stack did not start")
+
+
+def wire_bytes(sc_port: int) -> tuple[int, int]:
+    import grpc
+
+    from stepwire.internal import scheduler_pb2, scheduler_pb2_grpc
+    e = scheduler_pb2_grpc.SchedulerStub(grpc.insecure_channel(f"127.0.0.1:{sc_port}")).Stats(
+        scheduler_pb2.StatsRequest()).executors[0]
+    return e.wire_bytes, e.wire_request_steps
+
+
+def row(name, r):
+    ms = 1e3
+    return (f"{name:<22} {r['tok_s']:>8.1f} {pct(r['ttft'], .5) * ms:>9.0f} {pct(r['ttft'], .99) * ms:>9.0f} "
+            f"{pct(r['tpot'], .5) * ms:>9.1f} {pct(r['tpot'], .99) * ms:>9.1f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--url", help="measure this OpenAI-compatible server alone")
+    ap.add_argument("--model-name", default="SmolLM2-135M-Instruct")
+    args = ap.parse_args()
+    from offline_throughput import ASKS, TOPICS
+
+    from gateway.tokenizer import ModelTokenizer
+
+    texts = [ASKS[i % len(ASKS)].format(TOPICS[(i // len(ASKS)) % len(TOPICS)]) for i in range(args.requests)]
+    header = f"{'system':<22} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9}  (ms)"
+    if args.url:
+        r = asyncio.run(http_run(args.url, args.model_name, texts, args.tokens, args.concurrency))
+        print(header)
+        print(row(args.url, r))
+        print(f"RESULT concurrency={args.concurrency} tok_s={r['tok_s']:.1f}")
+        return
+    proc, url, sc = start_stack()
+    try:
+        b0, s0 = wire_bytes(sc)
+        split = asyncio.run(http_run(url, args.model_name, texts, args.tokens, args.concurrency))
+        b1, s1 = wire_bytes(sc)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+    tok = ModelTokenizer(MODEL)
+    inproc = inproc_run([tok.encode_chat([{"role": "user", "content": t}]) for t in texts], args.tokens,
+                        args.concurrency)
+    print(header)
+    print(row("stepwire serve (split)", split))
+    print(row("in-process engine", inproc))
+    per = (b1 - b0) / max(s1 - s0, 1)
+    print(f"RESULT concurrency={args.concurrency} split_tok_s={split['tok_s']:.1f} inproc_tok_s={inproc['tok_s']:.1f} "
+          f"ratio={split['tok_s'] / inproc['tok_s']:.2f} wire_bytes_per_req_step={per:.2f}")
+
+
+if __name__ == "__main__":
+    main()
