@@ -178,12 +178,22 @@ def test_the_grpc_api_streams_and_answers_what_http_answers(stack):
     assert info.model == NAME and info.max_model_len == 2048 and info.has_chat_template
     ids = stub.Tokenize(g.TokenizeRequest(text="hello world")).token_ids
     assert list(ids) == ModelTokenizer(MODEL).encode("hello world")
-    for bad in (g.GenerateRequest(text="hi", params=g.SamplingParameters(temperature=-1)),
-                g.GenerateRequest(params=params), g.GenerateRequest(model="nope", text="hi"),
-                g.GenerateRequest(text="", params=params)):
-        with pytest.raises(grpc.RpcError) as e:
-            list(stub.GenerateStream(bad))
-        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    sp = g.SamplingParameters
+    bad_inputs = {"temperature": g.GenerateRequest(text="hi", params=sp(temperature=-1)),
+                  "top_p": g.GenerateRequest(text="hi", params=sp(top_p=0)),
+                  "top_k": g.GenerateRequest(text="hi", params=sp(top_k=-2)),
+                  "max_tokens": g.GenerateRequest(text="hi", params=sp(max_tokens=0)),
+                  "prompt": g.GenerateRequest(text="", params=params),
+                  "too long": g.GenerateRequest(text="hi " * 3000, params=params),
+                  "model": g.GenerateRequest(model="nope", text="hi"),
+                  "missing prompt": g.GenerateRequest(params=params)}
+    for what, bad in bad_inputs.items():
+        for call in (stub.Generate, lambda r: list(stub.GenerateStream(r))):
+            with pytest.raises(grpc.RpcError) as e:
+                call(bad)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, what
+    assert stub.Generate(g.GenerateRequest(text="Hello", params=sp(max_tokens=2, temperature=0))).usage \
+        .completion_tokens == 2
 
 
 def test_n_seed_and_logprobs_over_http(stack):
