@@ -46,3 +46,12 @@ def place_running(sched: Scheduler, request: Request, num_computed: int, num_out
     request.status = RequestStatus.RUNNING
     sched.running.append(request)
     return request
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on right now (for services the tests start as processes)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,7 +1,6 @@
 """The whole stack as three processes on loopback ports, driven over HTTP with the official openai client."""
 
 import concurrent.futures
-import socket
 import subprocess
 import sys
 import time
@@ -13,6 +12,8 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 pytest.importorskip("torch")
 
+from helpers import free_port  # noqa: E402
+
 from executor_service.engine import LLMEngine  # noqa: E402
 from executor_service.runner import RunnerConfig  # noqa: E402
 from gateway.tokenizer import ModelTokenizer  # noqa: E402
@@ -21,12 +22,6 @@ from scheduler_service import SamplingParams  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
 NAME = "SmolLM2-135M-Instruct"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

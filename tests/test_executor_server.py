@@ -1,7 +1,6 @@
 """The executor service as a real process on a loopback port: health, Describe, the Step stream, resync."""
 
 import queue
-import socket
 import subprocess
 import sys
 import time
@@ -13,6 +12,7 @@ grpc = pytest.importorskip("grpc")
 pytest.importorskip("torch")
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
+from helpers import free_port  # noqa: E402
 from tiny_model import write_tiny_llama  # noqa: E402
 
 from executor_service.engine import LLMEngine  # noqa: E402
@@ -28,12 +28,6 @@ KV_BYTES = 64 * 2 * 2 * 4 * 2 * 8 * 4   # 64 blocks of the tiny model
 def fresh_epoch() -> int:
     """Epochs only move forward on an executor; a clock reading is above any a previous test used."""
     return time.monotonic_ns()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

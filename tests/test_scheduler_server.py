@@ -1,6 +1,5 @@
 """Scheduler and executor as real processes on loopback ports, started in the wrong order on purpose."""
 
-import socket
 import subprocess
 import sys
 import time
@@ -12,6 +11,7 @@ grpc = pytest.importorskip("grpc")
 pytest.importorskip("torch")
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
+from helpers import free_port  # noqa: E402
 from tiny_model import write_tiny_llama  # noqa: E402
 
 from executor_service.engine import LLMEngine  # noqa: E402
@@ -22,12 +22,6 @@ from stepwire.internal import sampling_pb2, scheduler_pb2, scheduler_pb2_grpc  #
 ROOT = Path(__file__).resolve().parent.parent
 KV_BYTES = 64 * 2 * 2 * 4 * 2 * 8 * 4   # 64 blocks of the tiny model
 BUDGET = 16
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_serving(channel, proc, seconds=60):
