@@ -6,15 +6,8 @@ from __future__ import annotations
 from itertools import accumulate
 
 from scheduler_service.output import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
-from scheduler_service.request import SamplingParams
-from stepwire.internal import executor_pb2, sampling_pb2
-
-
-def sampling_from_proto(msg: sampling_pb2.SamplingParams) -> SamplingParams:
-    return SamplingParams(max_tokens=msg.max_tokens, temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k,
-                          min_p=msg.min_p, seed=msg.seed if msg.HasField("seed") else None,
-                          stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
-                          min_tokens=msg.min_tokens, logprobs=msg.logprobs if msg.HasField("logprobs") else None)
+from scheduler_service.wire import sampling_from_proto
+from stepwire.internal import executor_pb2
 
 
 def _split(flat, counts) -> list[list[int]]:

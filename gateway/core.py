@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 
@@ -15,7 +15,8 @@ from gateway.stops import StopMatcher
 from gateway.tokenizer import ModelTokenizer
 from scheduler_service.errors import InvalidRequestError
 from scheduler_service.request import SamplingParams
-from stepwire.internal import sampling_pb2, scheduler_pb2, scheduler_pb2_grpc
+from scheduler_service.wire import sampling_to_proto
+from stepwire.internal import scheduler_pb2, scheduler_pb2_grpc
 
 MAX_LOGPROBS = 20
 MAX_N = 16
@@ -79,8 +80,14 @@ class Backend:
             self.max_model_len = min(lens)
         return bool(lens)
 
-    def check(self, prompt_ids: list[int], p: GenerationParams) -> GenerationParams:
-        """Validate before anything reaches the scheduler; raises InvalidRequestError naming the field."""
+    def check_model(self, name: str) -> None:
+        if name and name != self.model_name:
+            raise InvalidRequestError("model", f"the model {name!r} does not exist; this server serves "
+                                               f"{self.model_name!r}")
+
+    def check(self, prompt_ids: list[int], p: GenerationParams) -> SamplingParams:
+        """Validate before anything reaches the scheduler; raises InvalidRequestError naming the field.
+        Returns the sampling parameters to send (max_tokens resolved)."""
         if not prompt_ids:
             raise InvalidRequestError("prompt", "the prompt is empty")
         limit = self.max_model_len
@@ -99,17 +106,20 @@ class Backend:
             raise InvalidRequestError("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {p.logprobs}")
         if p.n > 1 and p.temperature == 0:
             raise InvalidRequestError("n", "n > 1 needs sampling (temperature > 0): greedy copies are identical")
-        SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
-                       min_p=p.min_p, seed=p.seed, stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos,
-                       min_tokens=p.min_tokens, logprobs=p.logprobs).validate()
-        return p
+        sp = SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+                            min_p=p.min_p, seed=p.seed, stop_token_ids=tuple(p.stop_token_ids),
+                            ignore_eos=p.ignore_eos, min_tokens=p.min_tokens, logprobs=p.logprobs)
+        sp.validate()
+        return sp
 
-    async def generate(self, prompt_ids: list[int], p: GenerationParams, usage: Usage) -> AsyncIterator[Chunk]:
-        """Text deltas of all n completions, interleaved as they come. Leaving early aborts them all."""
+    async def generate(self, prompt_ids: list[int], p: GenerationParams, sp: SamplingParams,
+                       usage: Usage) -> AsyncIterator[Chunk]:
+        """Text deltas of all n completions, interleaved as they come; `sp` is what check() returned.
+        Leaving early aborts them all."""
         usage.prompt_tokens = len(prompt_ids)
         queue: asyncio.Queue = asyncio.Queue()
         base = uuid.uuid4().hex[:16]
-        tasks = [asyncio.create_task(self._one(f"{base}-{i}", i, prompt_ids, p, queue, usage)) for i in range(p.n)]
+        tasks = [asyncio.create_task(self._one(f"{base}-{i}", i, prompt_ids, p, sp, queue, usage)) for i in range(p.n)]
         try:
             done = 0
             while done < p.n:
@@ -123,18 +133,13 @@ class Backend:
             for t in tasks:
                 t.cancel()   # cancelling the Submit call aborts the request at the scheduler
 
-    async def _one(self, rid, index, prompt_ids, p, queue, usage) -> None:
-        sp = sampling_pb2.SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p,
-                                         top_k=p.top_k, min_p=p.min_p, stop_token_ids=p.stop_token_ids,
-                                         ignore_eos=p.ignore_eos, min_tokens=p.min_tokens)
-        if p.seed is not None:
-            sp.seed = p.seed + index   # n seeded completions must still differ from each other
-        if p.logprobs is not None:
-            sp.logprobs = p.logprobs
+    async def _one(self, rid, index, prompt_ids, p, sp: SamplingParams, queue, usage) -> None:
+        if sp.seed is not None:
+            sp = replace(sp, seed=sp.seed + index)   # n seeded completions must still differ from each other
         detok = IncrementalDetokenizer(self.tokenizer)
         stops = StopMatcher(p.stop)
         call = self.stub.Submit(scheduler_pb2.SubmitRequest(
-            request_id=rid, prompt_token_ids=prompt_ids, params=sp, priority=p.priority,
+            request_id=rid, prompt_token_ids=prompt_ids, params=sampling_to_proto(sp), priority=p.priority,
             cache_salt=p.cache_salt or ""))
         try:
             async for out in call:

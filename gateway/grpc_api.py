@@ -9,6 +9,7 @@ import grpc
 from gateway.core import Backend, GenerationParams, Usage
 from gateway.tokenizer import ChatTemplateError
 from scheduler_service.errors import InvalidRequestError
+from scheduler_service.request import SamplingParams
 from stepwire.v1 import generation_pb2, generation_pb2_grpc
 
 FINISH = {None: generation_pb2.FINISH_REASON_UNSPECIFIED, "stop": generation_pb2.FINISH_REASON_STOP,
@@ -19,12 +20,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     def __init__(self, backend: Backend):
         self.backend = backend
 
-    async def _prepare(self, request, context) -> tuple[list[int], GenerationParams]:
+    async def _prepare(self, request, context) -> tuple[list[int], GenerationParams, SamplingParams]:
         b = self.backend
         try:
-            if request.model and request.model != b.model_name:
-                raise InvalidRequestError("model", f"the model {request.model!r} does not exist; this server "
-                                                   f"serves {b.model_name!r}")
+            b.check_model(request.model)
             which = request.WhichOneof("prompt")
             if which == "text":
                 prompt = b.tokenizer.encode(request.text)
@@ -51,10 +50,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 n=p.n if has("n") else 1, priority=request.priority, cache_salt=request.cache_salt or None)
             if not b.max_model_len:
                 await b.refresh()
-            b.check(prompt, params)
+            sp = b.check(prompt, params)
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        return prompt, params
+        return prompt, params, sp
 
     def _logprobs(self, per_token) -> list:
         tt = self.backend.tokenizer.token_text
@@ -67,11 +66,11 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         return out
 
     async def Generate(self, request, context):
-        prompt, params = await self._prepare(request, context)
+        prompt, params, sp = await self._prepare(request, context)
         usage = Usage()
         comps = [generation_pb2.Completion(index=i) for i in range(params.n)]
         try:
-            async for c in self.backend.generate(prompt, params, usage):
+            async for c in self.backend.generate(prompt, params, sp, usage):
                 comp = comps[c.index]
                 comp.text += c.text
                 comp.token_ids.extend(c.token_ids)
@@ -85,12 +84,12 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                                                completions=comps, usage=_usage(usage))
 
     async def GenerateStream(self, request, context):
-        prompt, params = await self._prepare(request, context)
+        prompt, params, sp = await self._prepare(request, context)
         usage = Usage()
         rid = f"gen-{uuid.uuid4().hex}"
         last = None
         try:
-            async for c in self.backend.generate(prompt, params, usage):
+            async for c in self.backend.generate(prompt, params, sp, usage):
                 if last is not None:
                     yield last
                 last = generation_pb2.GenerateStreamResponse(

@@ -138,9 +138,7 @@ def _text(content) -> str:
 
 
 def _params(backend: Backend, req: _Sampling, max_tokens: int | None, logprobs: int | None) -> GenerationParams:
-    if req.model != backend.model_name:
-        raise InvalidRequestError("model", f"the model {req.model!r} does not exist; this server serves "
-                                           f"{backend.model_name!r}")
+    backend.check_model(req.model)
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(req, name):
             raise InvalidRequestError(name, f"{name} is not supported yet")
@@ -154,18 +152,18 @@ def _params(backend: Backend, req: _Sampling, max_tokens: int | None, logprobs: 
 async def _respond(backend: Backend, raw: Request, req, prompt: list[int], p: GenerationParams, chat: bool):
     if not backend.max_model_len:
         await backend.refresh()
-    backend.check(prompt, p)
+    sp = backend.check(prompt, p)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created = int(time.time())
     usage = Usage()
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_sse(backend, prompt, p, usage, rid, created, chat, include_usage),
+        return StreamingResponse(_sse(backend, prompt, p, sp, usage, rid, created, chat, include_usage),
                                  media_type="text/event-stream")
     texts = [""] * p.n
     finish: list[str | None] = [None] * p.n
     lps: list[list] = [[] for _ in range(p.n)]
-    gen = backend.generate(prompt, p, usage)
+    gen = backend.generate(prompt, p, sp, usage)
     task = asyncio.ensure_future(_collect(gen, texts, finish, lps))
     # A client that hangs up on a non-streaming call still frees its blocks: watch for it.
     while not task.done():
@@ -199,7 +197,7 @@ async def _collect(gen, texts, finish, lps) -> None:
             finish[c.index] = c.finish_reason
 
 
-async def _sse(backend, prompt, p, usage, rid, created, chat, include_usage):
+async def _sse(backend, prompt, p, sp, usage, rid, created, chat, include_usage):
     obj = "chat.completion.chunk" if chat else "text_completion"
 
     def event(choices, **extra):
@@ -212,7 +210,7 @@ async def _sse(backend, prompt, p, usage, rid, created, chat, include_usage):
             yield event([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None}])
     try:
-        async for c in backend.generate(prompt, p, usage):
+        async for c in backend.generate(prompt, p, sp, usage):
             if chat:
                 choice = {"index": c.index, "delta": {"content": c.text} if c.text else {},
                           "logprobs": _chat_lp(backend, c.logprobs or []) if p.logprobs is not None else None,

@@ -24,9 +24,9 @@ from grpc_reflection.v1alpha import reflection
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.errors import InvalidRequestError
 from scheduler_service.output import RequestDelta
-from scheduler_service.request import Request, SamplingParams
+from scheduler_service.request import Request
 from scheduler_service.scheduler import Scheduler
-from scheduler_service.wire import HandleTable, decode_result, encode_step
+from scheduler_service.wire import HandleTable, decode_result, encode_step, sampling_from_proto
 from stepwire.internal import executor_pb2, executor_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 log = logging.getLogger("stepwire.scheduler")
@@ -158,14 +158,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         if len(core.waiting) >= self.options.max_waiting:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"{len(core.waiting)} requests already waiting; retry later")
-        p = request.params
         rid = request.request_id or f"req-{uuid.uuid4().hex[:12]}"
         try:
-            params = SamplingParams(
-                max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
-                seed=p.seed if p.HasField("seed") else None, stop_token_ids=tuple(p.stop_token_ids),
-                ignore_eos=p.ignore_eos, min_tokens=p.min_tokens,
-                logprobs=p.logprobs if p.HasField("logprobs") else None)
+            params = sampling_from_proto(request.params)
             eos = request.eos_token_id if request.HasField("eos_token_id") else (
                 link.eos_token_ids[0] if link.eos_token_ids else None)
             core.add_request(Request(rid, list(request.prompt_token_ids), params, eos_token_id=eos,

@@ -54,6 +54,13 @@ def sampling_to_proto(sp: SamplingParams) -> sampling_pb2.SamplingParams:
     return msg
 
 
+def sampling_from_proto(msg: sampling_pb2.SamplingParams) -> SamplingParams:
+    return SamplingParams(max_tokens=msg.max_tokens, temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k,
+                          min_p=msg.min_p, seed=msg.seed if msg.HasField("seed") else None,
+                          stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
+                          min_tokens=msg.min_tokens, logprobs=msg.logprobs if msg.HasField("logprobs") else None)
+
+
 def encode_step(out: SchedulerOutput, handles: HandleTable, epoch: int, step: int,
                 traceparent: str = "") -> tuple[executor_pb2.StepRequest, list[str]]:
     """The step as a diff for one executor, and the request ids in the order of its `handles` field.
