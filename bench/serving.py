@@ -6,7 +6,7 @@ Each client sends a chat completion (streaming), waits for it to finish, and sen
 requests are done. Reports output tokens/s, TTFT and TPOT p50/p99, and the scheduler's wire bytes per
 request per step.
 
-Usage: bench/serving.py [--concurrency 64] [--requests 256] [--tokens 64] [--url URL (an already running
+Usage: bench/serving.py [--concurrency 64] [--requests 256] [--tokens 64] [--rounds 2] [--url URL (an already running
 OpenAI-compatible server: measured alone)]
 """
 
@@ -36,12 +36,16 @@ def pct(xs, q):
 
 
 async def http_run(url: str, model: str, prompts: list[str], tokens: int, concurrency: int) -> dict:
+    # aiohttp rather than httpx: the load generator shares the machine with the server, and httpx's
+    # per-line cost was several times aiohttp's, which would be charged to whichever system is measured.
+    import aiohttp
+
     queue: asyncio.Queue = asyncio.Queue()
     for p in prompts:
         queue.put_nowait(p)
     ttft, tpot, out_tokens = [], [], 0
 
-    async def client(http: httpx.AsyncClient):
+    async def client(http: aiohttp.ClientSession):
         nonlocal out_tokens
         while not queue.empty():
             prompt = queue.get_nowait()
@@ -51,11 +55,12 @@ async def http_run(url: str, model: str, prompts: list[str], tokens: int, concur
             t0 = time.perf_counter()
             first = last = None
             n = chunks = 0
-            async with http.stream("POST", url + "/v1/chat/completions", json=body) as r:
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
+            async with http.post(url + "/v1/chat/completions", json=body) as r:
+                r.raise_for_status()
+                async for raw in r.content:
+                    if not raw.startswith(b"data: ") or raw.startswith(b"data: [DONE]"):
                         continue
-                    chunk = json.loads(line[6:])
+                    chunk = json.loads(raw[6:])
                     if chunk.get("usage"):
                         n = chunk["usage"]["completion_tokens"]
                     elif chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
@@ -71,18 +76,23 @@ async def http_run(url: str, model: str, prompts: list[str], tokens: int, concur
                     tpot.append((last - first) / (n - 1))
 
     t0 = time.perf_counter()
-    async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=concurrency)) as http:
+    conn = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=None)) as http:
         await asyncio.gather(*(client(http) for _ in range(concurrency)))
     dt = time.perf_counter() - t0
-    return {"tok_s": out_tokens / dt, "ttft": ttft, "tpot": tpot}
+    return {"tok_s": out_tokens / dt, "seconds": dt, "ttft": ttft, "tpot": tpot}
 
 
-def inproc_run(prompt_ids: list[list[int]], tokens: int, concurrency: int) -> dict:
+def inproc_engine():
     from executor_service.engine import LLMEngine
     from executor_service.runner import RunnerConfig
+
+    return LLMEngine(RunnerConfig(str(MODEL), kv_cache_memory=1 << 30))
+
+
+def inproc_run(engine, prompt_ids: list[list[int]], tokens: int, concurrency: int) -> dict:
     from scheduler_service import SamplingParams
 
-    engine = LLMEngine(RunnerConfig(str(MODEL), kv_cache_memory=1 << 30))
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     pending = list(prompt_ids)
     start, first, done_tokens = {}, {}, 0
@@ -90,8 +100,13 @@ def inproc_run(prompt_ids: list[list[int]], tokens: int, concurrency: int) -> di
     t0 = time.perf_counter()
     for _ in range(min(concurrency, len(pending))):
         start[engine.add_request(pending.pop(), params)] = time.perf_counter()
+    steps, forward = 0, 0.0
     while engine.has_unfinished():
-        for d in engine.step():
+        t = time.perf_counter()
+        deltas = engine.step()
+        forward += time.perf_counter() - t
+        steps += 1
+        for d in deltas:
             now = time.perf_counter()
             first.setdefault(d.req_id, now)
             done_tokens += len(d.new_token_ids)
@@ -100,7 +115,16 @@ def inproc_run(prompt_ids: list[list[int]], tokens: int, concurrency: int) -> di
                 tpot.append((now - first[d.req_id]) / max(tokens - 1, 1))
                 if pending:
                     start[engine.add_request(pending.pop(), params)] = time.perf_counter()
-    return {"tok_s": done_tokens / (time.perf_counter() - t0), "ttft": ttft, "tpot": tpot}
+    dt = time.perf_counter() - t0
+    return {"tok_s": done_tokens / dt, "seconds": dt, "ttft": ttft, "tpot": tpot, "steps": steps, "forward": forward}
+
+
+def merge(rounds: list[dict]) -> dict:
+    """Rounds of one system as one run: tokens/s is total tokens over total time."""
+    seconds = sum(r["seconds"] for r in rounds)
+    return {"tok_s": sum(r["tok_s"] * r["seconds"] for r in rounds) / seconds, "seconds": seconds,
+            "steps": sum(r.get("steps", 0) for r in rounds), "forward": sum(r.get("forward", 0.0) for r in rounds),
+            "ttft": [x for r in rounds for x in r["ttft"]], "tpot": [x for r in rounds for x in r["tpot"]]}
 
 
 def free_port() -> int:
@@ -126,13 +150,14 @@ def start_stack():
     raise RuntimeError("stack did not start")
 
 
-def wire_bytes(sc_port: int) -> tuple[int, int]:
+def executor_stats(sc_port: int) -> dict:
     import grpc
 
     from stepwire.internal import scheduler_pb2, scheduler_pb2_grpc
     e = scheduler_pb2_grpc.SchedulerStub(grpc.insecure_channel(f"127.0.0.1:{sc_port}")).Stats(
         scheduler_pb2.StatsRequest()).executors[0]
-    return e.wire_bytes, e.wire_request_steps
+    return {"bytes": e.wire_bytes, "req_steps": e.wire_request_steps, "steps": e.num_steps,
+            "forward": e.forward_seconds}
 
 
 def row(name, r):
@@ -187,6 +212,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=2, help="alternating rounds of each system, summed")
     ap.add_argument("--url", help="measure this OpenAI-compatible server alone")
     ap.add_argument("--model-name", default="SmolLM2-135M-Instruct")
     ap.add_argument("--llama-venv", help="also run llama.cpp's server (built by ../shared/peers/llama_cpp/setup.sh "
@@ -206,21 +232,35 @@ def main() -> None:
         return
     if args.llama_venv:
         return compare_llama(args, texts, header)
+    # Rounds alternate between the two systems so that a noisy phase of a shared machine falls on both.
+    tok = ModelTokenizer(MODEL)
+    prompt_ids = [tok.encode_chat([{"role": "user", "content": t}]) for t in texts]
+    engine = inproc_engine()
     proc, url, sc = start_stack()
+    runs: dict[str, list[dict]] = {"split": [], "inproc": []}
     try:
-        b0, s0 = wire_bytes(sc)
-        split = asyncio.run(http_run(url, args.model_name, texts, args.tokens, args.concurrency))
-        b1, s1 = wire_bytes(sc)
+        first = executor_stats(sc)
+        for _ in range(args.rounds):
+            before = executor_stats(sc)
+            r = asyncio.run(http_run(url, args.model_name, texts, args.tokens, args.concurrency))
+            after = executor_stats(sc)
+            r.update(steps=after["steps"] - before["steps"], forward=after["forward"] - before["forward"])
+            runs["split"].append(r)
+            runs["inproc"].append(inproc_run(engine, prompt_ids, args.tokens, args.concurrency))
+            print(f"round: split {r['tok_s']:.1f} tok/s, in-process {runs['inproc'][-1]['tok_s']:.1f} tok/s",
+                  flush=True)
+        last = executor_stats(sc)
     finally:
         proc.terminate()
         proc.wait(timeout=20)
-    tok = ModelTokenizer(MODEL)
-    inproc = inproc_run([tok.encode_chat([{"role": "user", "content": t}]) for t in texts], args.tokens,
-                        args.concurrency)
+    split, inproc = (merge(runs[k]) for k in ("split", "inproc"))
     print(header)
     print(row("stepwire serve (split)", split))
     print(row("in-process engine", inproc))
-    per = (b1 - b0) / max(s1 - s0, 1)
+    for name, r in (("split", split), ("in-process", inproc)):
+        print(f"{name}: {r['steps']} steps, {r['forward'] / max(r['steps'], 1) * 1e3:.1f} ms in each step's "
+              f"execution, {r['forward'] / r['seconds']:.0%} of the wall time")
+    per = (last["bytes"] - first["bytes"]) / max(last["req_steps"] - first["req_steps"], 1)
     print(f"RESULT concurrency={args.concurrency} split_tok_s={split['tok_s']:.1f} inproc_tok_s={inproc['tok_s']:.1f} "
           f"ratio={split['tok_s'] / inproc['tok_s']:.2f} wire_bytes_per_req_step={per:.2f}")
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 import grpc
 
 from gateway.detokenizer import IncrementalDetokenizer
+from gateway.session import SchedulerError, SchedulerSession, output_error
 from gateway.stops import StopMatcher
 from gateway.tokenizer import ModelTokenizer
 from scheduler_service.errors import InvalidRequestError
@@ -65,6 +66,7 @@ class Backend:
     def __init__(self, scheduler_address: str, tokenizer: ModelTokenizer, model_name: str):
         self.channel = grpc.aio.insecure_channel(scheduler_address)
         self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
+        self.session = SchedulerSession(self.stub)
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = 0   # learned from the scheduler once it is connected
@@ -131,29 +133,36 @@ class Backend:
                     done += 1
         finally:
             for t in tasks:
-                t.cancel()   # cancelling the Submit call aborts the request at the scheduler
+                t.cancel()   # a cancelled completion aborts its request at the scheduler
 
     async def _one(self, rid, index, prompt_ids, p, sp: SamplingParams, queue, usage) -> None:
         if sp.seed is not None:
             sp = replace(sp, seed=sp.seed + index)   # n seeded completions must still differ from each other
         detok = IncrementalDetokenizer(self.tokenizer)
         stops = StopMatcher(p.stop)
-        call = self.stub.Submit(scheduler_pb2.SubmitRequest(
+        outputs = self.session.submit(scheduler_pb2.SubmitRequest(
             request_id=rid, prompt_token_ids=prompt_ids, params=sampling_to_proto(sp), priority=p.priority,
             cache_salt=p.cache_salt or ""))
+        finished = False
         try:
-            async for out in call:
+            while True:
+                out = await outputs.get()
+                error = out if isinstance(out, SchedulerError) else output_error(out)
+                if error is not None:
+                    finished = True   # refused or cut off: nothing left to abort
+                    queue.put_nowait(error)
+                    return
                 usage.completion_tokens += len(out.token_ids)
                 if index == 0:
                     usage.cached_prompt_tokens = out.num_cached_tokens
                 text = stops.push(detok.push(list(out.token_ids)))
                 finish = out.finish_reason or None
                 if stops.matched is not None:
-                    # Stop string: release the text before it and end the request at the scheduler.
-                    call.cancel()
+                    # Stop string: release the text before it and end the request at the scheduler (finally).
                     queue.put_nowait(Chunk(index, text, list(out.token_ids), "stop", stops.matched, _lp(out)))
                     return
                 if finish is not None:
+                    finished = True
                     text += stops.push(detok.flush()) + stops.flush()
                     stop = None
                     if finish == "stop" and out.token_ids and out.token_ids[-1] in p.stop_token_ids:
@@ -161,13 +170,9 @@ class Backend:
                     queue.put_nowait(Chunk(index, text, list(out.token_ids), finish, stop, _lp(out)))
                     return
                 queue.put_nowait(Chunk(index, text, list(out.token_ids), None, None, _lp(out)))
-        except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.CANCELLED:
-                return
-            queue.put_nowait(e)
-        except asyncio.CancelledError:
-            call.cancel()
-            raise
+        finally:
+            # Also on cancellation (client gone, or another of the n completions failed): abort at the scheduler.
+            self.session.done(rid, abort=not finished)
 
 
 def _lp(out) -> list | None:

@@ -7,6 +7,7 @@ import uuid
 import grpc
 
 from gateway.core import Backend, GenerationParams, Usage
+from gateway.session import SchedulerError
 from gateway.tokenizer import ChatTemplateError
 from scheduler_service.errors import InvalidRequestError
 from scheduler_service.request import SamplingParams
@@ -78,7 +79,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 if c.finish_reason is not None:
                     comp.finish_reason = FINISH[c.finish_reason]
                     comp.stop = c.stop or ""
-        except grpc.aio.AioRpcError as e:
+        except SchedulerError as e:
             await context.abort(e.code(), e.details())
         return generation_pb2.GenerateResponse(id=f"gen-{uuid.uuid4().hex}", model=self.backend.model_name,
                                                completions=comps, usage=_usage(usage))
@@ -95,7 +96,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 last = generation_pb2.GenerateStreamResponse(
                     id=rid, index=c.index, text=c.text, token_ids=c.token_ids, finish_reason=FINISH[c.finish_reason],
                     stop=c.stop or "", logprobs=self._logprobs(c.logprobs))
-        except grpc.aio.AioRpcError as e:
+        except SchedulerError as e:
             await context.abort(e.code(), e.details())
         if last is not None:
             last.usage.CopyFrom(_usage(usage))   # usage rides on the very last message

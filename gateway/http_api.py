@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.core import Backend, GenerationParams, Usage
+from gateway.session import SchedulerError
 from gateway.tokenizer import ChatTemplateError
 from scheduler_service.errors import InvalidRequestError
 
@@ -174,7 +175,7 @@ async def _respond(backend: Backend, raw: Request, req, prompt: list[int], p: Ge
             return JSONResponse({}, status_code=499)
     try:
         task.result()
-    except grpc.aio.AioRpcError as e:
+    except SchedulerError as e:
         return _rpc_error(e)
     choices = []
     for i in range(p.n):
@@ -220,7 +221,7 @@ async def _sse(backend, prompt, p, sp, usage, rid, created, chat, include_usage)
                           "logprobs": _completion_lp(backend, c.logprobs or []) if p.logprobs is not None else None}
             if c.text or c.finish_reason is not None or c.logprobs:
                 yield event([choice])
-    except grpc.aio.AioRpcError as e:
+    except SchedulerError as e:
         yield f"data: {json.dumps({'error': {'message': e.details(), 'type': 'server_error'}})}\n\n"
         return
     if include_usage:
@@ -250,7 +251,7 @@ def _chat_lp(backend, per_token) -> dict:
                                           for t, v in pairs[1:]]} for pairs in per_token]}
 
 
-def _rpc_error(e: grpc.aio.AioRpcError):
+def _rpc_error(e: SchedulerError):
     if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
         return _error(400, e.details())
     if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:

@@ -138,6 +138,45 @@ class ExecutorLink:
                     q.put_nowait(d)
 
 
+class _Refused(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+def _output(d: RequestDelta, request_id: str = "") -> scheduler_pb2.RequestOutput:
+    out = scheduler_pb2.RequestOutput(token_ids=d.new_token_ids, finish_reason=d.finish_reason or "",
+                                      num_cached_tokens=max(d.num_cached_tokens, 0), request_id=request_id)
+    if d.logprobs:
+        for pairs in d.logprobs:
+            out.logprobs.add(token_ids=[t for t, _ in pairs], logprobs=[v for _, v in pairs])
+    return out
+
+
+class _Session:
+    """One gateway's Session stream. Executor links put deltas here as they do into a Submit queue; they
+    pile up until the stream's writer wakes, which is after the link has delivered the whole step."""
+
+    def __init__(self):
+        self.pending: list[scheduler_pb2.RequestOutput] = []
+        self.ready = asyncio.Event()
+        self.live: dict[str, ExecutorLink] = {}   # request id -> the link running it
+        self.closed = False                       # the gateway half-closed: end once live is empty
+
+    def put_nowait(self, d: RequestDelta) -> None:
+        self.pending.append(_output(d, d.req_id))
+        if d.finish_reason is not None:
+            link = self.live.pop(d.req_id, None)
+            if link is not None:
+                link.streams.pop(d.req_id, None)
+        self.ready.set()
+
+    def refuse(self, rid: str, code: grpc.StatusCode, message: str) -> None:
+        self.pending.append(scheduler_pb2.RequestOutput(
+            request_id=rid, error=scheduler_pb2.RequestError(code=code.value[0], message=message)))
+        self.ready.set()
+
+
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, links: list[ExecutorLink], options: SchedulerOptions):
         self.links = links
@@ -150,14 +189,15 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         # Fewest requests first; prefix-aware routing comes with several executors.
         return min(live, key=lambda lk: len(lk.core.requests))
 
-    async def Submit(self, request, context):
+    def _admit(self, request) -> tuple[ExecutorLink, str]:
+        """Queue a request on an executor's core; raises _Refused with the status the caller should see."""
         link = self._pick()
         if link is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no executor connected yet")
+            raise _Refused(grpc.StatusCode.UNAVAILABLE, "no executor connected yet")
         core = link.core
         if len(core.waiting) >= self.options.max_waiting:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"{len(core.waiting)} requests already waiting; retry later")
+            raise _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"{len(core.waiting)} requests already waiting; retry later")
         rid = request.request_id or f"req-{uuid.uuid4().hex[:12]}"
         try:
             params = sampling_from_proto(request.params)
@@ -166,20 +206,22 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             core.add_request(Request(rid, list(request.prompt_token_ids), params, eos_token_id=eos,
                                      priority=request.priority, cache_salt=request.cache_salt or None))
         except InvalidRequestError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        link.wakeup.set()
+        return link, rid
+
+    async def Submit(self, request, context):
+        try:
+            link, rid = self._admit(request)
+        except _Refused as e:
+            await context.abort(e.code, e.message)
         queue: asyncio.Queue = asyncio.Queue()
         link.streams[rid] = queue
-        link.wakeup.set()
         finished = False
         try:
             while True:
                 d = await queue.get()
-                out = scheduler_pb2.RequestOutput(token_ids=d.new_token_ids, finish_reason=d.finish_reason or "",
-                                                  num_cached_tokens=max(d.num_cached_tokens, 0))
-                if d.logprobs:
-                    for pairs in d.logprobs:
-                        out.logprobs.add(token_ids=[t for t, _ in pairs], logprobs=[v for _, v in pairs])
-                yield out
+                yield _output(d)
                 if d.finish_reason is not None:
                     finished = True
                     return
@@ -187,28 +229,77 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             link.streams.pop(rid, None)
             if not finished:
                 # The client went away (or the call was cancelled): free the request's blocks now.
-                core.abort_requests([rid])
+                link.core.abort_requests([rid])
                 link.wakeup.set()
 
+    async def Session(self, request_iterator, context):
+        session = _Session()
+        reader = asyncio.create_task(self._read_session(request_iterator, session))
+        try:
+            while True:
+                await session.ready.wait()
+                session.ready.clear()
+                if session.pending:
+                    batch, session.pending = session.pending, []
+                    yield scheduler_pb2.SessionOutput(outputs=batch)
+                if session.closed and not session.live:
+                    break
+            reader.result()   # re-raise what ended the reader, if anything did
+        finally:
+            reader.cancel()
+            # The gateway went away: nobody is left to read these requests, so free their blocks now.
+            for rid, link in session.live.items():
+                link.streams.pop(rid, None)
+                link.core.abort_requests([rid])
+                link.wakeup.set()
+            session.live.clear()
+
+    async def _read_session(self, request_iterator, session: _Session) -> None:
+        try:
+            async for msg in request_iterator:
+                if msg.HasField("submit"):
+                    rid = msg.submit.request_id
+                    if not rid or rid in session.live:
+                        session.refuse(rid, grpc.StatusCode.INVALID_ARGUMENT,
+                                       "request_id: a unique, non-empty id is required on a session")
+                        continue
+                    try:
+                        link, rid = self._admit(msg.submit)
+                    except _Refused as e:
+                        session.refuse(rid, e.code, e.message)
+                        continue
+                    link.streams[rid] = session
+                    session.live[rid] = link
+                elif msg.HasField("abort"):
+                    ids = [r for r in msg.abort.request_ids if r in session.live]
+                    self._abort(ids)
+        finally:
+            session.closed = True
+            session.ready.set()
+
     async def Abort(self, request, context):
+        return scheduler_pb2.AbortResponse(aborted=self._abort(request.request_ids))
+
+    def _abort(self, request_ids) -> list[str]:
         aborted = []
         for link in self.links:
             if link.core is None:
                 continue
-            for req in link.core.abort_requests(request.request_ids):
+            for req in link.core.abort_requests(request_ids):
                 aborted.append(req.request_id)
                 q = link.streams.get(req.request_id)
                 if q is not None:
                     q.put_nowait(RequestDelta(req.request_id, [], "abort", max(req.num_cached_tokens, 0)))
             link.wakeup.set()
-        return scheduler_pb2.AbortResponse(aborted=aborted)
+        return aborted
 
     async def Stats(self, request, context):
         resp = scheduler_pb2.StatsResponse()
         for link in self.links:
             e = resp.executors.add(address=link.address, connected=link.connected, epoch=link.epoch,
                                    num_steps=link.step, wire_bytes=link.wire_bytes,
-                                   wire_request_steps=link.wire_request_steps)
+                                   wire_request_steps=link.wire_request_steps,
+                                   forward_seconds=link.forward_seconds)
             if link.core is not None:
                 s = link.core.stats()
                 e.num_running, e.num_waiting = s.num_running, s.num_waiting

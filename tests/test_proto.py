@@ -21,7 +21,7 @@ def test_the_contract_has_the_services_the_design_names():
         return set(mod.DESCRIPTOR.services_by_name[service].methods_by_name)
 
     assert methods(generation_pb2, "Generation") == {"Generate", "GenerateStream", "Tokenize", "ModelInfo"}
-    assert methods(scheduler_pb2, "Scheduler") == {"Submit", "Abort", "Stats"}
+    assert methods(scheduler_pb2, "Scheduler") == {"Submit", "Session", "Abort", "Stats"}
     assert methods(executor_pb2, "Executor") == {"Describe", "Step"}
     step = executor_pb2.StepRequest.DESCRIPTOR
     assert "traceparent" in step.fields_by_name and "epoch" in step.fields_by_name

@@ -119,3 +119,88 @@ def test_bad_input_gets_invalid_argument_and_the_stack_still_serves(stack):
             list(stub.Submit(scheduler_pb2.SubmitRequest(request_id="bad", prompt_token_ids=prompt, params=params)))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert sum(len(o.token_ids) for o in submit(stub, "good", [4, 5, 6], max_tokens=3)) == 3
+
+
+def session_submit(rid, prompt, max_tokens=10):
+    params = sampling_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, top_p=1.0, top_k=-1, ignore_eos=True)
+    return scheduler_pb2.SessionRequest(submit=scheduler_pb2.SubmitRequest(request_id=rid, prompt_token_ids=prompt,
+                                                                           params=params))
+
+
+def wait_all_blocks_free(stub):
+    deadline = time.time() + 10
+    while True:
+        e = stub.Stats(scheduler_pb2.StatsRequest()).executors[0]
+        if e.num_free_blocks == e.num_total_blocks and e.num_running == 0 and e.num_waiting == 0:
+            return
+        assert time.time() < deadline, e
+        time.sleep(0.1)
+
+
+def test_a_session_multiplexes_requests_and_batches_each_steps_deltas_into_one_message(stack):
+    _, stub, _ = stack
+    prompts = {"s-a": [5, 6, 7, 8, 9, 10], "s-b": [11, 12, 13], "s-c": [3, 3, 3, 3, 3]}
+    expected = {rid: [t for o in submit(stub, f"alone-{rid}", p) for t in o.token_ids] for rid, p in prompts.items()}
+    # Half-closing the request side ends the session once every request on it has finished.
+    messages = list(stub.Session(iter([session_submit(rid, p) for rid, p in prompts.items()])))
+    got = {rid: [] for rid in prompts}
+    finish = {}
+    for m in messages:
+        for o in m.outputs:
+            assert o.request_id in prompts and o.request_id not in finish
+            got[o.request_id] += o.token_ids
+            if o.finish_reason:
+                finish[o.request_id] = o.finish_reason
+    assert got == expected and finish == {rid: "length" for rid in prompts}
+    # The three run in the same steps, so most messages carry several requests' deltas.
+    assert max(len(m.outputs) for m in messages) == 3
+    assert len(messages) < sum(len(v) for v in got.values())
+
+
+def test_a_session_refuses_bad_submits_in_band_and_serves_the_rest(stack):
+    _, stub, _ = stack
+    reqs = [session_submit("bad-empty", []), session_submit("ok", [4, 5, 6], max_tokens=3),
+            session_submit("", [4, 5]), session_submit("bad-long", list(range(200)))]
+    outs = [o for m in stub.Session(iter(reqs)) for o in m.outputs]
+    errors = {o.request_id: o.error for o in outs if o.HasField("error")}
+    assert set(errors) == {"bad-empty", "", "bad-long"}
+    assert all(e.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and e.message for e in errors.values())
+    assert "prompt" in errors["bad-empty"].message and "request_id" in errors[""].message
+    assert sum(len(o.token_ids) for o in outs if o.request_id == "ok") == 3
+    wait_all_blocks_free(stub)
+
+
+def test_closing_a_session_aborts_its_requests_and_frees_their_blocks(stack):
+    _, stub, _ = stack
+    call = stub.Session(iter([session_submit("long-1", list(range(10, 30)), max_tokens=100),
+                              session_submit("long-2", list(range(40, 52)), max_tokens=100)]))
+    first = next(call)
+    assert first.outputs and not any(o.finish_reason for o in first.outputs)
+    call.cancel()
+    wait_all_blocks_free(stub)
+
+
+def test_an_abort_on_a_session_ends_that_request_only(stack):
+    _, stub, _ = stack
+    import queue
+    outgoing = queue.Queue()
+    outgoing.put(session_submit("keep", [7, 8, 9], max_tokens=12))
+    outgoing.put(session_submit("drop", list(range(60, 70)), max_tokens=100))
+
+    def requests():
+        while (item := outgoing.get()) is not None:
+            yield item
+
+    finish, tokens = {}, {"keep": 0, "drop": 0}
+    for m in stub.Session(requests()):
+        for o in m.outputs:
+            tokens[o.request_id] += len(o.token_ids)
+            if tokens["drop"] and "drop" not in finish and not o.finish_reason:
+                outgoing.put(scheduler_pb2.SessionRequest(abort=scheduler_pb2.AbortRequest(request_ids=["drop"])))
+            if o.finish_reason:
+                finish[o.request_id] = o.finish_reason
+        if len(finish) == 2:
+            outgoing.put(None)
+    assert finish == {"keep": "length", "drop": "abort"}
+    assert tokens["keep"] == 12 and tokens["drop"] < 100
+    wait_all_blocks_free(stub)

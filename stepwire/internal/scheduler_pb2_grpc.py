@@ -39,6 +39,11 @@ class SchedulerStub:
                 request_serializer=stepwire_dot_internal_dot_scheduler__pb2.SubmitRequest.SerializeToString,
                 response_deserializer=stepwire_dot_internal_dot_scheduler__pb2.RequestOutput.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/stepwire.internal.Scheduler/Session',
+                request_serializer=stepwire_dot_internal_dot_scheduler__pb2.SessionRequest.SerializeToString,
+                response_deserializer=stepwire_dot_internal_dot_scheduler__pb2.SessionOutput.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/stepwire.internal.Scheduler/Abort',
                 request_serializer=stepwire_dot_internal_dot_scheduler__pb2.AbortRequest.SerializeToString,
@@ -56,6 +61,15 @@ class SchedulerServicer:
 
     def Submit(self, request, context):
         """Queue a request and stream its output deltas until it finishes. Cancelling the call aborts it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Session(self, request_iterator, context):
+        """Many requests over one stream, as a gateway uses it: submits and aborts go up; what comes down is one
+        message per engine step holding every delta of the session's requests, so the per-token cost of the
+        hop is a slice of one message rather than a message of its own. Closing the stream aborts them all.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -80,6 +94,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Submit,
                     request_deserializer=stepwire_dot_internal_dot_scheduler__pb2.SubmitRequest.FromString,
                     response_serializer=stepwire_dot_internal_dot_scheduler__pb2.RequestOutput.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=stepwire_dot_internal_dot_scheduler__pb2.SessionRequest.FromString,
+                    response_serializer=stepwire_dot_internal_dot_scheduler__pb2.SessionOutput.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -119,6 +138,33 @@ class Scheduler:
             '/stepwire.internal.Scheduler/Submit',
             stepwire_dot_internal_dot_scheduler__pb2.SubmitRequest.SerializeToString,
             stepwire_dot_internal_dot_scheduler__pb2.RequestOutput.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/stepwire.internal.Scheduler/Session',
+            stepwire_dot_internal_dot_scheduler__pb2.SessionRequest.SerializeToString,
+            stepwire_dot_internal_dot_scheduler__pb2.SessionOutput.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,99 @@
+"""The gateway's one Session stream to the scheduler, shared by all of its requests.
+
+A stream per request would cost a gRPC message per token on both sides of the hop; over the shared
+stream the scheduler sends one message per engine step carrying every request's delta, and this side
+routes each delta to its request's queue. If the stream breaks, every request on it ends with a
+SchedulerError and the next submit opens a fresh stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from stepwire.internal import scheduler_pb2
+
+_STATUS = {s.value[0]: s for s in grpc.StatusCode}
+
+
+class SchedulerError(Exception):
+    """A request ended by the scheduler or the link to it; shaped like grpc's errors so the front ends can
+    map the status the same way whichever path raised it."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(f"{code.name}: {details}")
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+class _Stream:
+    def __init__(self, stub):
+        self.outgoing: asyncio.Queue = asyncio.Queue()
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.dead = False
+        self.call = stub.Session(self._requests())
+        self.reader = asyncio.create_task(self._read())
+
+    async def _requests(self):
+        while True:
+            yield await self.outgoing.get()
+
+    async def _read(self) -> None:
+        error = SchedulerError(grpc.StatusCode.UNAVAILABLE, "the scheduler closed the session")
+        try:
+            async for msg in self.call:
+                for out in msg.outputs:
+                    q = self.queues.get(out.request_id)
+                    if q is not None:
+                        q.put_nowait(out)
+        except grpc.aio.AioRpcError as e:
+            error = SchedulerError(e.code(), e.details() or "scheduler unreachable")
+        finally:
+            self.dead = True
+            for q in self.queues.values():
+                q.put_nowait(error)
+            self.queues.clear()
+
+
+class SchedulerSession:
+    def __init__(self, stub):
+        self.stub = stub
+        self._stream: _Stream | None = None
+
+    def submit(self, request: scheduler_pb2.SubmitRequest) -> asyncio.Queue:
+        """Queue of the request's RequestOutputs; a SchedulerError in it ends the request."""
+        s = self._stream
+        if s is None or s.dead:
+            s = self._stream = _Stream(self.stub)
+        q: asyncio.Queue = asyncio.Queue()
+        s.queues[request.request_id] = q
+        s.outgoing.put_nowait(scheduler_pb2.SessionRequest(submit=request))
+        return q
+
+    def done(self, request_id: str, abort: bool) -> None:
+        """Stop routing the request's outputs; abort it at the scheduler if it has not finished. Synchronous,
+        so it is safe in a `finally` of a cancelled task."""
+        s = self._stream
+        if s is None or s.queues.pop(request_id, None) is None:
+            return
+        if abort and not s.dead:
+            s.outgoing.put_nowait(scheduler_pb2.SessionRequest(
+                abort=scheduler_pb2.AbortRequest(request_ids=[request_id])))
+
+    async def close(self) -> None:
+        s, self._stream = self._stream, None
+        if s is not None:
+            s.call.cancel()
+            await asyncio.gather(s.reader, return_exceptions=True)
+
+
+def output_error(out: scheduler_pb2.RequestOutput) -> SchedulerError | None:
+    if not out.HasField("error"):
+        return None
+    return SchedulerError(_STATUS.get(out.error.code, grpc.StatusCode.UNKNOWN), out.error.message)
