@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,6 +15,7 @@ from executor_service.loader import load_model
 from executor_service.memory import keep_freed_memory
 from executor_service.model_config import ModelConfig
 from executor_service.sampler import Sampler, SamplingTensors
+from observability import tracing
 from scheduler_service.output import RunnerOutput, SchedulerOutput
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -51,6 +53,7 @@ class ModelRunner:
         self.batch = InputBatch(cfg.max_num_seqs, self.max_model_len, cfg.block_size)
         self.sampler = Sampler()
         self.scratch = GatherScratch()
+        self.phase_seconds = (0.0, 0.0, 0.0)   # prepare, forward, sample of the last step
 
     def describe(self) -> dict:
         """What the scheduler needs to size this executor's block pool."""
@@ -67,14 +70,27 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        self.batch.apply(out, self._new_state)
-        if not out.num_scheduled_tokens:
-            return RunnerOutput([], [])
-        inputs = self.batch.prepare(out.num_scheduled_tokens, out.total_num_scheduled_tokens)
-        logits = self.forward(inputs)
-        sampled, logprobs = self._sample(inputs, logits)
-        self.batch.append_sampled(inputs, sampled)
-        return self._runner_output(inputs, sampled, logprobs)
+        """One step. Each phase is a child span when tracing is on, and its seconds land in
+        `phase_seconds` (prepare, forward, sample) for the metrics. On CUDA the forward phase ends when its
+        kernels are queued; sampling waits for them, so its time includes the rest of the forward."""
+        clock = time.perf_counter
+        t0 = clock()
+        with tracing.phase("prepare_inputs"):
+            self.batch.apply(out, self._new_state)
+            if not out.num_scheduled_tokens:
+                self.phase_seconds = (clock() - t0, 0.0, 0.0)
+                return RunnerOutput([], [])
+            inputs = self.batch.prepare(out.num_scheduled_tokens, out.total_num_scheduled_tokens)
+        t1 = clock()
+        with tracing.phase("forward"):
+            logits = self.forward(inputs)
+        t2 = clock()
+        with tracing.phase("sample"):
+            sampled, logprobs = self._sample(inputs, logits)
+            self.batch.append_sampled(inputs, sampled)
+            result = self._runner_output(inputs, sampled, logprobs)
+        self.phase_seconds = (t1 - t0, t2 - t1, clock() - t2)
+        return result
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Logits [num sampling requests, vocab] for the requests whose step reaches their last token."""

@@ -18,10 +18,15 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from opentelemetry.trace import SpanKind
 
 from executor_service.input_batch import InputBatch
+from executor_service.metrics import ExecutorMetrics
 from executor_service.runner import ModelRunner, RunnerConfig
 from executor_service.wire import decode_step, encode_result
+from observability import tracing
+from observability.metrics_server import serve_metrics
+from observability.shutdown import serve_until_sigterm
 from stepwire.internal import executor_pb2, executor_pb2_grpc
 
 log = logging.getLogger("stepwire.executor")
@@ -38,6 +43,7 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
         # All torch work, loading included, on one thread: steps run on a different thread from the one
         # that loaded the model measured ~35% slower on CPU (memory arenas and thread pools are per thread).
         self._worker = worker
+        self.metrics = ExecutorMetrics(self)
 
     async def _ready(self, context) -> None:
         if self.runner is None:
@@ -58,6 +64,20 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
                 yield await asyncio.get_running_loop().run_in_executor(self._worker, self._step, msg)
 
     def _step(self, msg: executor_pb2.StepRequest) -> executor_pb2.StepResponse:
+        tracer = tracing.tracer()
+        if tracer is None or not msg.traceparent:
+            return self._run_step(msg)
+        # A child of the scheduler's step span, in this process: the trace crosses the Step stream here.
+        with tracer.start_as_current_span("executor.step", context=tracing.from_traceparent(msg.traceparent),
+                                          kind=SpanKind.SERVER, attributes={
+                                              "stepwire.step": msg.step, "stepwire.epoch": msg.epoch,
+                                              "stepwire.executor.instance": self.instance_id}) as span:
+            reply = self._run_step(msg)
+            if reply.HasField("resync"):
+                span.set_attribute("stepwire.resync", reply.resync.reason)
+            return reply
+
+    def _run_step(self, msg: executor_pb2.StepRequest) -> executor_pb2.StepResponse:
         if msg.epoch < self.epoch:
             return self._resync(msg, f"epoch {msg.epoch} is older than {self.epoch}")
         if msg.epoch > self.epoch:
@@ -73,6 +93,7 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
         result = self.runner.execute(out)
         reply = encode_result(result, msg.epoch, msg.step)
         reply.forward_seconds = time.perf_counter() - t0
+        self.metrics.observe_step(reply.forward_seconds, out.total_num_scheduled_tokens, self.runner.phase_seconds)
         return reply
 
     def _reset(self, epoch: int) -> None:
@@ -80,21 +101,26 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
         r.batch = InputBatch(r.cfg.max_num_seqs, r.max_model_len, r.cfg.block_size)
         self.epoch = epoch
 
-    @staticmethod
-    def _resync(msg, reason: str) -> executor_pb2.StepResponse:
+    def _resync(self, msg, reason: str) -> executor_pb2.StepResponse:
+        self.metrics.resyncs.inc()
         log.warning("step %d: resync (%s)", msg.step, reason)
         return executor_pb2.StepResponse(epoch=msg.epoch, step=msg.step, resync=executor_pb2.Resync(reason=reason))
 
 
-async def serve(runner_config: RunnerConfig, address: str) -> None:
+async def serve(runner_config: RunnerConfig, address: str, metrics_address: str = "") -> None:
+    tracing.setup("stepwire-executor")
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
-                                      ("grpc.max_send_message_length", 64 << 20)])
+                                      ("grpc.max_send_message_length", 64 << 20),
+                                      # the scheduler's keepalive pings (every 10 s) must not count as abuse
+                                      ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+                                      ("grpc.keepalive_permit_without_calls", 1)])
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
     service = ExecutorService(worker)
     executor_pb2_grpc.add_ExecutorServicer_to_server(service, server)
+    serve_metrics(metrics_address, service.metrics.registry, "executor")
     port = server.add_insecure_port(address)
     # Not serving until the weights are in: a readiness probe must not route steps to a loading pod.
     for name in ("", SERVICE):
@@ -106,7 +132,7 @@ async def serve(runner_config: RunnerConfig, address: str) -> None:
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("executor ready: %s", runner.describe())
-    await server.wait_for_termination()
+    await serve_until_sigterm(server)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -120,11 +146,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--block-size", type=int, default=int(env("STEPWIRE_BLOCK_SIZE", "16")))
     ap.add_argument("--max-num-seqs", type=int, default=int(env("STEPWIRE_MAX_NUM_SEQS", "256")))
     ap.add_argument("--max-model-len", type=int, default=int(env("STEPWIRE_MAX_MODEL_LEN", "0")) or None)
+    ap.add_argument("--metrics-address", default=env("STEPWIRE_METRICS_ADDRESS", "127.0.0.1:9092"),
+                    help="host:port for Prometheus /metrics; empty turns it off")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cfg = RunnerConfig(model=a.model, device=a.device, dtype=a.dtype, kv_cache_memory=a.kv_cache_memory,
                        block_size=a.block_size, max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len)
-    asyncio.run(serve(cfg, a.address))
+    try:
+        asyncio.run(serve(cfg, a.address, a.metrics_address))
+    except KeyboardInterrupt:
+        pass
 
 
 if __name__ == "__main__":

@@ -25,13 +25,17 @@ def serve(argv: list[str]) -> None:
     ap.add_argument("--scheduler-port", type=int, default=50051)
     ap.add_argument("--grpc-port", type=int, default=50050, help="gRPC port of the gateway (stepwire.v1)")
     ap.add_argument("--kv-cache-memory", type=int, default=1 << 30)
+    ap.add_argument("--scheduler-metrics-port", type=int, default=9091, help="Prometheus /metrics of the scheduler")
+    ap.add_argument("--executor-metrics-port", type=int, default=9092, help="Prometheus /metrics of the executor")
     a = ap.parse_args(argv)
     py = sys.executable
     ex, sc = f"127.0.0.1:{a.executor_port}", f"127.0.0.1:{a.scheduler_port}"
     commands = {
         "executor": [py, "-m", "executor_service.server", "--model", a.model, "--address", ex,
-                     "--kv-cache-memory", str(a.kv_cache_memory)],
-        "scheduler": [py, "-m", "scheduler_service.server", "--executors", ex, "--address", sc],
+                     "--kv-cache-memory", str(a.kv_cache_memory), "--metrics-address",
+                     f"127.0.0.1:{a.executor_metrics_port}"],
+        "scheduler": [py, "-m", "scheduler_service.server", "--executors", ex, "--address", sc, "--metrics-address",
+                      f"127.0.0.1:{a.scheduler_metrics_port}"],
         "gateway": [py, "-m", "gateway.server", "--model", a.model, "--scheduler", sc, "--port", str(a.port),
                     "--grpc-address", f"127.0.0.1:{a.grpc_port}"],
     }
@@ -64,7 +68,9 @@ def serve(argv: list[str]) -> None:
         time.sleep(0.5)
     model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
     print(f"\nstepwire is ready: OpenAI-compatible API at {url}/v1 (model {model!r}); gRPC stepwire.v1 at "
-          f"127.0.0.1:{a.grpc_port}; scheduler at {sc}. Ctrl-C stops everything.\n", flush=True)
+          f"127.0.0.1:{a.grpc_port}; scheduler at {sc}. Prometheus metrics at {url}/metrics (gateway), "
+          f"http://127.0.0.1:{a.scheduler_metrics_port}/metrics (scheduler) and "
+          f"http://127.0.0.1:{a.executor_metrics_port}/metrics (executor). Ctrl-C stops everything.\n", flush=True)
     while True:
         for name, p in procs.items():
             if p.poll() is not None:

@@ -13,6 +13,7 @@ import grpc
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.session import SchedulerError, SchedulerSession, output_error
 from gateway.stops import StopMatcher
+from gateway.telemetry import Observation
 from gateway.tokenizer import ModelTokenizer
 from scheduler_service.errors import InvalidRequestError
 from scheduler_service.request import SamplingParams
@@ -70,6 +71,7 @@ class Backend:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = 0   # learned from the scheduler once it is connected
+        self.ready = False       # the scheduler is serving (kept by gateway.server.follow_scheduler)
 
     async def refresh(self) -> bool:
         """True when the scheduler answers and has an executor; learns max_model_len from it."""
@@ -115,19 +117,26 @@ class Backend:
         return sp
 
     async def generate(self, prompt_ids: list[int], p: GenerationParams, sp: SamplingParams,
-                       usage: Usage) -> AsyncIterator[Chunk]:
+                       usage: Usage, obs: Observation | None = None) -> AsyncIterator[Chunk]:
         """Text deltas of all n completions, interleaved as they come; `sp` is what check() returned.
-        Leaving early aborts them all."""
+        Leaving early aborts them all. `obs` times the first token and names the parent span."""
         usage.prompt_tokens = len(prompt_ids)
+        traceparent = ""
+        if obs is not None:
+            obs.requested(p, len(prompt_ids))
+            traceparent = obs.traceparent()
         queue: asyncio.Queue = asyncio.Queue()
         base = uuid.uuid4().hex[:16]
-        tasks = [asyncio.create_task(self._one(f"{base}-{i}", i, prompt_ids, p, sp, queue, usage)) for i in range(p.n)]
+        tasks = [asyncio.create_task(self._one(f"{base}-{i}", i, prompt_ids, p, sp, queue, usage, traceparent))
+                 for i in range(p.n)]
         try:
             done = 0
             while done < p.n:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                if obs is not None and item.token_ids:
+                    obs.token()
                 yield item
                 if item.finish_reason is not None:
                     done += 1
@@ -135,14 +144,14 @@ class Backend:
             for t in tasks:
                 t.cancel()   # a cancelled completion aborts its request at the scheduler
 
-    async def _one(self, rid, index, prompt_ids, p, sp: SamplingParams, queue, usage) -> None:
+    async def _one(self, rid, index, prompt_ids, p, sp: SamplingParams, queue, usage, traceparent: str) -> None:
         if sp.seed is not None:
             sp = replace(sp, seed=sp.seed + index)   # n seeded completions must still differ from each other
         detok = IncrementalDetokenizer(self.tokenizer)
         stops = StopMatcher(p.stop)
         outputs = self.session.submit(scheduler_pb2.SubmitRequest(
             request_id=rid, prompt_token_ids=prompt_ids, params=sampling_to_proto(sp), priority=p.priority,
-            cache_salt=p.cache_salt or ""))
+            cache_salt=p.cache_salt or "", traceparent=traceparent))
         finished = False
         try:
             while True:

@@ -8,20 +8,28 @@ import grpc
 
 from gateway.core import Backend, GenerationParams, Usage
 from gateway.session import SchedulerError
+from gateway.telemetry import GatewayMetrics, Observation
 from gateway.tokenizer import ChatTemplateError
 from scheduler_service.errors import InvalidRequestError
 from scheduler_service.request import SamplingParams
 from stepwire.v1 import generation_pb2, generation_pb2_grpc
 
+SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 FINISH = {None: generation_pb2.FINISH_REASON_UNSPECIFIED, "stop": generation_pb2.FINISH_REASON_STOP,
           "length": generation_pb2.FINISH_REASON_LENGTH, "abort": generation_pb2.FINISH_REASON_ABORT}
 
 
 class GenerationService(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, backend: Backend):
+    def __init__(self, backend: Backend, metrics: GatewayMetrics):
         self.backend = backend
+        self.metrics = metrics
 
-    async def _prepare(self, request, context) -> tuple[list[int], GenerationParams, SamplingParams]:
+    def _observe(self, context, method: str, request) -> Observation:
+        operation = "chat" if request.WhichOneof("prompt") == "chat" else "text_completion"
+        return Observation(self.metrics, "grpc", f"{SERVICE}/{method}", operation,
+                           dict(context.invocation_metadata() or ()), self.backend.model_name)
+
+    async def _prepare(self, request, context, obs: Observation) -> tuple[list[int], GenerationParams, SamplingParams]:
         b = self.backend
         try:
             b.check_model(request.model)
@@ -53,6 +61,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 await b.refresh()
             sp = b.check(prompt, params)
         except InvalidRequestError as e:
+            obs.end(grpc.StatusCode.INVALID_ARGUMENT.name, error=str(e))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return prompt, params, sp
 
@@ -67,40 +76,55 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         return out
 
     async def Generate(self, request, context):
-        prompt, params, sp = await self._prepare(request, context)
+        obs = self._observe(context, "Generate", request)
+        prompt, params, sp = await self._prepare(request, context, obs)
         usage = Usage()
         comps = [generation_pb2.Completion(index=i) for i in range(params.n)]
+        finish: list[str | None] = [None] * params.n
         try:
-            async for c in self.backend.generate(prompt, params, sp, usage):
+            async for c in self.backend.generate(prompt, params, sp, usage, obs):
                 comp = comps[c.index]
                 comp.text += c.text
                 comp.token_ids.extend(c.token_ids)
                 comp.logprobs.extend(self._logprobs(c.logprobs))
                 if c.finish_reason is not None:
+                    finish[c.index] = c.finish_reason
                     comp.finish_reason = FINISH[c.finish_reason]
                     comp.stop = c.stop or ""
+            obs.end("OK", usage, finish)
         except SchedulerError as e:
+            obs.end(e.code().name, error=e.details())
             await context.abort(e.code(), e.details())
+        finally:
+            obs.end("CANCELLED", usage, finish, error="client cancelled")   # a no-op once ended
         return generation_pb2.GenerateResponse(id=f"gen-{uuid.uuid4().hex}", model=self.backend.model_name,
                                                completions=comps, usage=_usage(usage))
 
     async def GenerateStream(self, request, context):
-        prompt, params, sp = await self._prepare(request, context)
+        obs = self._observe(context, "GenerateStream", request)
+        prompt, params, sp = await self._prepare(request, context, obs)
         usage = Usage()
         rid = f"gen-{uuid.uuid4().hex}"
         last = None
+        finish: list[str | None] = [None] * params.n
         try:
-            async for c in self.backend.generate(prompt, params, sp, usage):
+            async for c in self.backend.generate(prompt, params, sp, usage, obs):
+                if c.finish_reason is not None:
+                    finish[c.index] = c.finish_reason
                 if last is not None:
                     yield last
                 last = generation_pb2.GenerateStreamResponse(
                     id=rid, index=c.index, text=c.text, token_ids=c.token_ids, finish_reason=FINISH[c.finish_reason],
                     stop=c.stop or "", logprobs=self._logprobs(c.logprobs))
+            if last is not None:
+                last.usage.CopyFrom(_usage(usage))   # usage rides on the very last message
+                yield last
+            obs.end("OK", usage, finish)
         except SchedulerError as e:
+            obs.end(e.code().name, error=e.details())
             await context.abort(e.code(), e.details())
-        if last is not None:
-            last.usage.CopyFrom(_usage(usage))   # usage rides on the very last message
-            yield last
+        finally:
+            obs.end("CANCELLED", usage, finish, error="client cancelled")   # a no-op once ended
 
     async def Tokenize(self, request, context):
         b = self.backend

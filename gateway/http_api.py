@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import time
 import uuid
@@ -11,11 +12,13 @@ from typing import Any, Literal
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.core import Backend, GenerationParams, Usage
 from gateway.session import SchedulerError
+from gateway.telemetry import GatewayMetrics, Observation
 from gateway.tokenizer import ChatTemplateError
 from scheduler_service.errors import InvalidRequestError
 
@@ -77,13 +80,23 @@ def _error(status: int, message: str, param: str | None = None, kind: str = "inv
                                                                 "code": None}})
 
 
-def build_app(backend: Backend) -> FastAPI:
-    app = FastAPI(title="stepwire", docs_url=None, redoc_url=None)
+def build_app(backend: Backend, metrics: GatewayMetrics) -> FastAPI:
+    # Newer FastAPI releases trace every request themselves once a tracer provider is installed. The
+    # gateway makes its own SERVER span (the same on HTTP and gRPC, with gen_ai attributes, ending when a
+    # stream ends), so theirs would only duplicate it; metrics are Prometheus, below.
+    native = {"telemetry": {"tracing": False, "metrics": False, "logs": False, "operation_spans": False}} \
+        if "telemetry" in inspect.signature(FastAPI).parameters else {}
+    app = FastAPI(title="stepwire", docs_url=None, redoc_url=None, **native)
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
         loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        metrics.requests.labels("http", request.url.path, "400").inc()
         return _error(400, f"{loc or 'body'}: {first.get('msg', 'invalid request')}", loc or None)
 
     @app.exception_handler(InvalidRequestError)
@@ -92,7 +105,8 @@ def build_app(backend: Backend) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        ok = await backend.refresh()
+        # The same readiness as the gRPC health service: the scheduler reachable and serving.
+        ok = backend.ready
         return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
 
     @app.get("/v1/models")
@@ -103,26 +117,36 @@ def build_app(backend: Backend) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request):
-        p = _params(backend, req, req.max_tokens, req.logprobs)
-        if req.echo:
-            raise InvalidRequestError("echo", "echo is not supported")
-        prompt = req.prompt if isinstance(req.prompt, list) else backend.tokenizer.encode(req.prompt)
-        if isinstance(req.prompt, list) and any(t < 0 or t >= backend.tokenizer.vocab_size for t in req.prompt):
-            raise InvalidRequestError("prompt", "token ids must be within the vocabulary")
-        return await _respond(backend, raw, req, prompt, p, chat=False)
+        obs = Observation(metrics, "http", "/v1/completions", "text_completion", raw.headers, backend.model_name)
+        try:
+            p = _params(backend, req, req.max_tokens, req.logprobs)
+            if req.echo:
+                raise InvalidRequestError("echo", "echo is not supported")
+            prompt = req.prompt if isinstance(req.prompt, list) else backend.tokenizer.encode(req.prompt)
+            if isinstance(req.prompt, list) and any(t < 0 or t >= backend.tokenizer.vocab_size for t in req.prompt):
+                raise InvalidRequestError("prompt", "token ids must be within the vocabulary")
+            return await _respond(backend, raw, req, prompt, p, False, obs)
+        except InvalidRequestError as e:
+            obs.end(400, error=str(e))
+            raise
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, raw: Request):
-        n_lp = (req.top_logprobs or 0) if req.logprobs else None
-        if req.top_logprobs is not None and not req.logprobs:
-            raise InvalidRequestError("top_logprobs", "top_logprobs needs logprobs: true")
-        p = _params(backend, req, req.max_completion_tokens or req.max_tokens, n_lp)
-        messages = [{"role": m.role, "content": _text(m.content)} for m in req.messages]
+        obs = Observation(metrics, "http", "/v1/chat/completions", "chat", raw.headers, backend.model_name)
         try:
-            prompt = backend.tokenizer.encode_chat(messages)
-        except ChatTemplateError as e:
-            raise InvalidRequestError("messages", str(e)) from None
-        return await _respond(backend, raw, req, prompt, p, chat=True)
+            n_lp = (req.top_logprobs or 0) if req.logprobs else None
+            if req.top_logprobs is not None and not req.logprobs:
+                raise InvalidRequestError("top_logprobs", "top_logprobs needs logprobs: true")
+            p = _params(backend, req, req.max_completion_tokens or req.max_tokens, n_lp)
+            messages = [{"role": m.role, "content": _text(m.content)} for m in req.messages]
+            try:
+                prompt = backend.tokenizer.encode_chat(messages)
+            except ChatTemplateError as e:
+                raise InvalidRequestError("messages", str(e)) from None
+            return await _respond(backend, raw, req, prompt, p, True, obs)
+        except InvalidRequestError as e:
+            obs.end(400, error=str(e))
+            raise
 
     return app
 
@@ -150,7 +174,8 @@ def _params(backend: Backend, req: _Sampling, max_tokens: int | None, logprobs: 
                             priority=req.priority, cache_salt=req.cache_salt)
 
 
-async def _respond(backend: Backend, raw: Request, req, prompt: list[int], p: GenerationParams, chat: bool):
+async def _respond(backend: Backend, raw: Request, req, prompt: list[int], p: GenerationParams, chat: bool,
+                   obs: Observation):
     if not backend.max_model_len:
         await backend.refresh()
     sp = backend.check(prompt, p)
@@ -159,12 +184,12 @@ async def _respond(backend: Backend, raw: Request, req, prompt: list[int], p: Ge
     usage = Usage()
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_sse(backend, prompt, p, sp, usage, rid, created, chat, include_usage),
+        return StreamingResponse(_sse(backend, prompt, p, sp, usage, rid, created, chat, include_usage, obs),
                                  media_type="text/event-stream")
     texts = [""] * p.n
     finish: list[str | None] = [None] * p.n
     lps: list[list] = [[] for _ in range(p.n)]
-    gen = backend.generate(prompt, p, sp, usage)
+    gen = backend.generate(prompt, p, sp, usage, obs)
     task = asyncio.ensure_future(_collect(gen, texts, finish, lps))
     # A client that hangs up on a non-streaming call still frees its blocks: watch for it.
     while not task.done():
@@ -172,11 +197,15 @@ async def _respond(backend: Backend, raw: Request, req, prompt: list[int], p: Ge
         if not task.done() and await raw.is_disconnected():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+            obs.end(499, usage, finish, error="client disconnected")
             return JSONResponse({}, status_code=499)
     try:
         task.result()
     except SchedulerError as e:
-        return _rpc_error(e)
+        response = _rpc_error(e)
+        obs.end(response.status_code, error=e.details())
+        return response
+    obs.end(200, usage, finish)
     choices = []
     for i in range(p.n):
         if chat:
@@ -198,7 +227,7 @@ async def _collect(gen, texts, finish, lps) -> None:
             finish[c.index] = c.finish_reason
 
 
-async def _sse(backend, prompt, p, sp, usage, rid, created, chat, include_usage):
+async def _sse(backend, prompt, p, sp, usage, rid, created, chat, include_usage, obs: Observation):
     obj = "chat.completion.chunk" if chat else "text_completion"
 
     def event(choices, **extra):
@@ -210,8 +239,12 @@ async def _sse(backend, prompt, p, sp, usage, rid, created, chat, include_usage)
         for i in range(p.n):
             yield event([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None}])
+    finish: list[str | None] = [None] * p.n
+    error = None
     try:
-        async for c in backend.generate(prompt, p, sp, usage):
+        async for c in backend.generate(prompt, p, sp, usage, obs):
+            if c.finish_reason is not None:
+                finish[c.index] = c.finish_reason
             if chat:
                 choice = {"index": c.index, "delta": {"content": c.text} if c.text else {},
                           "logprobs": _chat_lp(backend, c.logprobs or []) if p.logprobs is not None else None,
@@ -221,12 +254,16 @@ async def _sse(backend, prompt, p, sp, usage, rid, created, chat, include_usage)
                           "logprobs": _completion_lp(backend, c.logprobs or []) if p.logprobs is not None else None}
             if c.text or c.finish_reason is not None or c.logprobs:
                 yield event([choice])
+        if include_usage:
+            yield event([], usage=_usage(usage))
+        yield "data: [DONE]\n\n"
     except SchedulerError as e:
+        error = e.details()
         yield f"data: {json.dumps({'error': {'message': e.details(), 'type': 'server_error'}})}\n\n"
-        return
-    if include_usage:
-        yield event([], usage=_usage(usage))
-    yield "data: [DONE]\n\n"
+    finally:
+        # Also when the client hangs up mid-stream (the generator is closed): the span still ends.
+        obs.end(200, usage, finish, error=error if error is not None else
+                (None if all(f is not None for f in finish) else "client disconnected"))
 
 
 def _usage(u: Usage) -> dict:

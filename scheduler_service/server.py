@@ -15,14 +15,20 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from observability import tracing
+from observability.metrics_server import serve_metrics
+from observability.shutdown import serve_until_sigterm
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.errors import InvalidRequestError
+from scheduler_service.lifecycle import Lifecycles
+from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.output import RequestDelta
 from scheduler_service.request import Request
 from scheduler_service.scheduler import Scheduler
@@ -61,21 +67,36 @@ class ExecutorLink:
     streams: dict[str, asyncio.Queue] = field(default_factory=dict)
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
+    lifecycles: Lifecycles | None = None
+    on_change: Callable[[], None] = lambda: None   # called when the link connects or drops
+
+    def abort(self, request_ids) -> list[Request]:
+        """Abort at the core (blocks freed now) and close the requests' lives; the caller tells the streams."""
+        reqs = self.core.abort_requests(request_ids)
+        for req in reqs:
+            self.lifecycles.finished(req.request_id, "abort", max(req.num_cached_tokens, 0))
+        self.wakeup.set()
+        return reqs
 
     async def run(self) -> None:
         while True:
-            channel = grpc.aio.insecure_channel(self.address)
+            # Keepalive pings find an executor that vanished without closing its connection (a node lost).
+            channel = grpc.aio.insecure_channel(self.address, options=[("grpc.keepalive_time_ms", 10_000),
+                                                                       ("grpc.keepalive_timeout_ms", 5_000)])
             try:
                 stub = executor_pb2_grpc.ExecutorStub(channel)
                 await self._connect(stub)
                 await self._drive(stub)
             except grpc.RpcError as e:
                 log.warning("executor %s: stream lost (%s); recomputing its requests", self.address, e.code())
+            except ConnectionError as e:
+                log.warning("executor %s: %s; recomputing its requests", self.address, e)
             finally:
                 self.connected = False
+                self.on_change()
                 await channel.close()
             if self.core is not None:
-                self.core.reset_executor_state()
+                self.lifecycles.preempted([r.request_id for r in self.core.reset_executor_state()])
             await asyncio.sleep(self.options.retry_seconds)
 
     async def _connect(self, stub) -> None:
@@ -97,45 +118,100 @@ class ExecutorLink:
                 enable_chunked_prefill=o.enable_chunked_prefill, enable_prefix_caching=o.enable_prefix_caching,
                 policy=o.policy), num_blocks=d.num_blocks)
             self.eos_token_ids = list(d.eos_token_ids)
+            # The executor names its model by directory; the gateway serves it under the directory's name too.
+            self.lifecycles.model = self.lifecycles.model or os.path.basename(d.model.rstrip("/"))
         # Epochs only grow; a clock reading stays above any earlier one, across scheduler restarts too.
         self.epoch = max(self.epoch + 1, time.time_ns())
         self.handles = HandleTable()
         self.connected = True
         self.ready.set()
+        self.on_change()
         log.info("executor %s connected: %d blocks of %d tokens, epoch %d", self.address, d.num_blocks,
                  d.block_size, self.epoch)
 
     async def _drive(self, stub) -> None:
         call = stub.Step()
+        # An idle link reads nothing, so it learns that the executor is gone from the call ending.
+        broken = asyncio.Event()
+        call.add_done_callback(lambda _: broken.set())
         core = self.core
+        lives = self.lifecycles
+        m = lives.metrics
         while True:
             if not core.has_unfinished_requests() and not core.finished_req_ids:
                 self.wakeup.clear()
-                await self.wakeup.wait()
+                waits = [asyncio.ensure_future(self.wakeup.wait()), asyncio.ensure_future(broken.wait())]
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                for w in waits:
+                    w.cancel()
+                if broken.is_set():
+                    raise ConnectionError("the step stream ended while idle")
                 continue
+            t0 = time.perf_counter()
+            start_ns = time.time_ns()
             out = core.schedule()
             if out.is_empty and not out.finished_req_ids and not out.preempted_req_ids:
                 await asyncio.sleep(0.001)     # nothing can run yet (e.g. waiting on admission)
                 continue
+            lives.scheduled(out)
             msg, order = encode_step(out, self.handles, self.epoch, self.step)
+            span = self._step_span(out, start_ns) if tracing.tracer() is not None else None
+            if span is not None:
+                msg.traceparent = tracing.traceparent(span)
             self.step += 1
-            self.wire_bytes += msg.ByteSize()
+            size = msg.ByteSize()
+            self.wire_bytes += size
             self.wire_request_steps += len(order)
-            await call.write(msg)
-            reply = await call.read()
-            if reply is grpc.aio.EOF:
-                raise ConnectionError("executor closed the step stream")
-            if reply.HasField("resync"):
-                log.warning("executor %s asked for a resync: %s", self.address, reply.resync.reason)
-                core.reset_executor_state()
-                self.epoch += 1
-                self.handles = HandleTable()
-                continue
-            self.forward_seconds += reply.forward_seconds
-            for d in core.update_from_output(out, decode_result(reply, order)):
-                q = self.streams.get(d.req_id)
-                if q is not None:
-                    q.put_nowait(d)
+            m.wire_bytes.observe(size)
+            forward = None
+            try:
+                await call.write(msg)
+                reply = await call.read()
+                if reply is grpc.aio.EOF:
+                    raise ConnectionError("executor closed the step stream")
+                if reply.HasField("resync"):
+                    log.warning("executor %s asked for a resync: %s", self.address, reply.resync.reason)
+                    lives.preempted([r.request_id for r in core.reset_executor_state()])
+                    self.epoch += 1
+                    self.handles = HandleTable()
+                    continue
+                forward = reply.forward_seconds
+                self.forward_seconds += forward
+                deltas = core.update_from_output(out, decode_result(reply, order))
+                lives.delivered(deltas)
+                for d in deltas:
+                    q = self.streams.get(d.req_id)
+                    if q is not None:
+                        q.put_nowait(d)
+            finally:
+                if span is not None:
+                    span.set_attribute("stepwire.step.wire_bytes", size)
+                    if forward is not None:
+                        span.set_attribute("stepwire.step.forward_seconds", forward)
+                    span.end()
+            m.step_duration.observe(time.perf_counter() - t0)
+
+    def _step_span(self, out, start_ns: int):
+        """`scheduler.step`: the batch's facts, linked to the span of every request it serves."""
+        from opentelemetry.trace import Link
+
+        lives = self.lifecycles
+        links = []
+        for rid in out.num_scheduled_tokens:
+            sp = lives.span_of(rid)
+            if sp is not None:
+                links.append(Link(sp.get_span_context()))
+        cached = out.scheduled_cached_reqs
+        return tracing.tracer().start_span("scheduler.step", start_time=start_ns, links=links, attributes={
+            "stepwire.executor": self.address, "stepwire.step": self.step, "stepwire.epoch": self.epoch,
+            "stepwire.step.num_requests": len(out.num_scheduled_tokens),
+            "stepwire.step.scheduled_tokens": out.total_num_scheduled_tokens,
+            "stepwire.step.new_requests": len(out.scheduled_new_reqs),
+            "stepwire.step.cached_requests": len(cached.req_ids),
+            "stepwire.step.resumed_requests": len(cached.resumed_req_ids),
+            "stepwire.step.preempted_requests": len(out.preempted_req_ids),
+            "stepwire.step.finished_requests": len(out.finished_req_ids),
+            "stepwire.kv_cache.usage": self.core.kv.usage})
 
 
 class _Refused(Exception):
@@ -203,10 +279,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             params = sampling_from_proto(request.params)
             eos = request.eos_token_id if request.HasField("eos_token_id") else (
                 link.eos_token_ids[0] if link.eos_token_ids else None)
-            core.add_request(Request(rid, list(request.prompt_token_ids), params, eos_token_id=eos,
-                                     priority=request.priority, cache_salt=request.cache_salt or None))
+            req = Request(rid, list(request.prompt_token_ids), params, eos_token_id=eos, priority=request.priority,
+                          cache_salt=request.cache_salt or None)
+            core.add_request(req)
         except InvalidRequestError as e:
             raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        link.lifecycles.admitted(req, request.traceparent, link.address)
         link.wakeup.set()
         return link, rid
 
@@ -229,8 +307,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             link.streams.pop(rid, None)
             if not finished:
                 # The client went away (or the call was cancelled): free the request's blocks now.
-                link.core.abort_requests([rid])
-                link.wakeup.set()
+                link.abort([rid])
 
     async def Session(self, request_iterator, context):
         session = _Session()
@@ -250,8 +327,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             # The gateway went away: nobody is left to read these requests, so free their blocks now.
             for rid, link in session.live.items():
                 link.streams.pop(rid, None)
-                link.core.abort_requests([rid])
-                link.wakeup.set()
+                link.abort([rid])
             session.live.clear()
 
     async def _read_session(self, request_iterator, session: _Session) -> None:
@@ -285,12 +361,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         for link in self.links:
             if link.core is None:
                 continue
-            for req in link.core.abort_requests(request_ids):
+            for req in link.abort(request_ids):
                 aborted.append(req.request_id)
                 q = link.streams.get(req.request_id)
                 if q is not None:
                     q.put_nowait(RequestDelta(req.request_id, [], "abort", max(req.num_cached_tokens, 0)))
-            link.wakeup.set()
         return aborted
 
     async def Stats(self, request, context):
@@ -312,25 +387,41 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         return resp
 
 
-async def serve(executors: list[str], address: str, options: SchedulerOptions) -> None:
+async def serve(executors: list[str], address: str, options: SchedulerOptions, metrics_address: str = "") -> None:
+    tracing.setup("stepwire-scheduler")
     links = [ExecutorLink(a, options) for a in executors]
+    metrics = SchedulerMetrics(lambda: links)
+    lifecycles = Lifecycles(metrics)
     server = grpc.aio.server()
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerService(links, options), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     port = server.add_insecure_port(address)
-    for name in ("", SERVICE):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    # Ready (for Kubernetes and for the gateway) exactly while at least one executor is connected.
+    async def follow_links() -> None:
+        up = any(lk.connected for lk in links)
+        status = health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE):
+            await health_servicer.set(name, status)
+
+    pending: set[asyncio.Task] = set()
+
+    def on_change() -> None:
+        t = asyncio.get_running_loop().create_task(follow_links())
+        pending.add(t)
+        t.add_done_callback(pending.discard)
+
+    for lk in links:
+        lk.lifecycles, lk.on_change = lifecycles, on_change
+    await follow_links()
+    serve_metrics(metrics_address, metrics.registry, "scheduler")
     await server.start()
     log.info("scheduler listening on %s (port %d); executors: %s", address, port, ", ".join(executors))
     tasks = [asyncio.create_task(link.run()) for link in links]
-    # Serving once at least one executor is connected (readiness for Kubernetes).
-    await asyncio.wait([asyncio.create_task(lk.ready.wait()) for lk in links], return_when=asyncio.FIRST_COMPLETED)
-    for name in ("", SERVICE):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     try:
-        await server.wait_for_termination()
+        await serve_until_sigterm(server)
     finally:
         for t in tasks:
             t.cancel()
@@ -351,6 +442,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-prefix-caching", action="store_true", default=env("STEPWIRE_NO_PREFIX_CACHING") == "1")
     ap.add_argument("--policy", choices=("fcfs", "priority"), default=env("STEPWIRE_POLICY", "fcfs"))
     ap.add_argument("--max-waiting", type=int, default=int(env("STEPWIRE_MAX_WAITING", "1024")))
+    ap.add_argument("--metrics-address", default=env("STEPWIRE_METRICS_ADDRESS", "127.0.0.1:9091"),
+                    help="host:port for Prometheus /metrics; empty turns it off")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     options = SchedulerOptions(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
@@ -359,7 +452,11 @@ def main(argv: list[str] | None = None) -> None:
                                enable_chunked_prefill=not a.no_chunked_prefill,
                                enable_prefix_caching=not a.no_prefix_caching, policy=a.policy,
                                max_waiting=a.max_waiting)
-    asyncio.run(serve([x.strip() for x in a.executors.split(",") if x.strip()], a.address, options))
+    try:
+        asyncio.run(serve([x.strip() for x in a.executors.split(",") if x.strip()], a.address, options,
+                          a.metrics_address))
+    except KeyboardInterrupt:
+        pass
 
 
 if __name__ == "__main__":

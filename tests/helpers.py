@@ -55,3 +55,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_http_ready(url: str, procs: dict, seconds: float = 120) -> None:
+    """Poll the gateway's /health until it answers 200; fail early if one of the processes died."""
+    import time
+
+    import httpx
+
+    deadline = time.time() + seconds
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        dead = [n for n, p in procs.items() if p.poll() is not None]
+        assert not dead and time.time() < deadline, f"stack not ready; dead: {dead}"
+        time.sleep(0.3)

@@ -12,7 +12,7 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 pytest.importorskip("torch")
 
-from helpers import free_port  # noqa: E402
+from helpers import free_port, wait_http_ready  # noqa: E402
 
 from executor_service.engine import LLMEngine  # noqa: E402
 from executor_service.runner import RunnerConfig  # noqa: E402
@@ -35,25 +35,17 @@ def stack(tmp_path_factory):
     order = [("gateway", [py, "-m", "gateway.server", "--model", str(MODEL), "--scheduler", f"127.0.0.1:{sc}",
                           "--port", str(http), "--grpc-address", f"127.0.0.1:{gw}"]),
              ("scheduler", [py, "-m", "scheduler_service.server", "--executors", f"127.0.0.1:{ex}",
-                            "--address", f"127.0.0.1:{sc}"]),
+                            "--address", f"127.0.0.1:{sc}", "--metrics-address", f"127.0.0.1:{free_port()}"]),
              ("executor", [py, "-m", "executor_service.server", "--model", str(MODEL), "--address",
-                           f"127.0.0.1:{ex}", "--kv-cache-memory", str(256 << 20), "--max-model-len", "2048"])]
+                           f"127.0.0.1:{ex}", "--kv-cache-memory", str(256 << 20), "--max-model-len", "2048",
+                           "--metrics-address", f"127.0.0.1:{free_port()}"])]
     procs = {}
     for name, cmd in order:
         procs[name] = subprocess.Popen(cmd, cwd=ROOT, stdout=open(logs / f"{name}.log", "w"),
                                        stderr=subprocess.STDOUT)
         time.sleep(1.0)
     url = f"http://127.0.0.1:{http}"
-    deadline = time.time() + 120
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        dead = [n for n, p in procs.items() if p.poll() is not None]
-        assert not dead and time.time() < deadline, f"stack not ready; dead: {dead}"
-        time.sleep(0.3)
+    wait_http_ready(url, procs)
     yield url, openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0), sc, gw
     for p in procs.values():
         p.terminate()

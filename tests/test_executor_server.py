@@ -36,7 +36,8 @@ def executor(tmp_path_factory):
     address = f"127.0.0.1:{free_port()}"
     proc = subprocess.Popen([sys.executable, "-m", "executor_service.server", "--model", str(model),
                              "--address", address, "--block-size", "4", "--kv-cache-memory", str(KV_BYTES),
-                             "--max-num-seqs", "8", "--max-model-len", "128"], cwd=ROOT,
+                             "--max-num-seqs", "8", "--max-model-len", "128",
+                             "--metrics-address", f"127.0.0.1:{free_port()}"], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     channel = grpc.insecure_channel(address)
     health = health_pb2_grpc.HealthStub(channel)

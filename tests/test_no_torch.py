@@ -19,8 +19,10 @@ class NoTorch:
         return None
 
 sys.meta_path.insert(0, NoTorch())
-import scheduler_service
-names = [m.name for m in pkgutil.walk_packages(scheduler_service.__path__, "scheduler_service.")]
+import observability, scheduler_service
+# The scheduler image also runs the shared observability package.
+names = [m.name for pkg in (scheduler_service, observability)
+         for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + ".")]
 for name in names:
     importlib.import_module(name)
 assert "torch" not in sys.modules
@@ -28,8 +30,8 @@ print(len(names))
 """
 
 
-def test_importing_every_scheduler_service_module_loads_no_torch():
+def test_importing_every_scheduler_and_observability_module_loads_no_torch():
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    assert int(proc.stdout.strip()) >= 8   # the walk really found the package's modules
+    assert int(proc.stdout.strip()) >= 12   # the walk really found the packages' modules

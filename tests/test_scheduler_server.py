@@ -44,7 +44,8 @@ def stack(tmp_path_factory):
     sched_log, exec_log = open(tmp / "scheduler.log", "w"), open(tmp / "executor.log", "w")
     ex_addr, sc_addr = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     scheduler = subprocess.Popen([sys.executable, "-m", "scheduler_service.server", "--executors", ex_addr,
-                                  "--address", sc_addr, "--max-num-batched-tokens", str(BUDGET), "--max-num-seqs", "8"],
+                                  "--address", sc_addr, "--max-num-batched-tokens", str(BUDGET), "--max-num-seqs", "8",
+                                  "--metrics-address", f"127.0.0.1:{free_port()}"],
                                  cwd=ROOT, stdout=sched_log, stderr=subprocess.STDOUT)
     channel = grpc.insecure_channel(sc_addr)
     time.sleep(1.5)   # the scheduler starts first and must wait for its executor, not crash
@@ -54,7 +55,8 @@ def stack(tmp_path_factory):
         health_pb2.HealthCheckResponse.NOT_SERVING
     executor = subprocess.Popen([sys.executable, "-m", "executor_service.server", "--model", str(model),
                                  "--address", ex_addr, "--block-size", "4", "--kv-cache-memory", str(KV_BYTES),
-                                 "--max-num-seqs", "8", "--max-model-len", "128"], cwd=ROOT,
+                                 "--max-num-seqs", "8", "--max-model-len", "128",
+                                 "--metrics-address", f"127.0.0.1:{free_port()}"], cwd=ROOT,
                                 stdout=exec_log, stderr=subprocess.STDOUT)
     wait_serving(channel, scheduler)
     yield model, scheduler_pb2_grpc.SchedulerStub(channel), tmp / "scheduler.log"

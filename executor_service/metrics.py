@@ -1,0 +1,50 @@
+"""The executor's Prometheus metrics (prefix `stepwire:`): steps, tokens, resyncs and per-phase step
+times as they happen; batch occupancy and KV capacity read from the runner at scrape time."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+
+from scheduler_service.metrics import LATENCY
+
+
+class ExecutorMetrics:
+    def __init__(self, service):
+        r = self.registry = CollectorRegistry()
+        self.steps = Counter("stepwire:executor_steps", "Steps executed.", registry=r)
+        self.scheduled_tokens = Counter("stepwire:executor_scheduled_tokens", "Tokens run through the model.",
+                                        registry=r)
+        self.resyncs = Counter("stepwire:executor_resyncs", "Steps answered with resync (stale epoch or unknown "
+                               "handle).", registry=r)
+        self.forward_time = Histogram("stepwire:forward_time_seconds", "Time inside a step's execution "
+                                      "(prepare, forward and sample).", buckets=LATENCY, registry=r)
+        self.phase_time = Histogram("stepwire:executor_phase_seconds", "Time in each phase of a step.", ["phase"],
+                                    buckets=LATENCY, registry=r)
+        r.register(_Live(service))
+
+    def observe_step(self, seconds: float, tokens: int, phases: tuple[float, float, float]) -> None:
+        self.steps.inc()
+        self.scheduled_tokens.inc(tokens)
+        self.forward_time.observe(seconds)
+        for name, v in zip(("prepare", "forward", "sample"), phases, strict=True):
+            self.phase_time.labels(name).observe(v)
+
+
+class _Live:
+    def __init__(self, service):
+        self.service = service
+
+    def collect(self):
+        runner = self.service.runner
+        loaded = GaugeMetricFamily("stepwire:executor_model_loaded", "1 once the model is loaded and steps run.")
+        loaded.add_metric([], float(runner is not None))
+        yield loaded
+        if runner is None:
+            return
+        rows = GaugeMetricFamily("stepwire:executor_batch_requests", "Requests held in the persistent batch.")
+        rows.add_metric([], len(runner.batch.row_of))
+        blocks = GaugeMetricFamily("stepwire:executor_kv_cache_blocks", "KV-cache blocks this executor holds.")
+        blocks.add_metric([], runner.num_blocks)
+        yield rows
+        yield blocks

@@ -1,0 +1,130 @@
+"""Each request's life at the scheduler, as a span and as metrics.
+
+The span (`scheduler.request`) is a child of the gateway's span, named by the traceparent the gateway
+sent; it covers arrival to finish, with events queued, scheduled (again after each preemption),
+first_token, preempted and finished, and `gen_ai.*` attributes. The same timestamps feed the TTFT,
+inter-token, end-to-end and queue-time histograms.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from observability import tracing
+from scheduler_service.metrics import SchedulerMetrics
+from scheduler_service.output import RequestDelta, SchedulerOutput
+from scheduler_service.request import Request
+
+
+@dataclass(slots=True)
+class _Life:
+    arrival: float
+    num_prompt_tokens: int
+    span: object | None
+    scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    output_tokens: int = 0
+    preemptions: int = 0
+
+
+class Lifecycles:
+    def __init__(self, metrics: SchedulerMetrics, model: str = ""):
+        self.metrics = metrics
+        self.model = model
+        self.lives: dict[str, _Life] = {}
+
+    def span_of(self, rid: str):
+        life = self.lives.get(rid)
+        return life.span if life is not None else None
+
+    def admitted(self, req: Request, traceparent: str, executor: str) -> None:
+        now = time.monotonic()
+        span = None
+        tracer = tracing.tracer()
+        if tracer is not None:
+            from opentelemetry.trace import SpanKind
+
+            sp = req.sampling_params
+            attrs = {"gen_ai.operation.name": "generate", "gen_ai.request.model": self.model,
+                     "gen_ai.request.max_tokens": sp.max_tokens, "gen_ai.request.temperature": sp.temperature,
+                     "gen_ai.request.top_p": sp.top_p, "gen_ai.request.top_k": sp.top_k,
+                     "gen_ai.usage.input_tokens": req.num_prompt_tokens, "stepwire.request.id": req.request_id,
+                     "stepwire.executor": executor}
+            if sp.seed is not None:
+                attrs["gen_ai.request.seed"] = sp.seed
+            span = tracer.start_span("scheduler.request", context=tracing.from_traceparent(traceparent),
+                                     kind=SpanKind.SERVER, attributes=attrs)
+            span.add_event("queued")
+        self.lives[req.request_id] = _Life(now, req.num_prompt_tokens, span)
+
+    def scheduled(self, out: SchedulerOutput) -> None:
+        """Events for a step's decision: requests that start (or restart) running, and those preempted."""
+        now = time.monotonic()
+        lives = self.lives
+        starting = [n.req_id for n in out.scheduled_new_reqs]
+        starting += out.scheduled_cached_reqs.resumed_req_ids
+        for rid in starting:
+            life = lives.get(rid)
+            if life is None:
+                continue
+            if life.scheduled is None:
+                life.scheduled = now
+                self.metrics.queue_time.observe(now - life.arrival)
+            if life.span is not None:
+                life.span.add_event("scheduled", {"stepwire.num_computed_tokens":
+                                                  out.num_scheduled_tokens.get(rid, 0)})
+        self.preempted(out.preempted_req_ids)
+
+    def preempted(self, rids) -> None:
+        for rid in rids:
+            life = self.lives.get(rid)
+            if life is not None:
+                life.preemptions += 1
+                if life.span is not None:
+                    life.span.add_event("preempted")
+
+    def delivered(self, deltas: list[RequestDelta]) -> None:
+        now = time.monotonic()
+        m = self.metrics
+        generated = 0
+        for d in deltas:
+            life = self.lives.get(d.req_id)
+            if life is None or not d.new_token_ids:
+                if life is not None and d.finish_reason is not None:
+                    self.finished(d.req_id, d.finish_reason, max(d.num_cached_tokens, 0))
+                continue
+            n = len(d.new_token_ids)
+            generated += n
+            life.output_tokens += n
+            if life.first_token is None:
+                life.first_token = now
+                m.ttft.observe(now - life.arrival)
+                m.prompt_tokens.inc(life.num_prompt_tokens)
+                if life.span is not None:
+                    life.span.add_event("first_token")
+            else:
+                m.itl.observe(now - life.last_token)
+            life.last_token = now
+            if d.finish_reason is not None:
+                self.finished(d.req_id, d.finish_reason, max(d.num_cached_tokens, 0))
+        if generated:
+            m.generation_tokens.inc(generated)
+
+    def finished(self, rid: str, reason: str, cached_tokens: int = 0) -> None:
+        life = self.lives.pop(rid, None)
+        if life is None:
+            return
+        now = time.monotonic()
+        m = self.metrics
+        m.request_success.labels(reason).inc()
+        m.e2e.observe(now - life.arrival)
+        span = life.span
+        if span is not None:
+            span.add_event("finished", {"gen_ai.response.finish_reasons": [reason]})
+            span.set_attributes({
+                "gen_ai.usage.output_tokens": life.output_tokens, "gen_ai.response.finish_reasons": [reason],
+                "stepwire.prefix_cache.hit_tokens": cached_tokens, "stepwire.num_preemptions": life.preemptions,
+                "stepwire.queue_time_seconds": (life.scheduled or now) - life.arrival})
+            span.end()

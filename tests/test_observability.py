@@ -1,0 +1,278 @@
+"""Traces, metrics, health and reflection of the three services, run as processes on loopback ports that
+export OTLP to a receiver this test runs (the standard OTLP/gRPC TraceService)."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+grpc = pytest.importorskip("grpc")
+pytest.importorskip("torch")
+pytest.importorskip("opentelemetry.proto")
+
+from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc  # noqa: E402
+from helpers import free_port, wait_http_ready  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from observability import receiver  # noqa: E402
+from stepwire.internal import scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
+from stepwire.v1 import generation_pb2 as g  # noqa: E402
+from stepwire.v1 import generation_pb2_grpc  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
+NAME = "SmolLM2-135M-Instruct"
+CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+CLIENT_SPAN = "00f067aa0ba902b7"
+
+
+def _start_executor(ex, ex_metrics, env, log):
+    return subprocess.Popen([sys.executable, "-m", "executor_service.server", "--model", str(MODEL), "--address",
+                             f"127.0.0.1:{ex}", "--kv-cache-memory", str(128 << 20), "--max-model-len", "1024",
+                             "--metrics-address", f"127.0.0.1:{ex_metrics}"], cwd=ROOT, env=env,
+                            stdout=open(log, "a"), stderr=subprocess.STDOUT)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    if not (MODEL / "conversion.json").exists():
+        pytest.skip("embedded model not converted (make model)")
+    logs = tmp_path_factory.mktemp("logs")
+    server, sink, otlp = receiver.start("127.0.0.1:0")
+    env = dict(os.environ, OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{otlp}", OTEL_EXPORTER_OTLP_INSECURE="true",
+               OTEL_TRACES_SAMPLER="always_on", OTEL_BSP_SCHEDULE_DELAY="100")
+    ports = {k: free_port() for k in ("ex", "sc", "http", "gw", "ex_metrics", "sc_metrics")}
+    py = sys.executable
+    procs = {
+        "scheduler": subprocess.Popen([py, "-m", "scheduler_service.server", "--executors", f"127.0.0.1:{ports['ex']}",
+                                       "--address", f"127.0.0.1:{ports['sc']}", "--metrics-address",
+                                       f"127.0.0.1:{ports['sc_metrics']}"], cwd=ROOT, env=env,
+                                      stdout=open(logs / "scheduler.log", "w"), stderr=subprocess.STDOUT),
+        "gateway": subprocess.Popen([py, "-m", "gateway.server", "--model", str(MODEL), "--scheduler",
+                                     f"127.0.0.1:{ports['sc']}", "--port", str(ports["http"]), "--grpc-address",
+                                     f"127.0.0.1:{ports['gw']}"], cwd=ROOT, env=env,
+                                    stdout=open(logs / "gateway.log", "w"), stderr=subprocess.STDOUT),
+        "executor": _start_executor(ports["ex"], ports["ex_metrics"], env, logs / "executor.log"),
+    }
+    url = f"http://127.0.0.1:{ports['http']}"
+    wait_http_ready(url, procs)
+    yield {"url": url, "ports": ports, "sink": sink, "procs": procs, "env": env, "logs": logs}
+    for p in procs.values():
+        p.terminate()
+        p.wait(timeout=15)
+    server.stop(0)
+
+
+@pytest.fixture(scope="module")
+def workload(stack):
+    """Three good requests (streaming chat with a client traceparent, a completion, a gRPC Generate with a
+    traceparent in its metadata) and one bad one; returns what each reported."""
+    client = openai.OpenAI(base_url=stack["url"] + "/v1", api_key="unused", max_retries=0)
+    header = {"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"}
+    stream = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Name a color."}],
+                                            max_tokens=7, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}, extra_headers=header,
+                                            extra_body={"ignore_eos": True})
+    chat_usage = [c.usage for c in stream if c.usage][0]
+    comp = client.completions.create(model=NAME, prompt="The sky is", max_tokens=5, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    grpc_trace = "0af7651916cd43dd8448eb211c80319c"
+    stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{stack['ports']['gw']}"))
+    gen = stub.Generate(g.GenerateRequest(text="One, two,", params=g.SamplingParameters(
+        max_tokens=4, temperature=0, ignore_eos=True)),
+        metadata=[("traceparent", f"00-{grpc_trace}-b7ad6b7169203331-01")])
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=NAME, prompt="hi", max_tokens=4, temperature=-1)
+    usages = [(chat_usage.prompt_tokens, chat_usage.completion_tokens, chat_usage.prompt_tokens_details.cached_tokens),
+              (comp.usage.prompt_tokens, comp.usage.completion_tokens, comp.usage.prompt_tokens_details.cached_tokens),
+              (gen.usage.prompt_tokens, gen.usage.completion_tokens, gen.usage.cached_prompt_tokens)]
+    assert [u[1] for u in usages] == [7, 5, 4]
+    return {"usages": usages, "grpc_trace": grpc_trace}
+
+
+def spans_when(sink, done, seconds=30):
+    deadline = time.time() + seconds
+    while True:
+        with sink.lock:
+            spans = list(sink.spans)
+        if done(spans):
+            return spans
+        assert time.time() < deadline, f"spans never arrived: {sorted({(s['service'], s['name']) for s in spans})}"
+        time.sleep(0.2)
+
+
+def test_each_request_is_one_trace_from_the_gateway_through_the_scheduler(stack, workload):
+    spans = spans_when(stack["sink"], lambda ss: sum(s["name"] == "scheduler.request" for s in ss) >= 3)
+    gateway = [s for s in spans if s["service"] == "stepwire-gateway" and s["kind"] == 2]   # SERVER
+    requests = [s for s in spans if s["name"] == "scheduler.request"]
+    assert {s["service"] for s in requests} == {"stepwire-scheduler"}
+    # The client's traceparent is the gateway span's parent, over HTTP and over gRPC metadata.
+    chat = next(s for s in gateway if s["trace_id"] == CLIENT_TRACE)
+    assert chat["parent_id"] == CLIENT_SPAN and chat["name"] == "POST /v1/chat/completions"
+    grpc_span = next(s for s in gateway if s["trace_id"] == workload["grpc_trace"])
+    assert grpc_span["name"].endswith("Generation/Generate")
+    ok = [s for s in gateway if s["attributes"].get("http.response.status_code", 200) == 200
+          and s["attributes"].get("rpc.grpc.status_code", "OK") == "OK"]
+    assert len(ok) == 3
+    for gw_span, (prompt, out, cached) in zip(sorted(ok, key=lambda s: s["start_ns"]), workload["usages"], strict=True):
+        mine = [s for s in requests if s["trace_id"] == gw_span["trace_id"]]
+        assert len(mine) == 1 and mine[0]["parent_id"] == gw_span["span_id"]
+        req = mine[0]
+        assert [e["name"] for e in req["events"]] == ["queued", "scheduled", "first_token", "finished"]
+        a = req["attributes"]
+        assert a["gen_ai.request.model"] == NAME and a["gen_ai.request.max_tokens"] == out
+        assert a["gen_ai.usage.input_tokens"] == prompt and a["gen_ai.usage.output_tokens"] == out
+        assert a["gen_ai.response.finish_reasons"] == ["length"] and a["gen_ai.request.temperature"] == 0
+        assert a["stepwire.prefix_cache.hit_tokens"] == cached and a["stepwire.queue_time_seconds"] >= 0
+        assert gw_span["attributes"]["gen_ai.usage.output_tokens"] == out
+        assert gw_span["start_ns"] <= req["start_ns"] and req["end_ns"] <= gw_span["end_ns"]
+    # The bad request got a span too, marked as an error, and never reached the scheduler.
+    bad = [s for s in gateway if s["attributes"].get("http.response.status_code") == 400]
+    assert len(bad) == 1 and bad[0]["status"] == 2 and not [s for s in requests if s["trace_id"] == bad[0]["trace_id"]]
+
+
+def test_step_spans_link_the_requests_they_serve_and_parent_the_executors_step_spans(stack, workload):
+    spans = spans_when(stack["sink"], lambda ss: sum(s["name"] == "scheduler.request" for s in ss) >= 3 and
+                       sum(s["name"] == "sample" for s in ss) >= 3)
+    by_id = {s["span_id"]: s for s in spans}
+    requests = {s["span_id"] for s in spans if s["name"] == "scheduler.request"}
+    steps = [s for s in spans if s["name"] == "scheduler.step"]
+    assert steps and {s["service"] for s in steps} == {"stepwire-scheduler"}
+    linked = {lk["span_id"] for s in steps for lk in s["links"]}
+    assert requests <= linked     # every request's span is linked from the steps that ran it
+    for s in steps:
+        # A step may only tell the executor that requests finished: it then runs nothing and links nothing.
+        a = s["attributes"]
+        assert a["stepwire.step.num_requests"] == len(s["links"])
+        assert a["stepwire.step.scheduled_tokens"] >= a["stepwire.step.num_requests"]
+        assert a["stepwire.step.num_requests"] or a["stepwire.step.finished_requests"]
+        assert a["stepwire.step.wire_bytes"] > 0 and 0 <= a["stepwire.kv_cache.usage"] <= 1
+    executor_steps = [s for s in spans if s["name"] == "executor.step"]
+    assert executor_steps and {s["service"] for s in executor_steps} == {"stepwire-executor"}
+    for s in executor_steps:
+        parent = by_id[s["parent_id"]]      # from the other process, through the Step message
+        assert parent["name"] == "scheduler.step" and parent["trace_id"] == s["trace_id"]
+        assert parent["attributes"]["stepwire.step"] == s["attributes"]["stepwire.step"]
+    some = executor_steps[0]
+    children = sorted((s for s in spans if s["parent_id"] == some["span_id"]), key=lambda s: s["start_ns"])
+    assert [c["name"] for c in children] == ["prepare_inputs", "forward", "sample"]
+    assert all(c["service"] == "stepwire-executor" for c in children)
+
+
+def scrape(url: str) -> dict:
+    text = httpx.get(url, timeout=5).text
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            values[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return values
+
+
+def total(values: dict, name: str, **labels) -> float:
+    want = set(labels.items())
+    return sum(v for (n, ls), v in values.items() if n == name and want <= set(ls))
+
+
+def test_each_services_metrics_agree_with_the_workload(stack, workload):
+    ports, usages = stack["ports"], workload["usages"]
+    n = len(usages)
+    prompt, out, cached = (sum(u[i] for u in usages) for i in range(3))
+    sc = scrape(f"http://127.0.0.1:{ports['sc_metrics']}/metrics")
+    assert total(sc, "stepwire:request_success_total", finished_reason="length") == n
+    assert total(sc, "stepwire:generation_tokens_total") == out
+    assert total(sc, "stepwire:prompt_tokens_total") == prompt
+    assert total(sc, "stepwire:time_to_first_token_seconds_count") == n
+    assert total(sc, "stepwire:e2e_request_latency_seconds_count") == n
+    assert total(sc, "stepwire:request_queue_time_seconds_count") == n
+    assert total(sc, "stepwire:inter_token_latency_seconds_count") == out - n
+    assert total(sc, "stepwire:num_requests_running") == 0 and total(sc, "stepwire:num_requests_waiting") == 0
+    assert total(sc, "stepwire:kv_cache_usage_perc") == 0 and total(sc, "stepwire:num_preemptions_total") == 0
+    assert total(sc, "stepwire:prefix_cache_queries_total") >= prompt - n
+    assert total(sc, "stepwire:prefix_cache_hits_total") == cached
+    assert total(sc, "stepwire:executor_connected") == 1
+    stats = scheduler_pb2_grpc.SchedulerStub(grpc.insecure_channel(f"127.0.0.1:{ports['sc']}")).Stats(
+        scheduler_pb2.StatsRequest()).executors[0]
+    assert total(sc, "stepwire:step_duration_seconds_count") == stats.num_steps
+    assert total(sc, "stepwire:step_wire_bytes_sum") == stats.wire_bytes
+    ex = scrape(f"http://127.0.0.1:{ports['ex_metrics']}/metrics")
+    assert total(ex, "stepwire:executor_steps_total") == stats.num_steps
+    # Every prompt token not served from the cache, and every output token but the last, went through the model.
+    assert total(ex, "stepwire:executor_scheduled_tokens_total") == prompt - cached + out - n
+    assert total(ex, "stepwire:forward_time_seconds_count") == stats.num_steps
+    assert total(ex, "stepwire:executor_phase_seconds_count", phase="forward") == stats.num_steps
+    assert total(ex, "stepwire:executor_batch_requests") == 0 and total(ex, "stepwire:executor_model_loaded") == 1
+    gw = scrape(stack["url"] + "/metrics")
+    assert total(gw, "stepwire:gateway_requests_total", api="http", code="200") == 2
+    assert total(gw, "stepwire:gateway_requests_total", api="grpc", code="OK") == 1
+    assert total(gw, "stepwire:gateway_requests_total", api="http", code="400") == 1
+    assert total(gw, "stepwire:gateway_generation_tokens_total") == out
+    assert total(gw, "stepwire:gateway_prompt_tokens_total") == prompt
+    assert total(gw, "stepwire:gateway_request_success_total", finished_reason="length") == n
+    assert total(gw, "stepwire:gateway_time_to_first_token_seconds_count") == n
+    assert total(gw, "stepwire:gateway_scheduler_ready") == 1
+
+
+def health_status(port: int) -> int:
+    try:
+        return health_pb2_grpc.HealthStub(grpc.insecure_channel(f"127.0.0.1:{port}")).Check(
+            health_pb2.HealthCheckRequest(), timeout=2).status
+    except grpc.RpcError:
+        return -1
+
+
+def test_every_grpc_server_has_health_and_reflection(stack):
+    ports = stack["ports"]
+    expected = {"ex": "stepwire.internal.Executor", "sc": "stepwire.internal.Scheduler",
+                "gw": "stepwire.v1.Generation"}
+    for key, service in expected.items():
+        assert health_status(ports[key]) == health_pb2.HealthCheckResponse.SERVING
+        stub = reflection_pb2_grpc.ServerReflectionStub(grpc.insecure_channel(f"127.0.0.1:{ports[key]}"))
+        reply = next(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+        names = {s.name for s in reply.list_services_response.service}
+        assert {service, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= names
+
+
+def test_readiness_follows_the_executor_going_away_and_coming_back(stack, workload):
+    """It kills the executor (and starts another): the scheduler and then the gateway (gRPC health and
+    HTTP /health) report not ready, and ready again once an executor is back on the same address."""
+    ports, procs = stack["ports"], stack["procs"]
+    procs["executor"].kill()
+    procs["executor"].wait()
+    not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+
+    def until(cond, seconds=30):
+        deadline = time.time() + seconds
+        while not cond():
+            assert time.time() < deadline
+            time.sleep(0.2)
+
+    until(lambda: health_status(ports["sc"]) == not_serving)
+    until(lambda: health_status(ports["gw"]) == not_serving)
+    assert httpx.get(stack["url"] + "/health").status_code == 503
+    procs["executor"] = _start_executor(ports["ex"], ports["ex_metrics"], stack["env"], stack["logs"] / "executor.log")
+    wait_http_ready(stack["url"], procs)
+    assert health_status(ports["sc"]) == health_pb2.HealthCheckResponse.SERVING
+    client = openai.OpenAI(base_url=stack["url"] + "/v1", api_key="unused", max_retries=0)
+    assert client.completions.create(model=NAME, prompt="Hi", max_tokens=3, temperature=0,
+                                     extra_body={"ignore_eos": True}).usage.completion_tokens == 3
+
+
+def test_the_tree_of_a_request_shows_its_spans_and_the_steps_that_served_it(stack, workload):
+    from observability.tree import render
+
+    spans = spans_when(stack["sink"], lambda ss: sum(s["name"] == "sample" for s in ss) >= 3)
+    lines = render(spans, CLIENT_TRACE, max_steps=2).splitlines()
+    names = [ln.strip().split(" [")[0] for ln in lines]
+    depth = [(len(ln) - len(ln.lstrip())) // 2 for ln in lines]
+    assert names[:2] == ["POST /v1/chat/completions", "scheduler.request"] and depth[:2] == [0, 1]
+    # 7 tokens: the prompt's step and six decode steps; two shown, the rest summarized, the last shown.
+    assert names[2:5] == ["(linked step)", "scheduler.step", "executor.step"] and depth[2:5] == [2, 3, 4]
+    assert names[5:8] == ["prepare_inputs", "forward", "sample"] and set(depth[5:8]) == {5}
+    assert any(n.startswith("... ") and "more linked steps" in n for n in names)
+    assert names.count("scheduler.step") == 3
