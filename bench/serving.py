@@ -240,20 +240,28 @@ def main() -> None:
     proc, url, sc = start_stack()
     runs: dict[str, list[dict]] = {"split": [], "inproc": []}
     try:
-        # One short unmeasured wave each first: the first steps of a process pay for allocator growth and
+        # One unmeasured wave each first: the first steps of a process pay for allocator growth and
         # oneDNN's kernel cache, which would otherwise fall on whichever system runs first.
-        asyncio.run(http_run(url, args.model_name, texts[:args.concurrency], 8, args.concurrency))
-        inproc_run(engine, prompt_ids[:args.concurrency], 8, args.concurrency)
+        asyncio.run(http_run(url, args.model_name, texts[:args.concurrency], args.tokens, args.concurrency))
+        inproc_run(engine, prompt_ids[:args.concurrency], args.tokens, args.concurrency)
         first = executor_stats(sc)
-        for _ in range(args.rounds):
+
+        def split_round() -> None:
             before = executor_stats(sc)
             r = asyncio.run(http_run(url, args.model_name, texts, args.tokens, args.concurrency))
             after = executor_stats(sc)
             r.update(steps=after["steps"] - before["steps"], forward=after["forward"] - before["forward"])
             runs["split"].append(r)
+
+        def inproc_round() -> None:
             runs["inproc"].append(inproc_run(engine, prompt_ids, args.tokens, args.concurrency))
-            print(f"round: split {r['tok_s']:.1f} tok/s, in-process {runs['inproc'][-1]['tok_s']:.1f} tok/s",
-                  flush=True)
+
+        for i in range(args.rounds):
+            # Which goes first alternates too, so that an order effect cancels over an even number of rounds.
+            for run in ((split_round, inproc_round) if i % 2 == 0 else (inproc_round, split_round)):
+                run()
+            print(f"round: split {runs['split'][-1]['tok_s']:.1f} tok/s, in-process {runs['inproc'][-1]['tok_s']:.1f} "
+                  "tok/s", flush=True)
         last = executor_stats(sc)
     finally:
         proc.terminate()

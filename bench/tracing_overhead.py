@@ -49,13 +49,14 @@ def main() -> None:
         for name, env in (("traced", traced_env), ("untraced", plain)):
             proc, url, _ = start_stack(env)
             stacks[name] = (proc, url)
-        # One short unmeasured wave each first: the first steps of a process pay for allocator growth and
+        # One unmeasured wave each first: the first steps of a process pay for allocator growth and
         # oneDNN's kernel cache, which would otherwise fall on whichever stack runs first.
         for _, url in stacks.values():
-            asyncio.run(http_run(url, args.model_name, texts[:args.concurrency], 8, args.concurrency))
+            asyncio.run(http_run(url, args.model_name, texts[:args.concurrency], args.tokens, args.concurrency))
         runs: dict[str, list[dict]] = {"traced": [], "untraced": []}
-        for _ in range(args.rounds):
-            for name in ("traced", "untraced"):
+        for i in range(args.rounds):
+            # Which goes first alternates too, so that an order effect cancels over an even number of rounds.
+            for name in (("traced", "untraced") if i % 2 == 0 else ("untraced", "traced")):
                 r = asyncio.run(http_run(stacks[name][1], args.model_name, texts, args.tokens, args.concurrency))
                 runs[name].append(r)
             print(f"round: traced {runs['traced'][-1]['tok_s']:.1f} tok/s, "
