@@ -206,3 +206,42 @@ def test_an_abort_on_a_session_ends_that_request_only(stack):
     assert finish == {"keep": "length", "drop": "abort"}
     assert tokens["keep"] == 12 and tokens["drop"] < 100
     wait_all_blocks_free(stub)
+
+
+def test_one_scheduler_spreads_requests_over_two_executors_and_each_answers_correctly(tmp_path):
+    model = write_tiny_llama(tmp_path / "llama")
+    ex_addrs = [f"127.0.0.1:{free_port()}" for _ in range(2)]
+    sc_addr = f"127.0.0.1:{free_port()}"
+    log = open(tmp_path / "services.log", "w")
+    procs = [subprocess.Popen([sys.executable, "-m", "executor_service.server", "--model", str(model), "--address", a,
+                               "--block-size", "4", "--kv-cache-memory", str(KV_BYTES), "--max-num-seqs", "8",
+                               "--max-model-len", "128", "--metrics-address", ""], cwd=ROOT, stdout=log,
+                              stderr=subprocess.STDOUT) for a in ex_addrs]
+    procs.append(subprocess.Popen([sys.executable, "-m", "scheduler_service.server", "--executors", ",".join(ex_addrs),
+                                   "--address", sc_addr, "--max-num-batched-tokens", str(BUDGET), "--max-num-seqs",
+                                   "8", "--metrics-address", ""], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
+    try:
+        channel = grpc.insecure_channel(sc_addr)
+        wait_serving(channel, procs[-1])
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        deadline = time.time() + 60
+        while not all(e.connected for e in stub.Stats(scheduler_pb2.StatsRequest()).executors):
+            assert time.time() < deadline
+            time.sleep(0.2)
+        prompts = [[5 + i, 6, 7, 8 + i] for i in range(6)]
+        local = LLMEngine(RunnerConfig(str(model), block_size=4, kv_cache_memory=KV_BYTES, max_num_seqs=8,
+                                       max_model_len=128),
+                          SchedulerConfig(block_size=4, max_model_len=128, max_num_seqs=8,
+                                          max_num_batched_tokens=BUDGET))
+        expected = [c.token_ids for c in local.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0,
+                                                                               ignore_eos=True))]
+        calls = [submit(stub, f"two-{i}", p) for i, p in enumerate(prompts)]   # all queued before any finishes
+        assert [[t for o in c for t in o.token_ids] for c in calls] == expected
+        stats = stub.Stats(scheduler_pb2.StatsRequest()).executors
+        assert {e.address for e in stats} == set(ex_addrs)
+        assert all(e.num_steps > 0 for e in stats)          # both executors ran some of the requests
+        assert all(e.num_free_blocks == e.num_total_blocks for e in stats)
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(timeout=10)
