@@ -48,17 +48,18 @@ class AttentionMetadata:
     decode_token_idx: torch.Tensor      # [Bd] index of each decode's token in the flat batch
     decode_block_table: torch.Tensor    # [Bd, nb] block ids (padded with 0, the null block)
     decode_seq_lens: torch.Tensor       # [Bd] tokens in cache after this step
-    # Chunks: (first token index in the flat batch, query length, sequence length, block ids [nb]).
-    chunks: list[tuple[int, int, int, torch.Tensor]]
+    decode_mask: torch.Tensor           # [Bd, 1, 1, nb * block_size] which gathered slots each decode reads
+    # Chunks: (first token index in the flat batch, query length, sequence length, block ids [nb], causal
+    # mask [q_len, seq_len] offset by the tokens already cached, or None when nothing was).
+    chunks: list[tuple[int, int, int, torch.Tensor, torch.Tensor | None]]
     scratch: GatherScratch | None = None
 
 
 class PagedAttention:
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.block_size = block_size
         self.scale = head_dim ** -0.5
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -67,19 +68,22 @@ class PagedAttention:
         kvh, d = self.num_kv_heads, self.head_dim
         k_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v)
+        if not meta.chunks:
+            # Pure decode, the common step: the decode index is the identity, so no scatter into a copy.
+            return self._decode(q, k_cache, v_cache, meta)
         out = torch.empty_like(q)
         if meta.decode_token_idx.numel():
             out[meta.decode_token_idx] = self._decode(q[meta.decode_token_idx], k_cache, v_cache, meta)
-        for start, q_len, seq_len, blocks in meta.chunks:
+        for start, q_len, seq_len, blocks, mask in meta.chunks:
             end = start + q_len
-            if q_len == seq_len:
+            if mask is None:
                 # Nothing cached before this chunk: its own fresh K/V are all it attends to, no gather.
                 out[start:end] = self._attend(q[start:end], k[start:end].transpose(0, 1),
-                                              v[start:end].transpose(0, 1), 0)
+                                              v[start:end].transpose(0, 1), None)
             else:
                 keys = self._gather(k_cache, blocks, meta.scratch, "k")[:, :seq_len]       # [KVH, S, D]
                 values = self._gather(v_cache, blocks, meta.scratch, "v")[:, :seq_len]
-                out[start:end] = self._attend(q[start:end], keys, values, seq_len - q_len)
+                out[start:end] = self._attend(q[start:end], keys, values, mask)
         return out
 
     def _gather(self, cache: torch.Tensor, blocks: torch.Tensor, scratch: GatherScratch | None,
@@ -96,33 +100,31 @@ class PagedAttention:
     def _decode(self, q, k_cache, v_cache, meta) -> torch.Tensor:
         keys = self._gather(k_cache, meta.decode_block_table, meta.scratch, "k")      # [Bd, KVH, L, D]
         values = self._gather(v_cache, meta.decode_block_table, meta.scratch, "v")
-        length = keys.shape[-2]
-        valid = torch.arange(length, device=q.device) < meta.decode_seq_lens[:, None]   # [Bd, L]
         # One query token per request: the query heads sharing a KV head become that head's query rows, so
         # each gathered KV is read once for all of them (a third of enable_gqa's traffic for SmolLM2).
         bd = q.shape[0]
         qg = q.view(bd, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
-        o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=valid[:, None, None, :], scale=self.scale)
+        o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=meta.decode_mask, scale=self.scale)
         return o.reshape(bd, self.num_heads, self.head_dim)
 
-    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, offset: int) -> torch.Tensor:
-        """Causal attention of q [Lq, H, D] over keys/values [KVH, S, D], query i sitting at offset + i."""
-        q_len, seq_len = q.shape[0], keys.shape[1]
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        """Attention of q [Lq, H, D] over keys/values [KVH, S, D]: causal from the start (mask None), or
+        under the chunk's offset causal mask."""
         # 4-D inputs: with 3-D ones torch takes its slow "math" path instead of the fused CPU kernel.
         qh, kh, vh = q.transpose(0, 1)[None], keys[None], values[None]
         gqa = self.num_kv_heads != self.num_heads
-        if offset == 0:
+        if mask is None:
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale, enable_gqa=gqa)
         else:
-            mask = (torch.arange(seq_len, device=q.device)[None, :]
-                    <= torch.arange(q_len, device=q.device)[:, None] + offset)
             o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
         return o[0].transpose(0, 1)
 
 
 def build_attention_metadata(inputs, block_table: np.ndarray, block_size: int, to,
                              scratch: GatherScratch | None = None) -> AttentionMetadata:
-    """Metadata for one step from the persistent batch's block table; `to` moves a numpy array to the device."""
+    """Metadata for one step from the persistent batch's block table; `to` moves a numpy array to the device.
+    The masks are built here, once per step, since every layer uses the same ones."""
     chunks = []
     if len(inputs.input_ids) == len(inputs.rows):   # pure decode: every request is a decode
         d_rows, d_lens, d_tok = inputs.rows, inputs.seq_lens, inputs.query_start
@@ -131,14 +133,21 @@ def build_attention_metadata(inputs, block_table: np.ndarray, block_size: int, t
         d_rows, d_lens, d_tok = inputs.rows[decode], inputs.seq_lens[decode], inputs.query_start[decode]
         for i in np.flatnonzero(~decode):
             seq_len = int(inputs.seq_lens[i])
+            q_len = int(inputs.num_scheduled[i])
             blocks = to(block_table[inputs.rows[i], :-(-seq_len // block_size)])
-            chunks.append((int(inputs.query_start[i]), int(inputs.num_scheduled[i]), seq_len, blocks))
+            mask = None
+            if q_len != seq_len:   # query j sits at position seq_len - q_len + j and sees keys up to it
+                mask = to(np.arange(seq_len)[None, :] <= np.arange(q_len)[:, None] + (seq_len - q_len))
+            chunks.append((int(inputs.query_start[i]), q_len, seq_len, blocks, mask))
     nb = int(-(-d_lens.max() // block_size)) if len(d_lens) else 0
+    decode_seq_lens = to(d_lens)
     return AttentionMetadata(
         slot_mapping=to(inputs.slot_mapping),
         decode_token_idx=to(d_tok),
         decode_block_table=to(np.ascontiguousarray(block_table[d_rows, :nb])),
-        decode_seq_lens=to(d_lens),
+        decode_seq_lens=decode_seq_lens,
+        decode_mask=(torch.arange(nb * block_size, device=decode_seq_lens.device)
+                     < decode_seq_lens[:, None])[:, None, None, :],
         chunks=chunks,
         scratch=scratch,
     )

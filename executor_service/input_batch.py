@@ -11,7 +11,7 @@ A preempted request leaves the batch but not the executor: its tokens and sampli
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import chain
 from operator import itemgetter
 
@@ -25,11 +25,9 @@ from scheduler_service.request import SamplingParams
 class RequestState:
     req_id: str
     sampling_params: SamplingParams
-    num_prompt_tokens: int
     # Filled only while the request is parked (preempted); live rows keep tokens in the batch arrays.
     token_ids: np.ndarray | None = None
     generator: object | None = None      # the request's own RNG when seeded (a torch.Generator)
-    extra: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -90,7 +88,7 @@ class InputBatch:
             self._apply_cached(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens,
                                cached.resumed_req_ids)
         for new in out.scheduled_new_reqs:
-            state = RequestState(new.req_id, new.sampling_params, len(new.prompt_token_ids))
+            state = RequestState(new.req_id, new.sampling_params)
             if make_state is not None:
                 make_state(state)
             tokens = np.asarray(new.prompt_token_ids + new.output_token_ids, dtype=np.int64)

@@ -35,14 +35,14 @@ def read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def load_model(path: str | Path, block_size: int, max_positions: int, device: torch.device | str = "cpu",
+def load_model(path: str | Path, max_positions: int, device: torch.device | str = "cpu",
                dtype: torch.dtype = torch.float32) -> LlamaModel:
     path = Path(path)
     cfg = ModelConfig.from_dir(path)
     ckpt = read_checkpoint(path)
     ckpt_names = set(ckpt)
     with torch.device("meta"):
-        model = LlamaModel(cfg, block_size)
+        model = LlamaModel(cfg)
     state = _fuse(cfg, ckpt)
     expected = set(model.state_dict())
     missing, unexpected = expected - set(state), set(state) - expected
@@ -50,8 +50,10 @@ def load_model(path: str | Path, block_size: int, max_positions: int, device: to
         raise ModelLoadError(f"{path}: checkpoint lacks {sorted(missing)[:5]}{' ...' if len(missing) > 5 else ''}")
     if unexpected:
         raise ModelLoadError(f"{path}: unexpected tensors {sorted(unexpected)[:5]}")
-    model = model.to_empty(device=device).to(dtype)
-    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True)
+    # The dtype is set while the model is still on the meta device (free), and load_state_dict converts each
+    # tensor as it copies it in: no float32 model and no converted checkpoint are ever materialized.
+    model = model.to(dtype).to_empty(device=device)
+    model.load_state_dict(state, strict=True)
     if "lm_head.weight" not in ckpt_names and cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight  # one copy of the tied matrix, not two
     model.init_rope(max_positions, device, dtype)

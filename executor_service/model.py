@@ -12,7 +12,7 @@ from torch import nn
 from executor_service.attention import AttentionMetadata, PagedAttention
 from executor_service.linear import Linear
 from executor_service.model_config import ModelConfig
-from executor_service.rope import RotaryEmbedding
+from executor_service.rope import RotaryEmbedding, apply_rotary
 
 
 class RMSNorm(nn.Module):
@@ -29,7 +29,7 @@ class RMSNorm(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, block_size: int):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         h, d = cfg.num_heads, cfg.head_dim
         self.q_size, self.kv_size = h * d, cfg.num_kv_heads * d
@@ -40,16 +40,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.attn = PagedAttention(h, cfg.num_kv_heads, d, block_size)
+        self.attn = PagedAttention(h, cfg.num_kv_heads, d)
 
-    def forward(self, x, rope: RotaryEmbedding, positions, k_cache, v_cache, meta: AttentionMetadata):
+    def forward(self, x, cos_sin, k_cache, v_cache, meta: AttentionMetadata):
         t = x.shape[0]
         qkv = self.qkv_proj(self.input_layernorm(x))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
+        q, k = apply_rotary(q, k, cos_sin)
         attn = self.attn(q, k, v.contiguous(), k_cache, v_cache, meta)
         x = x + self.o_proj(attn.reshape(t, self.q_size))
         gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
@@ -57,11 +57,11 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, block_size: int):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, block_size) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope: RotaryEmbedding | None = None
@@ -75,8 +75,9 @@ class LlamaModel(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states [T, hidden] for the flat batch; K/V of every token land in the caches."""
         x = self.embed_tokens(input_ids)
+        cos_sin = self.rope.at(positions)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, self.rope, positions, k_cache, v_cache, meta)
+            x = layer(x, cos_sin, k_cache, v_cache, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -46,14 +46,18 @@ class ModelRunner:
         self.model_config = ModelConfig.from_dir(cfg.model)
         self.max_model_len = min(cfg.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
-        self.model = load_model(cfg.model, cfg.block_size, self.max_model_len, self.device, self.dtype)
+        self.model = load_model(cfg.model, self.max_model_len, self.device, self.dtype)
         self.num_blocks = num_blocks_for_budget(self.model_config, cfg.kv_cache_memory, cfg.block_size, self.dtype)
         self.kv_caches = allocate_kv_caches(self.model_config, self.num_blocks, cfg.block_size, self.device,
                                             self.dtype)
-        self.batch = InputBatch(cfg.max_num_seqs, self.max_model_len, cfg.block_size)
+        self.reset_batch()
         self.sampler = Sampler()
         self.scratch = GatherScratch()
         self.phase_seconds = (0.0, 0.0, 0.0)   # prepare, forward, sample of the last step
+
+    def reset_batch(self) -> None:
+        """An empty persistent batch: at start, and when a new epoch means the scheduler forgot the old one."""
+        self.batch = InputBatch(self.cfg.max_num_seqs, self.max_model_len, self.cfg.block_size)
 
     def describe(self) -> dict:
         """What the scheduler needs to size this executor's block pool."""

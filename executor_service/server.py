@@ -20,7 +20,6 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from opentelemetry.trace import SpanKind
 
-from executor_service.input_batch import InputBatch
 from executor_service.metrics import ExecutorMetrics
 from executor_service.runner import ModelRunner, RunnerConfig
 from executor_service.wire import decode_step, encode_result
@@ -82,10 +81,10 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
             return self._resync(msg, f"epoch {msg.epoch} is older than {self.epoch}")
         if msg.epoch > self.epoch:
             self._reset(msg.epoch)
-        batch = self.runner.batch
-        known = set(batch.row_of) | set(batch.parked)
+        rows, parked = self.runner.batch.row_of, self.runner.batch.parked
         new = {n.handle for n in msg.new_requests}
-        unknown = [h for h in (*msg.handles, *msg.preempted, *msg.resumed) if h not in known and h not in new]
+        unknown = [h for h in (*msg.handles, *msg.preempted, *msg.resumed)
+                   if h not in rows and h not in parked and h not in new]
         if unknown:
             return self._resync(msg, f"unknown handles {sorted(set(unknown))[:8]}")
         out = decode_step(msg)
@@ -97,8 +96,7 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
         return reply
 
     def _reset(self, epoch: int) -> None:
-        r = self.runner
-        r.batch = InputBatch(r.cfg.max_num_seqs, r.max_model_len, r.cfg.block_size)
+        self.runner.reset_batch()
         self.epoch = epoch
 
     def _resync(self, msg, reason: str) -> executor_pb2.StepResponse:

@@ -38,7 +38,8 @@ def reference_logits(model, tokens: list[int]) -> torch.Tensor:
     blocks = torch.arange(1, nb + 1)
     meta = AttentionMetadata(slot_mapping=torch.arange(n) + BS, decode_token_idx=torch.empty(0, dtype=torch.long),
                              decode_block_table=torch.empty(0, 0, dtype=torch.long),
-                             decode_seq_lens=torch.empty(0, dtype=torch.long), chunks=[(0, n, n, blocks)])
+                             decode_seq_lens=torch.empty(0, dtype=torch.long),
+                             decode_mask=torch.empty(0, 1, 1, 0, dtype=torch.bool), chunks=[(0, n, n, blocks, None)])
     with torch.inference_mode():
         hidden = model(torch.tensor(tokens), torch.arange(n), caches, meta)
         return model.compute_logits(hidden)

@@ -76,14 +76,14 @@ def test_a_missing_weight_file_or_unknown_architecture_is_a_clear_start_up_error
     path = write_tiny_llama(tmp_path / "m")
     (path / "model.safetensors").unlink()
     with pytest.raises(ModelLoadError, match="no model.safetensors"):
-        load_model(path, 4, 64)
+        load_model(path, 64)
     cfg = json.loads((path / "config.json").read_text())
     cfg["architectures"] = ["GPT2LMHeadModel"]
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match="not supported"):
-        load_model(path, 4, 64)
+        load_model(path, 64)
     with pytest.raises(ModelLoadError, match="no config.json"):
-        load_model(tmp_path / "nowhere", 4, 64)
+        load_model(tmp_path / "nowhere", 64)
 
 
 def test_bfloat16_is_selectable_and_stays_close_to_float32(tmp_path):
