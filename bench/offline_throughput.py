@@ -40,8 +40,13 @@ ASKS = ["Write a short story about {}.", "Explain {} to a child.", "List five fa
         "Plan a weekend trip themed around {}."]
 
 
+def prompt_texts(n: int) -> list[str]:
+    """The benchmarks' user messages: every ask about every topic, in a fixed order."""
+    return [ASKS[i % len(ASKS)].format(TOPICS[(i // len(ASKS)) % len(TOPICS)]) for i in range(n)]
+
+
 def chat_prompts(tokenizer, n: int) -> list[list[int]]:
-    texts = [ASKS[i % len(ASKS)].format(TOPICS[(i // len(ASKS)) % len(TOPICS)]) for i in range(n)]
+    texts = prompt_texts(n)
     return [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
                                           tokenize=True, return_dict=False) for t in texts]
 

@@ -133,6 +133,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_ready(proc: subprocess.Popen, url: str, what: str, seconds: float = 120) -> None:
+    """Poll `url` until it answers 200; stop the process and raise if it never does."""
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.terminate()
+    raise RuntimeError(f"{what} did not start")
+
+
 def start_stack(env: dict | None = None):
     port, grpc_port, sc, ex = free_port(), free_port(), free_port(), free_port()
     proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--model", str(MODEL), "--port", str(port),
@@ -140,15 +154,8 @@ def start_stack(env: dict | None = None):
                              "--scheduler-metrics-port", str(free_port()), "--executor-metrics-port", str(free_port())],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url, sc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    proc.terminate()
-    raise RuntimeError("stack did not start")
+    wait_ready(proc, url + "/health", "stepwire serve")
+    return proc, url, sc
 
 
 def executor_stats(sc_port: int) -> dict:
@@ -175,15 +182,8 @@ def start_llama(venv: str):
     proc = subprocess.Popen(["bash", str(script), venv, str(gguf), str(port)], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            if httpx.get(url + "/v1/models", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    proc.terminate()
-    raise RuntimeError("llama.cpp server did not start")
+    wait_ready(proc, url + "/v1/models", "llama.cpp server")
+    return proc, url
 
 
 def compare_llama(args, texts, header) -> None:
@@ -219,11 +219,11 @@ def main() -> None:
     ap.add_argument("--llama-venv", help="also run llama.cpp's server (built by ../shared/peers/llama_cpp/setup.sh "
                                          "into this folder) on the same GGUF, at concurrency 1 and 8")
     args = ap.parse_args()
-    from offline_throughput import ASKS, TOPICS
+    from offline_throughput import prompt_texts
 
     from gateway.tokenizer import ModelTokenizer
 
-    texts = [ASKS[i % len(ASKS)].format(TOPICS[(i // len(ASKS)) % len(TOPICS)]) for i in range(args.requests)]
+    texts = prompt_texts(args.requests)
     header = f"{'system':<22} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9}  (ms)"
     if args.url:
         r = asyncio.run(http_run(args.url, args.model_name, texts, args.tokens, args.concurrency))

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from offline_throughput import ASKS, TOPICS  # noqa: E402
+from offline_throughput import prompt_texts  # noqa: E402
 from serving import free_port, http_run, merge, pct, start_stack  # noqa: E402
 
 
@@ -34,7 +34,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--model-name", default="SmolLM2-135M-Instruct")
     args = ap.parse_args()
-    texts = [ASKS[i % len(ASKS)].format(TOPICS[(i // len(ASKS)) % len(TOPICS)]) for i in range(args.requests)]
+    texts = prompt_texts(args.requests)
     otlp = free_port()
     spans_file = ROOT / ".peers" / "traces" / "tracing_overhead_spans.jsonl"
     spans_file.parent.mkdir(parents=True, exist_ok=True)

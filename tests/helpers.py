@@ -73,3 +73,54 @@ def wait_http_ready(url: str, procs: dict, seconds: float = 120) -> None:
         dead = [n for n, p in procs.items() if p.poll() is not None]
         assert not dead and time.time() < deadline, f"stack not ready; dead: {dead}"
         time.sleep(0.3)
+
+
+def wait_grpc_serving(channel, proc, seconds: float = 60) -> None:
+    """Poll the standard gRPC health service until SERVING; fail early if the process died."""
+    import time
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    health = health_pb2_grpc.HealthStub(channel)
+    deadline = time.time() + seconds
+    while True:
+        try:
+            if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == \
+                    health_pb2.HealthCheckResponse.SERVING:
+                return
+        except grpc.RpcError:
+            pass
+        assert proc.poll() is None and time.time() < deadline, "service did not become ready"
+        time.sleep(0.2)
+
+
+def wait_executor_idle(stub, seconds: float = 10):
+    """Poll the scheduler's Stats until its first executor runs nothing, queues nothing and has every block
+    free; returns that executor's stats."""
+    import time
+
+    from stepwire.internal import scheduler_pb2
+
+    deadline = time.time() + seconds
+    while True:
+        e = stub.Stats(scheduler_pb2.StatsRequest()).executors[0]
+        if e.num_free_blocks == e.num_total_blocks and e.num_running == 0 and e.num_waiting == 0:
+            return e
+        assert time.time() < deadline, e
+        time.sleep(0.1)
+
+
+def record_logits(engine) -> list:
+    """Wrap the engine's runner so every sampled row's logits are kept as (request id, position, logits)."""
+    seen = []
+    forward = engine.runner.forward
+
+    def spy(inputs):
+        logits = forward(inputs)
+        for k, i in enumerate(inputs.sample_mask.nonzero()[0]):
+            seen.append((inputs.req_ids[i], int(inputs.seq_lens[i]) - 1, logits[k].clone()))
+        return logits
+
+    engine.runner.forward = spy
+    return seen

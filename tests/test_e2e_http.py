@@ -12,7 +12,7 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 pytest.importorskip("torch")
 
-from helpers import free_port, wait_http_ready  # noqa: E402
+from helpers import free_port, wait_executor_idle, wait_http_ready  # noqa: E402
 
 from executor_service.engine import LLMEngine  # noqa: E402
 from executor_service.runner import RunnerConfig  # noqa: E402
@@ -97,15 +97,8 @@ def test_a_client_that_disconnects_mid_stream_frees_every_block(stack):
                 break            # one chunk, then hang up
     import grpc
 
-    from stepwire.internal import scheduler_pb2, scheduler_pb2_grpc
-    stub = scheduler_pb2_grpc.SchedulerStub(grpc.insecure_channel(f"127.0.0.1:{sc}"))
-    deadline = time.time() + 20
-    while True:
-        e = stub.Stats(scheduler_pb2.StatsRequest()).executors[0]
-        if e.num_running == 0 and e.num_waiting == 0 and e.num_free_blocks == e.num_total_blocks:
-            break
-        assert time.time() < deadline, e
-        time.sleep(0.2)
+    from stepwire.internal import scheduler_pb2_grpc
+    wait_executor_idle(scheduler_pb2_grpc.SchedulerStub(grpc.insecure_channel(f"127.0.0.1:{sc}")), seconds=20)
 
 
 @pytest.mark.parametrize("body, param", [

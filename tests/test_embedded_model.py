@@ -8,6 +8,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from helpers import record_logits  # noqa: E402
+
 from executor_service.engine import LLMEngine  # noqa: E402
 from executor_service.runner import RunnerConfig  # noqa: E402
 from scheduler_service import SamplingParams, SchedulerConfig  # noqa: E402
@@ -61,20 +63,6 @@ def test_greedy_output_is_identical_with_chunked_prefill_and_without_prefix_cach
     assert chunked == hf_greedy and uncached == hf_greedy
 
 
-def _record_logits(e):
-    seen = []
-    forward = e.runner.forward
-
-    def spy(inputs):
-        logits = forward(inputs)
-        for k, i in enumerate(inputs.sample_mask.nonzero()[0]):
-            seen.append((inputs.req_ids[i], int(inputs.seq_lens[i]) - 1, logits[k].clone()))
-        return logits
-
-    e.runner.forward = spy
-    return seen
-
-
 def test_mixed_batch_logits_match_each_request_computed_alone(chat_prompts):
     """Chunked prefill, decodes, prefix-cache hits (the chat template's shared system prompt) and
     preempted-and-resumed requests in one run: every sampled row's logits match those of the same request
@@ -83,7 +71,7 @@ def test_mixed_batch_logits_match_each_request_computed_alone(chat_prompts):
     e = LLMEngine(RunnerConfig(str(MODEL), kv_cache_memory=17 * block_bytes, max_num_seqs=8, max_model_len=512),
                   SchedulerConfig(max_num_seqs=8, max_model_len=512, max_num_batched_tokens=64,
                                   long_prefill_token_threshold=32))
-    seen = _record_logits(e)
+    seen = record_logits(e)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     out = {}
     for i, p in enumerate(chat_prompts[:6]):
@@ -95,7 +83,7 @@ def test_mixed_batch_logits_match_each_request_computed_alone(chat_prompts):
 
     alone = LLMEngine(RunnerConfig(str(MODEL), kv_cache_memory=64 << 20, max_num_seqs=1, max_model_len=512),
                       SchedulerConfig(max_num_seqs=1, max_model_len=512, enable_prefix_caching=False))
-    ref_seen = _record_logits(alone)
+    ref_seen = record_logits(alone)
     for rid in out:
         alone.add_request(chat_prompts[int(rid[1:])], params, rid)
         while alone.has_unfinished():

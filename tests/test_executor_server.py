@@ -11,18 +11,15 @@ import pytest
 grpc = pytest.importorskip("grpc")
 pytest.importorskip("torch")
 
-from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
-from helpers import free_port  # noqa: E402
-from tiny_model import write_tiny_llama  # noqa: E402
+from helpers import free_port, wait_grpc_serving  # noqa: E402
+from tiny_model import kv_bytes, reference_greedy, write_tiny_llama  # noqa: E402
 
-from executor_service.engine import LLMEngine  # noqa: E402
-from executor_service.runner import RunnerConfig  # noqa: E402
 from scheduler_service import Request, SamplingParams, Scheduler, SchedulerConfig  # noqa: E402
 from scheduler_service.wire import HandleTable, decode_result, encode_step  # noqa: E402
 from stepwire.internal import executor_pb2, executor_pb2_grpc, sampling_pb2  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-KV_BYTES = 64 * 2 * 2 * 4 * 2 * 8 * 4   # 64 blocks of the tiny model
+KV_BYTES = kv_bytes(64)
 
 
 def fresh_epoch() -> int:
@@ -40,17 +37,7 @@ def executor(tmp_path_factory):
                              "--metrics-address", f"127.0.0.1:{free_port()}"], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     channel = grpc.insecure_channel(address)
-    health = health_pb2_grpc.HealthStub(channel)
-    deadline = time.time() + 60
-    while True:
-        try:
-            status = health.Check(health_pb2.HealthCheckRequest(), timeout=1).status
-            if status == health_pb2.HealthCheckResponse.SERVING:
-                break
-        except grpc.RpcError:
-            pass
-        assert proc.poll() is None and time.time() < deadline, "executor did not become ready"
-        time.sleep(0.2)
+    wait_grpc_serving(channel, proc)
     yield model, channel
     channel.close()
     proc.terminate()
@@ -84,10 +71,7 @@ def test_steps_over_the_wire_generate_what_the_in_process_engine_generates(execu
     model, channel = executor
     prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13], list(range(20, 45))]
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    local = LLMEngine(RunnerConfig(str(model), block_size=4, kv_cache_memory=KV_BYTES, max_num_seqs=8,
-                                   max_model_len=128),
-                      SchedulerConfig(block_size=4, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=16))
-    expected = [c.token_ids for c in local.generate(prompts, params)]
+    expected = reference_greedy(model, prompts)
 
     sched = Scheduler(SchedulerConfig(block_size=4, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=16),
                       num_blocks=64)

@@ -6,7 +6,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tiny_model import write_tiny_llama  # noqa: E402
+from helpers import record_logits  # noqa: E402
+from tiny_model import kv_bytes, write_tiny_llama  # noqa: E402
 
 from executor_service.attention import AttentionMetadata  # noqa: E402
 from executor_service.engine import LLMEngine  # noqa: E402
@@ -23,8 +24,7 @@ def tiny_dir(tmp_path_factory):
 
 
 def engine(path, num_blocks=200, **sched):
-    bytes_per_block = 2 * 2 * BS * 2 * 8 * 4   # K+V, 2 layers, block, 2 kv heads, head_dim 8, float32
-    e = LLMEngine(RunnerConfig(str(path), block_size=BS, kv_cache_memory=num_blocks * bytes_per_block,
+    e = LLMEngine(RunnerConfig(str(path), block_size=BS, kv_cache_memory=kv_bytes(num_blocks, BS),
                                max_num_seqs=32, max_model_len=256),
                   SchedulerConfig(block_size=BS, max_model_len=256, max_num_seqs=32, **sched))
     return e
@@ -43,22 +43,6 @@ def reference_logits(model, tokens: list[int]) -> torch.Tensor:
     with torch.inference_mode():
         hidden = model(torch.tensor(tokens), torch.arange(n), caches, meta)
         return model.compute_logits(hidden)
-
-
-def record_logits(e: LLMEngine) -> list[tuple[str, int, torch.Tensor]]:
-    """Wrap the runner so every sampled row's logits are kept with (request id, position)."""
-    seen = []
-    forward = e.runner.forward
-
-    def spy(inputs):
-        logits = forward(inputs)
-        idx = np.flatnonzero(inputs.sample_mask)
-        for k, i in enumerate(idx):
-            seen.append((inputs.req_ids[i], int(inputs.seq_lens[i]) - 1, logits[k].clone()))
-        return logits
-
-    e.runner.forward = spy
-    return seen
 
 
 def test_mixed_batch_with_chunks_prefix_hits_and_preemption_matches_each_request_alone(tiny_dir):

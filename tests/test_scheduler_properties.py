@@ -12,15 +12,8 @@ was computed all show up as a wrong fingerprint, independently of how the schedu
 from __future__ import annotations
 
 import math
-import sys
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
-
-_TESTS = Path(__file__).resolve().parent
-for _p in (str(_TESTS.parent), str(_TESTS)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
@@ -143,7 +136,6 @@ class Harness:
         self.slots: dict[int, list] = {}  # block id -> fingerprint per slot (what KV it holds)
         self.fps: dict[str, list[int]] = {}
         self.hash_fps: dict[bytes, list[int]] = {}  # block hash -> fingerprints of the block it names
-        self.check_cache_contents = True
         self.pending = None  # (SchedulerOutput, RunnerOutput) between schedule and update
         self.num_added = 0
         self.num_steps = 0
@@ -388,8 +380,7 @@ class Harness:
                 assert got == fp[p], (
                     f"{rid} reads position {p} from block {table[p // bs]}, which holds another prefix's KV "
                     f"(or was never computed)")
-        if self.check_cache_contents:
-            self.check_cached_blocks_hold_their_prefix()
+        self.check_cached_blocks_hold_their_prefix()
 
         ids = list(ns)
         sampled = [[sample()] if s.requests[r].num_computed_tokens >= s.requests[r].num_tokens else [] for r in ids]
@@ -732,7 +723,6 @@ def test_priority_preemption_of_an_already_scheduled_request_caches_no_uncompute
     cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=3, max_model_len=64, block_size=2,
                           long_prefill_token_threshold=2, enable_prefix_caching=True, policy="priority")
     h = Harness(cfg, num_blocks=7)
-    h.check_cache_contents = True
     sample = lambda: 3
     v = h.add(Spec((1,) * 9, max_tokens=3, priority=1, stop_token_ids=(), eos=None, ignore_eos=False,
                    min_tokens=0, salt=None))

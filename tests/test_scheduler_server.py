@@ -11,30 +11,14 @@ grpc = pytest.importorskip("grpc")
 pytest.importorskip("torch")
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
-from helpers import free_port  # noqa: E402
-from tiny_model import write_tiny_llama  # noqa: E402
+from helpers import free_port, wait_executor_idle, wait_grpc_serving  # noqa: E402
+from tiny_model import kv_bytes, reference_greedy, write_tiny_llama  # noqa: E402
 
-from executor_service.engine import LLMEngine  # noqa: E402
-from executor_service.runner import RunnerConfig  # noqa: E402
-from scheduler_service import SamplingParams, SchedulerConfig  # noqa: E402
 from stepwire.internal import sampling_pb2, scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-KV_BYTES = 64 * 2 * 2 * 4 * 2 * 8 * 4   # 64 blocks of the tiny model
+KV_BYTES = kv_bytes(64)
 BUDGET = 16
-
-
-def wait_serving(channel, proc, seconds=60):
-    health = health_pb2_grpc.HealthStub(channel)
-    deadline = time.time() + seconds
-    while True:
-        try:
-            if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
-                return
-        except grpc.RpcError:
-            pass
-        assert proc.poll() is None and time.time() < deadline, "service did not become ready"
-        time.sleep(0.2)
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +42,7 @@ def stack(tmp_path_factory):
                                  "--max-num-seqs", "8", "--max-model-len", "128",
                                  "--metrics-address", f"127.0.0.1:{free_port()}"], cwd=ROOT,
                                 stdout=exec_log, stderr=subprocess.STDOUT)
-    wait_serving(channel, scheduler)
+    wait_grpc_serving(channel, scheduler)
     yield model, scheduler_pb2_grpc.SchedulerStub(channel), tmp / "scheduler.log"
     channel.close()
     for p in (scheduler, executor):
@@ -81,11 +65,7 @@ def test_the_scheduler_started_first_waits_for_its_executor_and_says_so(stack):
 def test_streams_over_the_split_equal_the_in_process_engine(stack):
     model, stub, _ = stack
     prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13], list(range(20, 45)), [3, 3, 3, 3, 3]]
-    local = LLMEngine(RunnerConfig(str(model), block_size=4, kv_cache_memory=KV_BYTES, max_num_seqs=8,
-                                   max_model_len=128),
-                      SchedulerConfig(block_size=4, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=BUDGET))
-    expected = [c.token_ids for c in local.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0,
-                                                                           ignore_eos=True))]
+    expected = reference_greedy(model, prompts, budget=BUDGET)
     calls = [submit(stub, f"split-{i}", p) for i, p in enumerate(prompts)]
     got = []
     for call in calls:
@@ -103,13 +83,7 @@ def test_a_client_that_cancels_mid_stream_has_its_request_aborted_and_every_bloc
     call = submit(stub, "cancel-me", list(range(10, 30)), max_tokens=60)
     next(call)
     call.cancel()
-    deadline = time.time() + 10
-    while True:
-        e = stub.Stats(scheduler_pb2.StatsRequest()).executors[0]
-        if e.num_free_blocks == e.num_total_blocks and e.num_running == 0:
-            break
-        assert time.time() < deadline, e
-        time.sleep(0.1)
+    e = wait_executor_idle(stub)
     assert e.wire_request_steps > 0 and e.wire_bytes > 0
 
 
@@ -127,16 +101,6 @@ def session_submit(rid, prompt, max_tokens=10):
     params = sampling_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, top_p=1.0, top_k=-1, ignore_eos=True)
     return scheduler_pb2.SessionRequest(submit=scheduler_pb2.SubmitRequest(request_id=rid, prompt_token_ids=prompt,
                                                                            params=params))
-
-
-def wait_all_blocks_free(stub):
-    deadline = time.time() + 10
-    while True:
-        e = stub.Stats(scheduler_pb2.StatsRequest()).executors[0]
-        if e.num_free_blocks == e.num_total_blocks and e.num_running == 0 and e.num_waiting == 0:
-            return
-        assert time.time() < deadline, e
-        time.sleep(0.1)
 
 
 def test_a_session_multiplexes_requests_and_batches_each_steps_deltas_into_one_message(stack):
@@ -169,7 +133,7 @@ def test_a_session_refuses_bad_submits_in_band_and_serves_the_rest(stack):
     assert all(e.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and e.message for e in errors.values())
     assert "prompt" in errors["bad-empty"].message and "request_id" in errors[""].message
     assert sum(len(o.token_ids) for o in outs if o.request_id == "ok") == 3
-    wait_all_blocks_free(stub)
+    wait_executor_idle(stub)
 
 
 def test_closing_a_session_aborts_its_requests_and_frees_their_blocks(stack):
@@ -179,7 +143,7 @@ def test_closing_a_session_aborts_its_requests_and_frees_their_blocks(stack):
     first = next(call)
     assert first.outputs and not any(o.finish_reason for o in first.outputs)
     call.cancel()
-    wait_all_blocks_free(stub)
+    wait_executor_idle(stub)
 
 
 def test_an_abort_on_a_session_ends_that_request_only(stack):
@@ -205,7 +169,7 @@ def test_an_abort_on_a_session_ends_that_request_only(stack):
             outgoing.put(None)
     assert finish == {"keep": "length", "drop": "abort"}
     assert tokens["keep"] == 12 and tokens["drop"] < 100
-    wait_all_blocks_free(stub)
+    wait_executor_idle(stub)
 
 
 def test_one_scheduler_spreads_requests_over_two_executors_and_each_answers_correctly(tmp_path):
@@ -222,19 +186,14 @@ def test_one_scheduler_spreads_requests_over_two_executors_and_each_answers_corr
                                    "8", "--metrics-address", ""], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
     try:
         channel = grpc.insecure_channel(sc_addr)
-        wait_serving(channel, procs[-1])
+        wait_grpc_serving(channel, procs[-1])
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
         deadline = time.time() + 60
         while not all(e.connected for e in stub.Stats(scheduler_pb2.StatsRequest()).executors):
             assert time.time() < deadline
             time.sleep(0.2)
         prompts = [[5 + i, 6, 7, 8 + i] for i in range(6)]
-        local = LLMEngine(RunnerConfig(str(model), block_size=4, kv_cache_memory=KV_BYTES, max_num_seqs=8,
-                                       max_model_len=128),
-                          SchedulerConfig(block_size=4, max_model_len=128, max_num_seqs=8,
-                                          max_num_batched_tokens=BUDGET))
-        expected = [c.token_ids for c in local.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0,
-                                                                               ignore_eos=True))]
+        expected = reference_greedy(model, prompts, budget=BUDGET)
         calls = [submit(stub, f"two-{i}", p) for i, p in enumerate(prompts)]   # all queued before any finishes
         assert [[t for o in c for t in o.token_ids] for c in calls] == expected
         stats = stub.Stats(scheduler_pb2.StatsRequest()).executors

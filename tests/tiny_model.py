@@ -37,3 +37,23 @@ def write_tiny_llama(path: Path, seed: int = 0, **overrides) -> Path:
     (path / "config.json").write_text(json.dumps(cfg))
     save_file({k: v.contiguous() for k, v in t.items()}, str(path / "model.safetensors"))
     return path
+
+
+def kv_bytes(num_blocks: int, block_size: int = 4) -> int:
+    """KV-cache memory that holds `num_blocks` blocks of the tiny model in float32 (K and V, every layer)."""
+    head_dim = TINY["hidden_size"] // TINY["num_attention_heads"]
+    return num_blocks * 2 * TINY["num_hidden_layers"] * block_size * TINY["num_key_value_heads"] * head_dim * 4
+
+
+def reference_greedy(model: Path, prompts: list[list[int]], max_tokens: int = 10, budget: int = 16) -> list[list[int]]:
+    """Greedy tokens from the in-process engine, configured as the tests configure the tiny-model services
+    (blocks of 4, 64 of them, 8 sequences, 128 tokens of context, `budget` tokens per step)."""
+    from executor_service.engine import LLMEngine
+    from executor_service.runner import RunnerConfig
+    from scheduler_service import SamplingParams, SchedulerConfig
+
+    engine = LLMEngine(RunnerConfig(str(model), block_size=4, kv_cache_memory=kv_bytes(64), max_num_seqs=8,
+                                    max_model_len=128),
+                       SchedulerConfig(block_size=4, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=budget))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return [c.token_ids for c in engine.generate(prompts, params)]
