@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from observability import tracing
@@ -42,8 +43,6 @@ class Observation:
         self.span = None
         tracer = tracing.tracer()
         if tracer is not None:
-            from opentelemetry.trace import SpanKind
-
             name = f"POST {endpoint}" if api == "http" else endpoint
             attrs = {"gen_ai.operation.name": operation, "gen_ai.request.model": model}
             if api == "http":
@@ -85,8 +84,6 @@ class Observation:
         span = self.span
         if span is None:
             return
-        from opentelemetry.trace import Status, StatusCode
-
         if self.api == "http":
             span.set_attribute("http.response.status_code", int(code))
         else:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from opentelemetry.trace import SpanKind
+
 from observability import tracing
 from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.output import RequestDelta, SchedulerOutput
@@ -44,8 +46,6 @@ class Lifecycles:
         span = None
         tracer = tracing.tracer()
         if tracer is not None:
-            from opentelemetry.trace import SpanKind
-
             sp = req.sampling_params
             attrs = {"gen_ai.operation.name": "generate", "gen_ai.request.model": self.model,
                      "gen_ai.request.max_tokens": sp.max_tokens, "gen_ai.request.temperature": sp.temperature,
@@ -91,22 +91,21 @@ class Lifecycles:
         generated = 0
         for d in deltas:
             life = self.lives.get(d.req_id)
-            if life is None or not d.new_token_ids:
-                if life is not None and d.finish_reason is not None:
-                    self.finished(d.req_id, d.finish_reason, max(d.num_cached_tokens, 0))
+            if life is None:
                 continue
-            n = len(d.new_token_ids)
-            generated += n
-            life.output_tokens += n
-            if life.first_token is None:
-                life.first_token = now
-                m.ttft.observe(now - life.arrival)
-                m.prompt_tokens.inc(life.num_prompt_tokens)
-                if life.span is not None:
-                    life.span.add_event("first_token")
-            else:
-                m.itl.observe(now - life.last_token)
-            life.last_token = now
+            if d.new_token_ids:
+                n = len(d.new_token_ids)
+                generated += n
+                life.output_tokens += n
+                if life.first_token is None:
+                    life.first_token = now
+                    m.ttft.observe(now - life.arrival)
+                    m.prompt_tokens.inc(life.num_prompt_tokens)
+                    if life.span is not None:
+                        life.span.add_event("first_token")
+                else:
+                    m.itl.observe(now - life.last_token)
+                life.last_token = now
             if d.finish_reason is not None:
                 self.finished(d.req_id, d.finish_reason, max(d.num_cached_tokens, 0))
         if generated:

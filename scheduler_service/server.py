@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from opentelemetry.trace import Link
 
 from observability import tracing
 from observability.metrics_server import serve_metrics
@@ -193,8 +194,6 @@ class ExecutorLink:
 
     def _step_span(self, out, start_ns: int):
         """`scheduler.step`: the batch's facts, linked to the span of every request it serves."""
-        from opentelemetry.trace import Link
-
         lives = self.lifecycles
         links = []
         for rid in out.num_scheduled_tokens:
