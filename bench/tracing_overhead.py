@@ -39,7 +39,7 @@ def main() -> None:
     spans_file = ROOT / ".peers" / "traces" / "tracing_overhead_spans.jsonl"
     spans_file.parent.mkdir(parents=True, exist_ok=True)
     spans_file.unlink(missing_ok=True)
-    sink = subprocess.Popen([sys.executable, "-m", "observability.receiver", "--address", f"127.0.0.1:{otlp}",
+    sink = subprocess.Popen([sys.executable, "-m", "tools.otlp_receiver", "--address", f"127.0.0.1:{otlp}",
                              "--out", str(spans_file)], cwd=ROOT, stdout=subprocess.DEVNULL)
     plain = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     traced_env = dict(plain, OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{otlp}", OTEL_EXPORTER_OTLP_INSECURE="true",

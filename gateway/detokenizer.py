@@ -1,38 +1,42 @@
 """Incremental detokenization: text deltas that never split a multi-byte character.
 
 Byte-level BPE tokens can end in the middle of a UTF-8 sequence; decoding such a prefix yields U+FFFD.
-Each push decodes a short window of recent tokens twice (with and without the new ones) and releases
-only the text past the window once it no longer ends in a replacement character.
+`tokenizers`' DecodeStream holds tokens back until their text no longer ends in one, and decodes them
+together with the tokens it last released, so that decoders which treat a sequence's first token
+differently (a leading space dropped) still join up.
 """
 
 from __future__ import annotations
 
-from gateway.tokenizer import ModelTokenizer
+from tokenizers.decoders import DecodeStream
 
-REPLACEMENT = "\ufffd"
+from gateway.tokenizer import ModelTokenizer
 
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: ModelTokenizer, skip_special_tokens: bool = True):
         self.tok = tokenizer
         self.skip = skip_special_tokens
-        self.ids: list[int] = []
-        self.prefix_offset = 0   # start of the decoding window
-        self.read_offset = 0     # tokens whose text has been released
+        self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        # DecodeStream keeps both lists inside and offers no flush; flush() needs them to release what is held.
+        self.released: list[int] = []   # the tokens behind the last text released: the context of the next ones
+        self.held: list[int] = []       # tokens pushed since, whose text is not out yet
 
     def push(self, new_ids: list[int]) -> str:
-        self.ids.extend(new_ids)
-        decode = self.tok.decode
-        prefix = decode(self.ids[self.prefix_offset:self.read_offset], self.skip)
-        full = decode(self.ids[self.prefix_offset:], self.skip)
-        if len(full) > len(prefix) and not full.endswith(REPLACEMENT):
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-            return full[len(prefix):]
-        return ""
+        # One step per token, not one for the list: the complete characters before a split one come out now.
+        out = []
+        for token_id in new_ids:
+            self.held.append(token_id)
+            text = self.stream.step(self.tok.tokenizer, token_id)
+            if text is not None:
+                out.append(text)
+                self.released, self.held = self.held, []
+        return "".join(out)
 
     def flush(self) -> str:
         """Whatever is still held back when generation ends (an incomplete character stays U+FFFD)."""
-        prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset], self.skip)
-        full = self.tok.decode(self.ids[self.prefix_offset:], self.skip)
-        self.prefix_offset = self.read_offset = len(self.ids)
-        return full[len(prefix):]
+        context = self.tok.decode(self.released, self.skip)
+        text = self.tok.decode(self.released + self.held, self.skip)[len(context):]
+        self.stream = DecodeStream(skip_special_tokens=self.skip)
+        self.released, self.held = [], []
+        return text

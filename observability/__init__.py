@@ -1,2 +1,2 @@
-"""What the three services share for observability: OpenTelemetry set-up from OTEL_* variables, the
-Prometheus endpoint, and a small OTLP trace receiver for tests and benchmarks."""
+"""What the three services share for observability: OpenTelemetry set-up from OTEL_* variables and the
+Prometheus endpoint. The OTLP trace receiver that tests and benchmarks use is in tools/, with the tooling."""

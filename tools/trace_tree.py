@@ -1,6 +1,6 @@
 """Print one request's trace as a tree from the receiver's JSON lines, with the steps that served it.
 
-    python -m observability.tree spans.jsonl [TRACE_ID]      (default: the latest request's trace)
+    python -m tools.trace_tree spans.jsonl [TRACE_ID]      (default: the latest request's trace)
 
 The request's own trace holds the gateway and scheduler spans; each engine step is a trace of its own
 that links to the request, so the steps (and their executor spans) are listed under the request span

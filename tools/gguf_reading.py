@@ -1,8 +1,8 @@
 """Opening a GGUF file and reading its metadata, failing with messages a person can act on.
 
-The error type lives here rather than in `convert_gguf` because `python -m executor_service.convert_gguf`
-loads that module a second time as `__main__`: an exception class defined there would exist twice, and
-the CLI would not catch the copy raised by the helper modules.
+The error type lives here rather than in `convert_gguf` because `python -m tools.convert_gguf` loads that
+module a second time as `__main__`: an exception class defined there would exist twice, and the CLI would
+not catch the copy raised by the helper modules.
 """
 
 from pathlib import Path

@@ -20,7 +20,7 @@ from gguf import TokenType
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, processors
 from tokenizers.models import BPE
 
-from executor_service.gguf_reading import ConversionError, require
+from tools.gguf_reading import ConversionError, require
 
 # Pre-tokenizer names (`tokenizer.ggml.pre`) for which llama.cpp isolates every digit before applying
 # GPT-2's split (llama-vocab.cpp). SmolLM2's own tokenizer.json does the same (Digits, then ByteLevel).

@@ -3,7 +3,7 @@
 Tests and benchmarks point the services' OTEL_EXPORTER_OTLP_ENDPOINT at it. It is not a collector:
 use the OpenTelemetry Collector, Tempo or Jaeger in a real deployment.
 
-    python -m observability.receiver --address 127.0.0.1:4317 --out spans.jsonl
+    python -m tools.otlp_receiver --address 127.0.0.1:4317 --out spans.jsonl
 """
 
 from __future__ import annotations
