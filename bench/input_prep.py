@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Building a step's model inputs at 32, 128 and 256 running decodes: the persistent batch (apply the
-step's diff, vectorized indexing) versus rebuilding everything from Python lists each step (the v0 way).
+"""Building a step's model inputs at 32, 128 and 256 running decodes: the persistent batch (decode the
+wire step, apply its diff, vectorized indexing) versus rebuilding everything from Python lists each step (the v0 way).
 
 Both produce the same tensors: input ids, positions, slot mapping, sequence lengths and the padded block
 table of the decodes. The scheduler runs outside the timed region. Requests hold 512-token prompts.
@@ -24,7 +24,10 @@ import torch  # noqa: E402
 
 from executor_service.attention import build_attention_metadata  # noqa: E402
 from executor_service.input_batch import InputBatch  # noqa: E402
-from scheduler_service import Request, RunnerOutput, SamplingParams, Scheduler, SchedulerConfig  # noqa: E402
+from executor_service.wire import decode_step  # noqa: E402
+from scheduler_service import Request, RunnerOutput, Scheduler, SchedulerConfig  # noqa: E402
+from scheduler_service.wire import HandleTable, encode_step  # noqa: E402
+from stepwire.contract import SamplingParams  # noqa: E402
 
 BS = 16
 
@@ -48,9 +51,11 @@ def rebuild_from_lists(sched: Scheduler, num_scheduled: dict[str, int]):
             torch.tensor(padded))
 
 
-def persistent(batch: InputBatch, out):
-    batch.apply(out)
-    inputs = batch.prepare(out.num_scheduled_tokens, out.total_num_scheduled_tokens)
+def persistent(batch: InputBatch, msg):
+    """The executor's whole input path: decode the wire step, apply it, build the model's inputs."""
+    step = decode_step(msg)
+    batch.apply(step)
+    inputs = batch.prepare(step.handles, step.num_tokens, step.total_tokens)
     meta = build_attention_metadata(inputs, batch.block_table, BS, torch.from_numpy)
     return inputs, torch.from_numpy(inputs.input_ids), torch.from_numpy(inputs.positions), meta
 
@@ -64,11 +69,13 @@ def measure(n: int, steps: int) -> tuple[float, float]:
         sched.add_request(Request(f"r{i}", rng.integers(0, 40000, 512).tolist(),
                                   SamplingParams(max_tokens=100000, ignore_eos=True)))
     t_persist, t_rebuild = [], []
+    handles = HandleTable()
     step = 0
     while step < steps:
         out = sched.schedule()
+        msg, order = encode_step(out, handles, epoch=1, step=step)
         t0 = time.perf_counter_ns()
-        inputs, _, _, meta = persistent(batch, out)
+        inputs, _, _, meta = persistent(batch, msg)
         t1 = time.perf_counter_ns()
         decoding = all(v == 1 for v in out.num_scheduled_tokens.values())
         if decoding:
@@ -82,7 +89,7 @@ def measure(n: int, steps: int) -> tuple[float, float]:
         sampled = np.full(int(inputs.sample_mask.sum()), 7, dtype=np.int64)
         batch.append_sampled(inputs, sampled)
         tokens = [[7] if m else [] for m in inputs.sample_mask]
-        sched.update_from_output(out, RunnerOutput(inputs.req_ids, tokens))
+        sched.update_from_output(out, RunnerOutput(order, tokens))
     return statistics.median(t_persist) / 1e3, statistics.median(t_rebuild) / 1e3
 
 

@@ -24,7 +24,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from scheduler_service import Request, RunnerOutput, SamplingParams, Scheduler, SchedulerConfig  # noqa: E402
+from scheduler_service import Request, RunnerOutput, Scheduler, SchedulerConfig  # noqa: E402
+from stepwire.contract import SamplingParams  # noqa: E402
 
 SHARED = Path(os.environ.get("STEPWIRE_SHARED", ROOT.parent / "shared"))
 PEERS = SHARED / "peers"

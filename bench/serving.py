@@ -84,14 +84,14 @@ async def http_run(url: str, model: str, prompts: list[str], tokens: int, concur
 
 
 def inproc_engine():
-    from executor_service.engine import LLMEngine
     from executor_service.runner import RunnerConfig
+    from stepwire.engine import LLMEngine
 
     return LLMEngine(RunnerConfig(str(MODEL), kv_cache_memory=1 << 30))
 
 
 def inproc_run(engine, prompt_ids: list[list[int]], tokens: int, concurrency: int) -> dict:
-    from scheduler_service import SamplingParams
+    from stepwire.contract import SamplingParams
 
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     pending = list(prompt_ids)
@@ -149,7 +149,7 @@ def wait_ready(proc: subprocess.Popen, url: str, what: str, seconds: float = 120
 
 def start_stack(env: dict | None = None):
     port, grpc_port, sc, ex = free_port(), free_port(), free_port(), free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--model", str(MODEL), "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "stepwire.cli", "serve", "--model", str(MODEL), "--port", str(port),
                              "--grpc-port", str(grpc_port), "--scheduler-port", str(sc), "--executor-port", str(ex),
                              "--scheduler-metrics-port", str(free_port()), "--executor-metrics-port", str(free_port())],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)

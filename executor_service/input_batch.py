@@ -17,14 +17,14 @@ from operator import itemgetter
 
 import numpy as np
 
-from scheduler_service.output import SchedulerOutput
-from scheduler_service.request import SamplingParams
+from executor_service.step import Step
+from stepwire.internal import sampling_pb2
 
 
 @dataclass
 class RequestState:
-    req_id: str
-    sampling_params: SamplingParams
+    handle: int
+    sampling_params: sampling_pb2.SamplingParams
     # Filled only while the request is parked (preempted); live rows keep tokens in the batch arrays.
     token_ids: np.ndarray | None = None
     generator: object | None = None      # the request's own RNG when seeded (a torch.Generator)
@@ -34,7 +34,7 @@ class RequestState:
 class StepInputs:
     """Everything the model needs for one step, as numpy arrays in the scheduler's request order."""
 
-    req_ids: list[str]
+    handles: list[int]
     rows: np.ndarray            # [B] batch row of each scheduled request
     num_scheduled: np.ndarray   # [B]
     query_start: np.ndarray     # [B] first token of each request in the flat batch
@@ -60,66 +60,54 @@ class InputBatch:
         self.top_p = np.ones(max_num_reqs, dtype=np.float32)
         self.top_k = np.zeros(max_num_reqs, dtype=np.int64)
         self.min_p = np.zeros(max_num_reqs, dtype=np.float32)
-        self.req_ids: list[str | None] = [None] * max_num_reqs
-        self.row_of: dict[str, int] = {}
-        self.states: dict[str, RequestState] = {}   # live rows
-        self.parked: dict[str, RequestState] = {}   # preempted, awaiting resume
+        self.handles: list[int | None] = [None] * max_num_reqs   # the request in each row
+        self.row_of: dict[int, int] = {}
+        self.states: dict[int, RequestState] = {}   # live rows
+        self.parked: dict[int, RequestState] = {}   # preempted, awaiting resume
         self.num_reqs = 0                           # rows 0..num_reqs-1 in use once condensed
         self._holes: list[int] = []
 
     # ------------------------------------------------------------------ applying a diff
 
-    def apply(self, out: SchedulerOutput, make_state=None) -> None:
-        """Bring the batch in line with the scheduler's decision. `make_state(new_request_data)` lets the
-        runner attach things such as a seeded generator to a new request's state."""
-        for rid in out.finished_req_ids:
-            self.parked.pop(rid, None)
-            if rid in self.row_of:
-                self._remove(rid)
-        for rid in out.preempted_req_ids:
-            if rid in self.row_of:
-                row = self.row_of[rid]
-                state = self.states[rid]
+    def apply(self, step: Step, make_state=None) -> None:
+        """Bring the batch in line with the scheduler's decision. `make_state(state)` lets the runner attach
+        things such as a seeded generator to a new request's state."""
+        for h in step.finished:
+            self.parked.pop(h, None)
+            if h in self.row_of:
+                self._remove(h)
+        for h in step.preempted:
+            if h in self.row_of:
+                row = self.row_of[h]
+                state = self.states[h]
                 state.token_ids = self.token_ids[row, :self.num_tokens[row]].copy()
-                self._remove(rid)
-                self.parked[rid] = state
-        cached = out.scheduled_cached_reqs
-        if cached.req_ids:
-            self._apply_cached(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens,
-                               cached.resumed_req_ids)
-        for new in out.scheduled_new_reqs:
-            state = RequestState(new.req_id, new.sampling_params)
+                self._remove(h)
+                self.parked[h] = state
+        for h, computed, blocks in step.resumed:
+            state = self.parked.pop(h)
+            tokens, state.token_ids = state.token_ids, None
+            self._add(state, tokens, blocks, computed)
+        # num_computed needs no write for running rows: append_sampled already advanced each row to what
+        # the scheduler counts (the batch test checks they agree); resumed rows got theirs in _add.
+        if step.grown:
+            self._append_blocks(step.grown)
+        for new in step.new:
+            state = RequestState(new.handle, new.sampling)
             if make_state is not None:
                 make_state(state)
-            tokens = np.asarray(new.prompt_token_ids + new.output_token_ids, dtype=np.int64)
-            self._add(state, tokens, new.block_ids, new.num_computed_tokens)
+            self._add(state, np.asarray(new.token_ids, dtype=np.int64), new.block_ids, new.num_computed)
         self.condense()
 
-    def rows_of(self, req_ids: list[str]) -> np.ndarray:
+    def rows_of(self, handles: list[int]) -> np.ndarray:
         """Batch rows of the given requests, looked up in C: this runs for every request every step."""
-        if len(req_ids) <= 1:
-            return np.array([self.row_of[r] for r in req_ids], dtype=np.int64)
-        return np.array(itemgetter(*req_ids)(self.row_of), dtype=np.int64)
+        if len(handles) <= 1:
+            return np.array([self.row_of[h] for h in handles], dtype=np.int64)
+        return np.array(itemgetter(*handles)(self.row_of), dtype=np.int64)
 
-    def _apply_cached(self, req_ids, new_block_ids, num_computed, resumed) -> None:
-        # The steady-decode hot path: block appends only for the requests that crossed a block boundary.
-        if resumed:
-            for rid, blocks, computed in zip(req_ids, new_block_ids, num_computed, strict=True):
-                if rid in resumed:
-                    state = self.parked.pop(rid)
-                    tokens, state.token_ids = state.token_ids, None
-                    self._add(state, tokens, list(blocks), computed)
-        # num_computed needs no write: append_sampled already advanced each row to what the scheduler
-        # sends (the batch test checks they agree); resumed rows got theirs in _add.
-        if not any(new_block_ids):
-            return
-        # Block appends only for the requests that crossed a block boundary (found in one C-speed pass),
-        # vectorized: a decode batch crossing boundaries together must not pay a slice assignment each.
-        idx = [i for i, b in enumerate(new_block_ids) if b and req_ids[i] not in resumed]
-        if not idx:
-            return
-        sub = self.rows_of([req_ids[i] for i in idx])
-        blocks = [new_block_ids[i] for i in idx]
+    def _append_blocks(self, grown: list[tuple[int, list[int]]]) -> None:
+        # Vectorized: a decode batch crossing block boundaries together must not pay a slice assignment each.
+        sub = self.rows_of([h for h, _ in grown])
+        blocks = [b for _, b in grown]
         nblocks = self.num_blocks
         if all(len(b) == 1 for b in blocks):
             self.block_table[sub, nblocks[sub]] = [b[0] for b in blocks]
@@ -151,14 +139,14 @@ class InputBatch:
         self.top_p[row] = sp.top_p
         self.top_k[row] = sp.top_k
         self.min_p[row] = sp.min_p
-        self.req_ids[row] = state.req_id
-        self.row_of[state.req_id] = row
-        self.states[state.req_id] = state
+        self.handles[row] = state.handle
+        self.row_of[state.handle] = row
+        self.states[state.handle] = state
 
-    def _remove(self, rid: str) -> None:
-        row = self.row_of.pop(rid)
-        del self.states[rid]
-        self.req_ids[row] = None
+    def _remove(self, handle: int) -> None:
+        row = self.row_of.pop(handle)
+        del self.states[handle]
+        self.handles[row] = None
         self._holes.append(row)
 
     def condense(self) -> None:
@@ -167,7 +155,7 @@ class InputBatch:
         self._holes = []
         last = self.num_reqs - 1
         for hole in holes:
-            while last >= 0 and self.req_ids[last] is None:
+            while last >= 0 and self.handles[last] is None:
                 last -= 1
             if hole >= last:
                 break
@@ -183,21 +171,17 @@ class InputBatch:
         for arr in (self.num_tokens, self.num_computed, self.num_blocks, self.temperature, self.top_p,
                     self.top_k, self.min_p):
             arr[dst] = arr[src]
-        rid = self.req_ids[src]
-        self.req_ids[dst], self.req_ids[src] = rid, None
-        self.row_of[rid] = dst
+        h = self.handles[src]
+        self.handles[dst], self.handles[src] = h, None
+        self.row_of[h] = dst
 
     # ------------------------------------------------------------------ building a step's inputs
 
-    def prepare(self, num_scheduled_tokens: dict[str, int], total: int | None = None) -> StepInputs:
-        """`total` (the step's token count, if the caller knows it) lets pure decode skip a pass."""
-        req_ids = list(num_scheduled_tokens)
-        b = len(req_ids)
-        rows = self.rows_of(req_ids)
-        if total is None:
-            total = sum(num_scheduled_tokens.values())
-        n_sched = (np.ones(b, dtype=np.int64) if total == b
-                   else np.fromiter(num_scheduled_tokens.values(), dtype=np.int64, count=b))
+    def prepare(self, handles: list[int], num_tokens: list[int], total: int) -> StepInputs:
+        """Inputs for `handles` computing `num_tokens` each (`total` in all) this step."""
+        b = len(handles)
+        rows = self.rows_of(handles)
+        n_sched = (np.ones(b, dtype=np.int64) if total == b else np.asarray(num_tokens, dtype=np.int64))
         computed = self.num_computed[rows]
         seq_lens = computed + n_sched
         bs = self.block_size
@@ -214,7 +198,7 @@ class InputBatch:
         input_ids = self.token_ids[tok_rows, positions]
         slot_mapping = self.block_table[tok_rows, positions // bs] * bs + positions % bs
         sample_mask = seq_lens >= self.num_tokens[rows]
-        return StepInputs(req_ids, rows, n_sched, query_start, input_ids, positions, slot_mapping, seq_lens,
+        return StepInputs(handles, rows, n_sched, query_start, input_ids, positions, slot_mapping, seq_lens,
                           sample_mask)
 
     def append_sampled(self, inputs: StepInputs, sampled: np.ndarray) -> None:

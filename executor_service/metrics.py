@@ -6,7 +6,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
-from scheduler_service.metrics import LATENCY
+from observability.buckets import LATENCY
 
 
 class ExecutorMetrics:

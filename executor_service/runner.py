@@ -15,8 +15,8 @@ from executor_service.loader import load_model
 from executor_service.memory import keep_freed_memory
 from executor_service.model_config import ModelConfig
 from executor_service.sampler import Sampler, SamplingTensors
+from executor_service.step import Step, StepResult, logprobs_of, seed_of
 from observability import tracing
-from scheduler_service.output import RunnerOutput, SchedulerOutput
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -68,23 +68,23 @@ class ModelRunner:
                 "device": str(self.device), "eos_token_ids": list(mc.eos_token_ids)}
 
     def _new_state(self, state: RequestState) -> None:
-        seed = state.sampling_params.seed
+        seed = seed_of(state.sampling_params)
         if seed is not None:
             state.generator = torch.Generator(device=self.device).manual_seed(seed)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+    def execute(self, step: Step) -> StepResult:
         """One step. Each phase is a child span when tracing is on, and its seconds land in
         `phase_seconds` (prepare, forward, sample) for the metrics. On CUDA the forward phase ends when its
         kernels are queued; sampling waits for them, so its time includes the rest of the forward."""
         clock = time.perf_counter
         t0 = clock()
         with tracing.phase("prepare_inputs"):
-            self.batch.apply(out, self._new_state)
-            if not out.num_scheduled_tokens:
+            self.batch.apply(step, self._new_state)
+            if not step.handles:
                 self.phase_seconds = (clock() - t0, 0.0, 0.0)
-                return RunnerOutput([], [])
-            inputs = self.batch.prepare(out.num_scheduled_tokens, out.total_num_scheduled_tokens)
+                return StepResult(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64))
+            inputs = self.batch.prepare(step.handles, step.num_tokens, step.total_tokens)
         t1 = clock()
         with tracing.phase("forward"):
             logits = self.forward(inputs)
@@ -92,7 +92,7 @@ class ModelRunner:
         with tracing.phase("sample"):
             sampled, logprobs = self._sample(inputs, logits)
             self.batch.append_sampled(inputs, sampled)
-            result = self._runner_output(inputs, sampled, logprobs)
+            result = self._result(inputs, sampled, logprobs)
         self.phase_seconds = (t1 - t0, t2 - t1, clock() - t2)
         return result
 
@@ -110,10 +110,9 @@ class ModelRunner:
         if len(rows) == 0:  # every request is mid-prefill: nothing to sample
             return np.empty(0, dtype=np.int64), None
         b = self.batch
-        states = [b.states[b.req_ids[r]] for r in rows]
+        states = [b.states[b.handles[r]] for r in rows]
         generators = {i: s.generator for i, s in enumerate(states) if s.generator is not None}
-        num_logprobs = max((s.sampling_params.logprobs for s in states if s.sampling_params.logprobs is not None),
-                           default=None)
+        num_logprobs = max((n for s in states if (n := logprobs_of(s.sampling_params)) is not None), default=None)
         t = torch.from_numpy
         st = SamplingTensors.from_cpu(t(b.temperature[rows]), t(b.top_p[rows]), t(b.top_k[rows]), t(b.min_p[rows]),
                                       vocab_size=self.model_config.vocab_size, device=self.device,
@@ -121,18 +120,14 @@ class ModelRunner:
         res = self.sampler(logits, st, generators, num_logprobs)
         return res.token_ids.cpu().numpy(), res.logprobs
 
-    def _runner_output(self, inputs: StepInputs, sampled: np.ndarray, logprobs) -> RunnerOutput:
-        tokens: list[list[int]] = [[] for _ in inputs.req_ids]
-        sampling = np.flatnonzero(inputs.sample_mask).tolist()
-        for i, tok in zip(sampling, sampled.tolist(), strict=True):
-            tokens[i] = [tok]
+    def _result(self, inputs: StepInputs, sampled: np.ndarray, logprobs) -> StepResult:
+        sampling = np.flatnonzero(inputs.sample_mask)
         if logprobs is None:
-            return RunnerOutput(inputs.req_ids, tokens)
+            return StepResult(sampling, sampled)
         # Column 0 is the sampled token itself, then the top-n; each request keeps the n it asked for.
         ids, lps = logprobs.token_ids.tolist(), logprobs.logprobs.tolist()
-        per_req: list[list[list[tuple[int, float]]]] = [[] for _ in inputs.req_ids]
-        for k, i in enumerate(sampling):
-            n = self.batch.states[inputs.req_ids[i]].sampling_params.logprobs
-            if n is not None:
-                per_req[i] = [list(zip(ids[k][:n + 1], lps[k][:n + 1], strict=True))]
-        return RunnerOutput(inputs.req_ids, tokens, per_req)
+        per_row: list[list[tuple[int, float]] | None] = []
+        for k, i in enumerate(sampling.tolist()):
+            n = logprobs_of(self.batch.states[inputs.handles[i]].sampling_params)
+            per_row.append(None if n is None else list(zip(ids[k][:n + 1], lps[k][:n + 1], strict=True)))
+        return StepResult(sampling, sampled, per_row)

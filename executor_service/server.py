@@ -7,10 +7,8 @@ a restart, say). A step from a newer epoch means the scheduler started over: the
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
-import os
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -22,10 +20,12 @@ from opentelemetry.trace import SpanKind
 
 from executor_service.metrics import ExecutorMetrics
 from executor_service.runner import ModelRunner, RunnerConfig
+from executor_service.settings import ExecutorSettings
 from executor_service.wire import decode_step, encode_result
 from observability import tracing
 from observability.metrics_server import serve_metrics
 from observability.shutdown import serve_until_sigterm
+from stepwire.contract.settings import load
 from stepwire.internal import executor_pb2, executor_pb2_grpc
 
 log = logging.getLogger("stepwire.executor")
@@ -87,12 +87,12 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
                    if h not in rows and h not in parked and h not in new]
         if unknown:
             return self._resync(msg, f"unknown handles {sorted(set(unknown))[:8]}")
-        out = decode_step(msg)
+        step = decode_step(msg)
         t0 = time.perf_counter()
-        result = self.runner.execute(out)
-        reply = encode_result(result, msg.epoch, msg.step)
+        result = self.runner.execute(step)
+        reply = encode_result(result, len(step.handles), msg.epoch, msg.step)
         reply.forward_seconds = time.perf_counter() - t0
-        self.metrics.observe_step(reply.forward_seconds, out.total_num_scheduled_tokens, self.runner.phase_seconds)
+        self.metrics.observe_step(reply.forward_seconds, step.total_tokens, self.runner.phase_seconds)
         return reply
 
     def _reset(self, epoch: int) -> None:
@@ -134,24 +134,10 @@ async def serve(runner_config: RunnerConfig, address: str, metrics_address: str 
 
 
 def main(argv: list[str] | None = None) -> None:
-    env = os.environ.get
-    ap = argparse.ArgumentParser(prog="stepwire executor", description="Run one stepwire executor.")
-    ap.add_argument("--model", default=env("STEPWIRE_MODEL", "models/SmolLM2-135M-Instruct"))
-    ap.add_argument("--address", default=env("STEPWIRE_EXECUTOR_ADDRESS", "127.0.0.1:50061"))
-    ap.add_argument("--device", default=env("STEPWIRE_DEVICE", "cpu"))
-    ap.add_argument("--dtype", default=env("STEPWIRE_DTYPE"))
-    ap.add_argument("--kv-cache-memory", type=int, default=int(env("STEPWIRE_KV_CACHE_MEMORY", str(1 << 30))))
-    ap.add_argument("--block-size", type=int, default=int(env("STEPWIRE_BLOCK_SIZE", "16")))
-    ap.add_argument("--max-num-seqs", type=int, default=int(env("STEPWIRE_MAX_NUM_SEQS", "256")))
-    ap.add_argument("--max-model-len", type=int, default=int(env("STEPWIRE_MAX_MODEL_LEN", "0")) or None)
-    ap.add_argument("--metrics-address", default=env("STEPWIRE_METRICS_ADDRESS", "127.0.0.1:9092"),
-                    help="host:port for Prometheus /metrics; empty turns it off")
-    a = ap.parse_args(argv)
+    settings = load(ExecutorSettings, argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    cfg = RunnerConfig(model=a.model, device=a.device, dtype=a.dtype, kv_cache_memory=a.kv_cache_memory,
-                       block_size=a.block_size, max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len)
     try:
-        asyncio.run(serve(cfg, a.address, a.metrics_address))
+        asyncio.run(serve(settings.runner_config(), settings.address, settings.metrics_address))
     except KeyboardInterrupt:
         pass
 

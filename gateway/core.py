@@ -14,10 +14,9 @@ from gateway.detokenizer import IncrementalDetokenizer
 from gateway.session import SchedulerError, SchedulerSession, output_error
 from gateway.stops import StopMatcher
 from gateway.telemetry import Observation
-from gateway.tokenizer import ModelTokenizer
-from scheduler_service.errors import InvalidRequestError
-from scheduler_service.request import SamplingParams
-from scheduler_service.wire import sampling_to_proto
+from gateway.tokenizer import ChatTemplateError, ModelTokenizer
+from stepwire.contract import InvalidRequestError, SamplingParams, check_chat, check_priority, check_prompt
+from stepwire.contract.limits import UINT64_MAX
 from stepwire.internal import scheduler_pb2, scheduler_pb2_grpc
 
 MAX_LOGPROBS = 20
@@ -26,17 +25,12 @@ MAX_N = 16
 
 @dataclass
 class GenerationParams:
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    seed: int | None = None
+    """A client's request beyond its prompt: the sampling parameters the scheduler and the executor apply
+    (sent on as they are), and what the gateway handles itself."""
+
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_tokens: int | None = None   # None: whatever the context leaves after the prompt
     stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    logprobs: int | None = None
     n: int = 1
     priority: int = 0
     cache_salt: str | None = None
@@ -89,36 +83,43 @@ class Backend:
             raise InvalidRequestError("model", f"the model {name!r} does not exist; this server serves "
                                                f"{self.model_name!r}")
 
-    def check(self, prompt_ids: list[int], p: GenerationParams) -> SamplingParams:
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        check_chat(messages)
+        try:
+            return self.tokenizer.encode_chat(messages)
+        except ChatTemplateError as e:
+            raise InvalidRequestError("messages", str(e)) from None
+
+    def check(self, prompt_ids: list[int], p: GenerationParams) -> None:
         """Validate before anything reaches the scheduler; raises InvalidRequestError naming the field.
-        Returns the sampling parameters to send (max_tokens resolved)."""
-        if not prompt_ids:
-            raise InvalidRequestError("prompt", "the prompt is empty")
+        Every number is checked against the width of the proto field it travels in, so nothing can fail
+        later, inside a conversion, where no one would answer the client. Resolves max_tokens."""
+        check_prompt(prompt_ids, self.tokenizer.vocab_size)
         limit = self.max_model_len
         if limit and len(prompt_ids) >= limit:
             raise InvalidRequestError("prompt", f"this model's maximum context length is {limit} tokens; the "
                                                 f"prompt has {len(prompt_ids)}")
         if p.max_tokens is None:
-            p.max_tokens = max(limit - len(prompt_ids), 1) if limit else 256
-        elif limit and len(prompt_ids) + p.max_tokens > limit:
-            raise InvalidRequestError("max_tokens", f"this model's maximum context length is {limit} tokens; "
-                                                    f"{len(prompt_ids)} in the prompt plus max_tokens={p.max_tokens} "
-                                                    f"exceed it")
+            p.sampling.max_tokens = max(limit - len(prompt_ids), 1) if limit else 256
+        else:
+            p.sampling.max_tokens = p.max_tokens
+            if limit and isinstance(p.max_tokens, int) and len(prompt_ids) + p.max_tokens > limit:
+                raise InvalidRequestError("max_tokens", f"this model's maximum context length is {limit} tokens; "
+                                                        f"{len(prompt_ids)} in the prompt plus max_tokens="
+                                                        f"{p.max_tokens} exceed it")
+        p.sampling.validate()
         if not 1 <= p.n <= MAX_N:
             raise InvalidRequestError("n", f"must be in [1, {MAX_N}], got {p.n}")
-        if p.logprobs is not None and not 0 <= p.logprobs <= MAX_LOGPROBS:
-            raise InvalidRequestError("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {p.logprobs}")
-        if p.n > 1 and p.temperature == 0:
+        lp = p.sampling.logprobs
+        if lp is not None and not 0 <= lp <= MAX_LOGPROBS:
+            raise InvalidRequestError("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {lp}")
+        if p.n > 1 and p.sampling.temperature == 0:
             raise InvalidRequestError("n", "n > 1 needs sampling (temperature > 0): greedy copies are identical")
-        sp = SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
-                            min_p=p.min_p, seed=p.seed, stop_token_ids=tuple(p.stop_token_ids),
-                            ignore_eos=p.ignore_eos, min_tokens=p.min_tokens, logprobs=p.logprobs)
-        sp.validate()
-        return sp
+        check_priority(p.priority)
 
-    async def generate(self, prompt_ids: list[int], p: GenerationParams, sp: SamplingParams,
-                       usage: Usage, obs: Observation | None = None) -> AsyncIterator[Chunk]:
-        """Text deltas of all n completions, interleaved as they come; `sp` is what check() returned.
+    async def generate(self, prompt_ids: list[int], p: GenerationParams, usage: Usage,
+                       obs: Observation | None = None) -> AsyncIterator[Chunk]:
+        """Text deltas of all n completions of a request check() accepted, interleaved as they come.
         Leaving early aborts them all. `obs` times the first token and names the parent span."""
         usage.prompt_tokens = len(prompt_ids)
         traceparent = ""
@@ -127,7 +128,7 @@ class Backend:
             traceparent = obs.traceparent()
         queue: asyncio.Queue = asyncio.Queue()
         base = uuid.uuid4().hex[:16]
-        tasks = [asyncio.create_task(self._one(f"{base}-{i}", i, prompt_ids, p, sp, queue, usage, traceparent))
+        tasks = [asyncio.create_task(self._one(f"{base}-{i}", i, prompt_ids, p, queue, usage, traceparent))
                  for i in range(p.n)]
         try:
             done = 0
@@ -144,16 +145,26 @@ class Backend:
             for t in tasks:
                 t.cancel()   # a cancelled completion aborts its request at the scheduler
 
-    async def _one(self, rid, index, prompt_ids, p, sp: SamplingParams, queue, usage, traceparent: str) -> None:
+    async def _one(self, rid, index, prompt_ids, p: GenerationParams, queue, usage, traceparent: str) -> None:
+        # Whatever goes wrong in here reaches the client through the queue: an exception that escaped this
+        # task would leave generate() waiting for ever.
+        try:
+            await self._stream(rid, index, prompt_ids, p, queue, usage, traceparent)
+        except Exception as e:   # noqa: BLE001 -- handed on, not swallowed
+            queue.put_nowait(e)
+
+    async def _stream(self, rid, index, prompt_ids, p: GenerationParams, queue, usage, traceparent: str) -> None:
+        sp = p.sampling
         if sp.seed is not None:
-            sp = replace(sp, seed=sp.seed + index)   # n seeded completions must still differ from each other
+            # n seeded completions must still differ from each other, and stay inside the uint64 field.
+            sp = replace(sp, seed=(sp.seed + index) % (UINT64_MAX + 1))
         detok = IncrementalDetokenizer(self.tokenizer)
         stops = StopMatcher(p.stop)
-        outputs = self.session.submit(scheduler_pb2.SubmitRequest(
-            request_id=rid, prompt_token_ids=prompt_ids, params=sampling_to_proto(sp), priority=p.priority,
-            cache_salt=p.cache_salt or "", traceparent=traceparent))
         finished = False
         try:
+            outputs = self.session.submit(scheduler_pb2.SubmitRequest(
+                request_id=rid, prompt_token_ids=prompt_ids, params=sp.to_proto(), priority=p.priority,
+                cache_salt=p.cache_salt or "", traceparent=traceparent))
             while True:
                 out = await outputs.get()
                 error = out if isinstance(out, SchedulerError) else output_error(out)
@@ -174,7 +185,7 @@ class Backend:
                     finished = True
                     text += stops.push(detok.flush()) + stops.flush()
                     stop = None
-                    if finish == "stop" and out.token_ids and out.token_ids[-1] in p.stop_token_ids:
+                    if finish == "stop" and out.token_ids and out.token_ids[-1] in sp.stop_token_ids:
                         stop = str(out.token_ids[-1])
                     queue.put_nowait(Chunk(index, text, list(out.token_ids), finish, stop, _lp(out)))
                     return

@@ -9,9 +9,7 @@ import grpc
 from gateway.core import Backend, GenerationParams, Usage
 from gateway.session import SchedulerError
 from gateway.telemetry import GatewayMetrics, Observation
-from gateway.tokenizer import ChatTemplateError
-from scheduler_service.errors import InvalidRequestError
-from scheduler_service.request import SamplingParams
+from stepwire.contract import InvalidRequestError, SamplingParams
 from stepwire.v1 import generation_pb2, generation_pb2_grpc
 
 SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -29,7 +27,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         return Observation(self.metrics, "grpc", f"{SERVICE}/{method}", operation,
                            dict(context.invocation_metadata() or ()), self.backend.model_name)
 
-    async def _prepare(self, request, context, obs: Observation) -> tuple[list[int], GenerationParams, SamplingParams]:
+    async def _prepare(self, request, context, obs: Observation) -> tuple[list[int], GenerationParams]:
         b = self.backend
         try:
             b.check_model(request.model)
@@ -38,32 +36,18 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 prompt = b.tokenizer.encode(request.text)
             elif which == "token_ids":
                 prompt = list(request.token_ids.ids)
-                if any(t >= b.tokenizer.vocab_size for t in prompt):
-                    raise InvalidRequestError("token_ids", "token ids must be within the vocabulary")
             elif which == "chat":
-                try:
-                    prompt = b.tokenizer.encode_chat([{"role": m.role, "content": m.content}
-                                                      for m in request.chat.messages])
-                except ChatTemplateError as e:
-                    raise InvalidRequestError("chat", str(e)) from None
+                prompt = b.encode_chat(_messages(request.chat))
             else:
                 raise InvalidRequestError("prompt", "one of text, token_ids or chat is required")
-            p = request.params
-            has = p.HasField
-            params = GenerationParams(
-                max_tokens=p.max_tokens if has("max_tokens") else None,
-                temperature=p.temperature if has("temperature") else 1.0, top_p=p.top_p if has("top_p") else 1.0,
-                top_k=p.top_k if has("top_k") else -1, min_p=p.min_p if has("min_p") else 0.0,
-                seed=p.seed if has("seed") else None, stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
-                ignore_eos=p.ignore_eos, min_tokens=p.min_tokens, logprobs=p.logprobs if has("logprobs") else None,
-                n=p.n if has("n") else 1, priority=request.priority, cache_salt=request.cache_salt or None)
+            params = _params(request)
             if not b.max_model_len:
                 await b.refresh()
-            sp = b.check(prompt, params)
+            b.check(prompt, params)
         except InvalidRequestError as e:
             obs.end(grpc.StatusCode.INVALID_ARGUMENT.name, error=str(e))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        return prompt, params, sp
+        return prompt, params
 
     def _logprobs(self, per_token) -> list:
         tt = self.backend.tokenizer.token_text
@@ -77,12 +61,12 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
     async def Generate(self, request, context):
         obs = self._observe(context, "Generate", request)
-        prompt, params, sp = await self._prepare(request, context, obs)
+        prompt, params = await self._prepare(request, context, obs)
         usage = Usage()
         comps = [generation_pb2.Completion(index=i) for i in range(params.n)]
         finish: list[str | None] = [None] * params.n
         try:
-            async for c in self.backend.generate(prompt, params, sp, usage, obs):
+            async for c in self.backend.generate(prompt, params, usage, obs):
                 comp = comps[c.index]
                 comp.text += c.text
                 comp.token_ids.extend(c.token_ids)
@@ -102,13 +86,13 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
     async def GenerateStream(self, request, context):
         obs = self._observe(context, "GenerateStream", request)
-        prompt, params, sp = await self._prepare(request, context, obs)
+        prompt, params = await self._prepare(request, context, obs)
         usage = Usage()
         rid = f"gen-{uuid.uuid4().hex}"
         last = None
         finish: list[str | None] = [None] * params.n
         try:
-            async for c in self.backend.generate(prompt, params, sp, usage, obs):
+            async for c in self.backend.generate(prompt, params, usage, obs):
                 if c.finish_reason is not None:
                     finish[c.index] = c.finish_reason
                 if last is not None:
@@ -132,9 +116,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"model: {request.model!r} is not served")
         if request.WhichOneof("input") == "chat":
             try:
-                ids = b.tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in request.chat.messages])
-            except ChatTemplateError as e:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"chat: {e}")
+                ids = b.encode_chat(_messages(request.chat))
+            except InvalidRequestError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         else:
             ids = b.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
         return generation_pb2.TokenizeResponse(token_ids=ids, max_model_len=b.max_model_len)
@@ -146,6 +130,24 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         return generation_pb2.ModelInfoResponse(model=b.model_name, max_model_len=b.max_model_len,
                                                 vocab_size=b.tokenizer.vocab_size,
                                                 has_chat_template=b.tokenizer.chat_template is not None)
+
+
+def _messages(chat) -> list[dict]:
+    return [{"role": m.role, "content": m.content} for m in chat.messages]
+
+
+def _params(request) -> GenerationParams:
+    """Proto3 `optional` fields that are unset take the same defaults as the HTTP API's."""
+    p = request.params
+    has = p.HasField
+    sampling = SamplingParams(
+        temperature=p.temperature if has("temperature") else 1.0, top_p=p.top_p if has("top_p") else 1.0,
+        top_k=p.top_k if has("top_k") else -1, min_p=p.min_p if has("min_p") else 0.0,
+        seed=p.seed if has("seed") else None, stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos,
+        min_tokens=p.min_tokens, logprobs=p.logprobs if has("logprobs") else None)
+    return GenerationParams(sampling, max_tokens=p.max_tokens if has("max_tokens") else None, stop=list(p.stop),
+                            n=p.n if has("n") else 1, priority=request.priority,
+                            cache_salt=request.cache_salt or None)
 
 
 def _usage(u: Usage) -> generation_pb2.Usage:

@@ -7,7 +7,7 @@ import inspect
 import json
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any
 
 import grpc
 from fastapi import FastAPI, Request
@@ -19,8 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from gateway.core import Backend, GenerationParams, Usage
 from gateway.session import SchedulerError
 from gateway.telemetry import GatewayMetrics, Observation
-from gateway.tokenizer import ChatTemplateError
-from scheduler_service.errors import InvalidRequestError
+from stepwire.contract import InvalidRequestError, SamplingParams
 
 
 class _Strict(BaseModel):
@@ -63,13 +62,13 @@ class CompletionRequest(_Sampling):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant", "developer", "tool"]
+    role: str   # checked with the gRPC API's rule, in the backend
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
 
 
 class ChatRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
@@ -123,8 +122,6 @@ def build_app(backend: Backend, metrics: GatewayMetrics) -> FastAPI:
             if req.echo:
                 raise InvalidRequestError("echo", "echo is not supported")
             prompt = req.prompt if isinstance(req.prompt, list) else backend.tokenizer.encode(req.prompt)
-            if isinstance(req.prompt, list) and any(t < 0 or t >= backend.tokenizer.vocab_size for t in req.prompt):
-                raise InvalidRequestError("prompt", "token ids must be within the vocabulary")
             return await _respond(backend, raw, req, prompt, p, False, obs)
         except InvalidRequestError as e:
             obs.end(400, error=str(e))
@@ -138,11 +135,7 @@ def build_app(backend: Backend, metrics: GatewayMetrics) -> FastAPI:
             if req.top_logprobs is not None and not req.logprobs:
                 raise InvalidRequestError("top_logprobs", "top_logprobs needs logprobs: true")
             p = _params(backend, req, req.max_completion_tokens or req.max_tokens, n_lp)
-            messages = [{"role": m.role, "content": _text(m.content)} for m in req.messages]
-            try:
-                prompt = backend.tokenizer.encode_chat(messages)
-            except ChatTemplateError as e:
-                raise InvalidRequestError("messages", str(e)) from None
+            prompt = backend.encode_chat([{"role": m.role, "content": _text(m.content)} for m in req.messages])
             return await _respond(backend, raw, req, prompt, p, True, obs)
         except InvalidRequestError as e:
             obs.end(400, error=str(e))
@@ -168,28 +161,29 @@ def _params(backend: Backend, req: _Sampling, max_tokens: int | None, logprobs: 
         if getattr(req, name):
             raise InvalidRequestError(name, f"{name} is not supported yet")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    return GenerationParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                            min_p=req.min_p, seed=req.seed, stop=stop, stop_token_ids=req.stop_token_ids,
-                            ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, logprobs=logprobs, n=req.n,
-                            priority=req.priority, cache_salt=req.cache_salt)
+    sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+                              seed=req.seed, stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos,
+                              min_tokens=req.min_tokens, logprobs=logprobs)
+    return GenerationParams(sampling, max_tokens=max_tokens, stop=stop, n=req.n, priority=req.priority,
+                            cache_salt=req.cache_salt)
 
 
 async def _respond(backend: Backend, raw: Request, req, prompt: list[int], p: GenerationParams, chat: bool,
                    obs: Observation):
     if not backend.max_model_len:
         await backend.refresh()
-    sp = backend.check(prompt, p)
+    backend.check(prompt, p)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created = int(time.time())
     usage = Usage()
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_sse(backend, prompt, p, sp, usage, rid, created, chat, include_usage, obs),
+        return StreamingResponse(_sse(backend, prompt, p, usage, rid, created, chat, include_usage, obs),
                                  media_type="text/event-stream")
     texts = [""] * p.n
     finish: list[str | None] = [None] * p.n
     lps: list[list] = [[] for _ in range(p.n)]
-    gen = backend.generate(prompt, p, sp, usage, obs)
+    gen = backend.generate(prompt, p, usage, obs)
     task = asyncio.ensure_future(_collect(gen, texts, finish, lps))
     # A client that hangs up on a non-streaming call still frees its blocks: watch for it.
     while not task.done():
@@ -210,11 +204,11 @@ async def _respond(backend: Backend, raw: Request, req, prompt: list[int], p: Ge
     for i in range(p.n):
         if chat:
             choices.append({"index": i, "message": {"role": "assistant", "content": texts[i]},
-                            "logprobs": _chat_lp(backend, lps[i]) if p.logprobs is not None else None,
+                            "logprobs": _chat_lp(backend, lps[i]) if p.sampling.logprobs is not None else None,
                             "finish_reason": finish[i]})
         else:
             choices.append({"index": i, "text": texts[i], "finish_reason": finish[i],
-                            "logprobs": _completion_lp(backend, lps[i]) if p.logprobs is not None else None})
+                            "logprobs": _completion_lp(backend, lps[i]) if p.sampling.logprobs is not None else None})
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": backend.model_name, "choices": choices, "usage": _usage(usage)}
 
@@ -227,7 +221,7 @@ async def _collect(gen, texts, finish, lps) -> None:
             finish[c.index] = c.finish_reason
 
 
-async def _sse(backend, prompt, p, sp, usage, rid, created, chat, include_usage, obs: Observation):
+async def _sse(backend, prompt, p, usage, rid, created, chat, include_usage, obs: Observation):
     obj = "chat.completion.chunk" if chat else "text_completion"
 
     def event(choices, **extra):
@@ -235,6 +229,7 @@ async def _sse(backend, prompt, p, sp, usage, rid, created, chat, include_usage,
         body.update(extra)
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
+    want_lp = p.sampling.logprobs is not None
     if chat:
         for i in range(p.n):
             yield event([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -242,16 +237,16 @@ async def _sse(backend, prompt, p, sp, usage, rid, created, chat, include_usage,
     finish: list[str | None] = [None] * p.n
     error = None
     try:
-        async for c in backend.generate(prompt, p, sp, usage, obs):
+        async for c in backend.generate(prompt, p, usage, obs):
             if c.finish_reason is not None:
                 finish[c.index] = c.finish_reason
             if chat:
                 choice = {"index": c.index, "delta": {"content": c.text} if c.text else {},
-                          "logprobs": _chat_lp(backend, c.logprobs or []) if p.logprobs is not None else None,
+                          "logprobs": _chat_lp(backend, c.logprobs or []) if want_lp else None,
                           "finish_reason": c.finish_reason}
             else:
                 choice = {"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
-                          "logprobs": _completion_lp(backend, c.logprobs or []) if p.logprobs is not None else None}
+                          "logprobs": _completion_lp(backend, c.logprobs or []) if want_lp else None}
             if c.text or c.finish_reason is not None or c.logprobs:
                 yield event([choice])
         if include_usage:

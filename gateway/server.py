@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
-import os
 from pathlib import Path
 
 import grpc
@@ -16,9 +14,11 @@ from grpc_reflection.v1alpha import reflection
 from gateway.core import Backend
 from gateway.grpc_api import SERVICE, GenerationService
 from gateway.http_api import build_app
+from gateway.settings import GatewaySettings
 from gateway.telemetry import GatewayMetrics
 from gateway.tokenizer import ModelTokenizer
 from observability import tracing
+from stepwire.contract.settings import load
 from stepwire.v1 import generation_pb2_grpc
 
 log = logging.getLogger("stepwire.gateway")
@@ -80,19 +80,10 @@ async def serve(model_dir: str, model_name: str, scheduler: str, host: str, port
 
 
 def main(argv: list[str] | None = None) -> None:
-    env = os.environ.get
-    ap = argparse.ArgumentParser(prog="stepwire gateway", description="Run the stepwire gateway.")
-    ap.add_argument("--model", default=env("STEPWIRE_MODEL", "models/SmolLM2-135M-Instruct"),
-                    help="model directory (tokenizer and chat template)")
-    ap.add_argument("--served-model-name", default=env("STEPWIRE_SERVED_MODEL_NAME"))
-    ap.add_argument("--scheduler", default=env("STEPWIRE_SCHEDULER_ADDRESS", "127.0.0.1:50051"))
-    ap.add_argument("--host", default=env("STEPWIRE_HTTP_HOST", "127.0.0.1"))
-    ap.add_argument("--port", type=int, default=int(env("STEPWIRE_HTTP_PORT", "8000")))
-    ap.add_argument("--grpc-address", default=env("STEPWIRE_GATEWAY_GRPC_ADDRESS", "127.0.0.1:50050"))
-    a = ap.parse_args(argv)
+    s = load(GatewaySettings, argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    name = a.served_model_name or Path(a.model).name
-    asyncio.run(serve(a.model, name, a.scheduler, a.host, a.port, a.grpc_address))
+    name = s.served_model_name or Path(s.model).name
+    asyncio.run(serve(s.model, name, s.scheduler, s.host, s.port, s.grpc_address))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from observability import tracing
-from scheduler_service.metrics import LATENCY
+from observability.buckets import LATENCY
 
 
 class GatewayMetrics:
@@ -57,11 +57,12 @@ class Observation:
 
     def requested(self, p, prompt_tokens: int) -> None:
         if self.span is not None:
-            attrs = {"gen_ai.request.max_tokens": p.max_tokens, "gen_ai.request.temperature": p.temperature,
-                     "gen_ai.request.top_p": p.top_p, "gen_ai.request.top_k": p.top_k,
+            sp = p.sampling
+            attrs = {"gen_ai.request.max_tokens": sp.max_tokens, "gen_ai.request.temperature": sp.temperature,
+                     "gen_ai.request.top_p": sp.top_p, "gen_ai.request.top_k": sp.top_k,
                      "gen_ai.request.choice.count": p.n, "gen_ai.usage.input_tokens": prompt_tokens}
-            if p.seed is not None:
-                attrs["gen_ai.request.seed"] = p.seed
+            if sp.seed is not None:
+                attrs["gen_ai.request.seed"] = sp.seed
             self.span.set_attributes(attrs)
 
     def token(self) -> None:

@@ -1,21 +1,19 @@
 """stepwire scheduler: queues, the unified token-budget scheduler and the paged KV block pool.
 
-Pure Python by design: a scheduler image carries no torch.
+Pure Python by design: a scheduler image carries no torch, and the core needs no gRPC.
 """
 
 from scheduler_service.config import SchedulerConfig
-from scheduler_service.errors import InvalidRequestError
 from scheduler_service.output import (
     CachedRequestData,
     NewRequestData,
     RequestDelta,
     RunnerOutput,
     SchedulerOutput,
+    SchedulerStats,
 )
-from scheduler_service.request import Request, RequestStatus, SamplingParams
-from scheduler_service.scheduler import Scheduler, SchedulerStats
+from scheduler_service.request import Request, RequestStatus
+from scheduler_service.scheduler import Scheduler
 
-__all__ = [
-    "CachedRequestData", "InvalidRequestError", "NewRequestData", "Request", "RequestDelta", "RequestStatus",
-    "RunnerOutput", "SamplingParams", "Scheduler", "SchedulerConfig", "SchedulerOutput", "SchedulerStats",
-]
+__all__ = ["CachedRequestData", "NewRequestData", "Request", "RequestDelta", "RequestStatus", "RunnerOutput",
+           "Scheduler", "SchedulerConfig", "SchedulerOutput", "SchedulerStats"]

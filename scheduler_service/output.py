@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from scheduler_service.request import SamplingParams
-
 
 @dataclass(slots=True)
 class NewRequestData:
@@ -21,7 +19,7 @@ class NewRequestData:
     prompt_token_ids: list[int]
     # Tokens already generated; non-empty only when a request is re-sent to an executor that lost it.
     output_token_ids: list[int]
-    sampling_params: SamplingParams
+    sampling_params: object   # as the request carries it: handed on to the executor, never rebuilt
     block_ids: list[int]
     # Tokens whose KV is already in `block_ids` (prefix-cache hits); the step computes from here.
     num_computed_tokens: int
@@ -84,3 +82,15 @@ class RequestDelta:
     def __repr__(self) -> str:
         return (f"RequestDelta({self.req_id!r}, {self.new_token_ids}, finish={self.finish_reason}, "
                 f"cached={self.num_cached_tokens})")
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_free_blocks: int
+    num_total_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int

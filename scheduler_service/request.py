@@ -6,7 +6,6 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from scheduler_service.errors import InvalidRequestError
 from scheduler_service.kv_cache.hashing import extend_block_hashes
 
 
@@ -27,64 +26,6 @@ FINISH_REASONS = {
 }
 
 
-@dataclass(slots=True)
-class SamplingParams:
-    """Everything a request asks of generation. The scheduler reads the stop-related fields; the executor's
-    sampler reads the rest (it arrives in the step diff with the request)."""
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1  # -1 (or 0) disables
-    min_p: float = 0.0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    logprobs: int | None = None  # top-n logprobs per sampled token
-
-    def validate(self) -> None:
-        """Raise InvalidRequestError naming the first bad field; never mutates anything."""
-        _check_int("max_tokens", self.max_tokens)
-        if self.max_tokens < 1:
-            raise InvalidRequestError("max_tokens", f"must be >= 1, got {self.max_tokens}")
-        _check_number("temperature", self.temperature)
-        if self.temperature < 0:
-            raise InvalidRequestError("temperature", f"must be >= 0, got {self.temperature}")
-        _check_number("top_p", self.top_p)
-        if not 0 < self.top_p <= 1:
-            raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p}")
-        _check_int("top_k", self.top_k)
-        if self.top_k < -1:
-            raise InvalidRequestError("top_k", f"must be -1 (disabled) or >= 0, got {self.top_k}")
-        _check_number("min_p", self.min_p)
-        if not 0 <= self.min_p <= 1:
-            raise InvalidRequestError("min_p", f"must be in [0, 1], got {self.min_p}")
-        if self.seed is not None:
-            _check_int("seed", self.seed)
-        _check_int("min_tokens", self.min_tokens)
-        if not 0 <= self.min_tokens <= self.max_tokens:
-            raise InvalidRequestError("min_tokens", f"must be in [0, max_tokens], got {self.min_tokens}")
-        for tok in self.stop_token_ids:
-            _check_int("stop_token_ids", tok)
-            if tok < 0:
-                raise InvalidRequestError("stop_token_ids", f"token ids are >= 0, got {tok}")
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs)
-            if self.logprobs < 0:
-                raise InvalidRequestError("logprobs", f"must be >= 0, got {self.logprobs}")
-
-
-def _check_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidRequestError(name, f"must be an integer, got {type(value).__name__}")
-
-
-def _check_number(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise InvalidRequestError(name, f"must be a number, got {type(value).__name__}")
-
-
 @dataclass(slots=True, eq=False)
 class Request:
     """One generation request. `all_token_ids` is prompt + output; `num_computed_tokens` chases its length.
@@ -95,8 +36,11 @@ class Request:
 
     request_id: str
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    eos_token_id: int | None = None
+    # A stepwire.contract.SamplingParams or its proto message: the scheduler reads only the stop fields
+    # and hands the object on to the executor as it came.
+    sampling_params: object
+    # Every id that ends generation (a model may have several, e.g. <|eot_id|> and <|end_of_text|>).
+    eos_token_ids: tuple[int, ...] = ()
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     cache_salt: str | None = None
@@ -124,8 +68,8 @@ class Request:
         self.num_prompt_tokens = len(self.prompt_token_ids)
         sp = self.sampling_params
         stop = set(sp.stop_token_ids)
-        if self.eos_token_id is not None and not sp.ignore_eos:
-            stop.add(self.eos_token_id)
+        if not sp.ignore_eos:
+            stop.update(self.eos_token_ids)
         self.stop_ids = frozenset(stop)
         self.min_stop_len = self.num_prompt_tokens + sp.min_tokens
         self.length_limit = self.num_prompt_tokens + sp.max_tokens

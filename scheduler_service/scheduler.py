@@ -14,10 +14,8 @@ module-level state: any number of instances can live in one process.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 
 from scheduler_service.config import SchedulerConfig
-from scheduler_service.errors import InvalidRequestError
 from scheduler_service.kv_cache.manager import KVCacheManager
 from scheduler_service.output import (
     CachedRequestData,
@@ -25,8 +23,10 @@ from scheduler_service.output import (
     RequestDelta,
     RunnerOutput,
     SchedulerOutput,
+    SchedulerStats,
 )
 from scheduler_service.request import Request, RequestStatus
+from scheduler_service.request_checks import check_new_request
 from scheduler_service.request_queue import make_queue
 
 _WAITING = RequestStatus.WAITING
@@ -35,18 +35,6 @@ _PREEMPTED = RequestStatus.PREEMPTED
 _STOPPED = RequestStatus.FINISHED_STOPPED
 _LENGTH = RequestStatus.FINISHED_LENGTH_CAPPED
 _ABORTED = RequestStatus.FINISHED_ABORTED
-
-
-@dataclass(slots=True)
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_free_blocks: int
-    num_total_blocks: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
 
 
 def _preemption_rank(request: Request) -> tuple[int, float]:
@@ -70,35 +58,8 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         """Queue a request, or raise InvalidRequestError naming the bad field without changing anything."""
+        check_new_request(request, self.config, self.kv.pool.num_blocks, self.requests)
         rid = request.request_id
-        if not isinstance(rid, str) or not rid:
-            raise InvalidRequestError("request_id", "must be a non-empty string")
-        if rid in self.requests:
-            raise InvalidRequestError("request_id", f"duplicate request id {rid!r}")
-        prompt = request.prompt_token_ids
-        if not prompt:
-            raise InvalidRequestError("prompt_token_ids", "prompt must not be empty")
-        if not all(type(t) is int and t >= 0 for t in prompt):
-            raise InvalidRequestError("prompt_token_ids", "token ids must be integers >= 0")
-        if len(prompt) >= self.config.max_model_len:
-            raise InvalidRequestError(
-                "prompt_token_ids",
-                f"prompt has {len(prompt)} tokens; with at least one output token it cannot fit "
-                f"max_model_len={self.config.max_model_len}")
-        request.sampling_params.validate()
-        # The last step computes every token but the final sampled one; a request whose worst case cannot
-        # fit the whole pool would be preempted and resumed forever, so it is refused now.
-        capacity = (self.kv.pool.num_blocks - 1) * self.config.block_size
-        worst = min(len(prompt) + request.sampling_params.max_tokens, self.config.max_model_len) - 1
-        if worst > capacity:
-            field = "prompt_token_ids" if len(prompt) > capacity else "max_tokens"
-            raise InvalidRequestError(
-                field, f"prompt ({len(prompt)} tokens) plus max_tokens ({request.sampling_params.max_tokens}) "
-                       f"needs KV for {worst} tokens; this executor's cache holds {capacity}")
-        if isinstance(request.priority, bool) or not isinstance(request.priority, int):
-            raise InvalidRequestError("priority", "must be an integer")
-        if request.status != _WAITING or request.num_computed_tokens or request.num_output_tokens:
-            raise InvalidRequestError("request_id", f"request {rid!r} was already scheduled elsewhere")
         if self.config.enable_prefix_caching:
             request.update_block_hashes(self.config.block_size)
         request.length_limit = min(request.num_prompt_tokens + request.sampling_params.max_tokens,

@@ -1,5 +1,8 @@
 """The scheduler's side of the executor wire: SchedulerOutput -> StepRequest, StepResponse -> RunnerOutput.
 
+Sampling parameters are passed on as the gateway sent them: a message that arrived on the scheduler's
+port is copied into the step as it is, never decoded and rebuilt.
+
 Each executor knows requests by small integer handles. Handles are reused lowest-first, so while fewer
 than 128 requests live on an executor every handle is a one-byte varint; with packed repeated fields a
 steady decode step then costs about one byte per request.
@@ -11,8 +14,8 @@ import heapq
 from itertools import chain
 
 from scheduler_service.output import RunnerOutput, SchedulerOutput
-from scheduler_service.request import SamplingParams
-from stepwire.internal import executor_pb2, sampling_pb2
+from stepwire.contract import as_proto
+from stepwire.internal import executor_pb2
 
 
 class HandleTable:
@@ -43,24 +46,6 @@ class HandleTable:
         return len(self.handle_of)
 
 
-def sampling_to_proto(sp: SamplingParams) -> sampling_pb2.SamplingParams:
-    msg = sampling_pb2.SamplingParams(max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p,
-                                      top_k=sp.top_k, min_p=sp.min_p, stop_token_ids=sp.stop_token_ids,
-                                      ignore_eos=sp.ignore_eos, min_tokens=sp.min_tokens)
-    if sp.seed is not None:
-        msg.seed = sp.seed
-    if sp.logprobs is not None:
-        msg.logprobs = sp.logprobs
-    return msg
-
-
-def sampling_from_proto(msg: sampling_pb2.SamplingParams) -> SamplingParams:
-    return SamplingParams(max_tokens=msg.max_tokens, temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k,
-                          min_p=msg.min_p, seed=msg.seed if msg.HasField("seed") else None,
-                          stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
-                          min_tokens=msg.min_tokens, logprobs=msg.logprobs if msg.HasField("logprobs") else None)
-
-
 def encode_step(out: SchedulerOutput, handles: HandleTable, epoch: int, step: int,
                 traceparent: str = "") -> tuple[executor_pb2.StepRequest, list[str]]:
     """The step as a diff for one executor, and the request ids in the order of its `handles` field.
@@ -76,7 +61,7 @@ def encode_step(out: SchedulerOutput, handles: HandleTable, epoch: int, step: in
     for new in out.scheduled_new_reqs:
         msg.new_requests.append(executor_pb2.NewRequest(
             handle=handles.assign(new.req_id), prompt_token_ids=new.prompt_token_ids,
-            output_token_ids=new.output_token_ids, params=sampling_to_proto(new.sampling_params),
+            output_token_ids=new.output_token_ids, params=as_proto(new.sampling_params),
             block_ids=new.block_ids, num_computed_tokens=new.num_computed_tokens))
     order = list(out.num_scheduled_tokens)
     msg.handles.extend([handle_of[r] for r in order])

@@ -1,6 +1,76 @@
+import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
+
+import pytest
 
 # Tests import the packages from the checkout, installed or not.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
+
+
+class HttpStack(NamedTuple):
+    url: str          # the gateway's HTTP root
+    client: object    # an openai.OpenAI client on it
+    sc: int           # the scheduler's port
+    gw: int           # the gateway's gRPC port
+
+
+def http_status(url: str) -> int | None:
+    import httpx
+
+    try:
+        return httpx.get(url, timeout=1).status_code
+    except httpx.HTTPError:
+        return None
+
+
+@pytest.fixture(scope="session")
+def http_stack(tmp_path_factory) -> HttpStack:
+    """The three services from the default model, started in the wrong order on purpose; shared by every
+    test that drives the stack through its public APIs (one start-up for all of them)."""
+    pytest.importorskip("torch")
+    openai = pytest.importorskip("openai")
+    import grpc
+    from grpc_health.v1 import health_pb2
+    from helpers import free_port, grpc_health, wait_http_ready, wait_until
+
+    if not (MODEL / "conversion.json").exists():
+        pytest.skip("embedded model not converted (make model)")
+    logs = tmp_path_factory.mktemp("logs")
+    ex, sc, http, gw = free_port(), free_port(), free_port(), free_port()
+    py = sys.executable
+    # Deliberately the wrong way round: gateway, then scheduler, then executor. Each waits for the next.
+    order = [("gateway", [py, "-m", "gateway.server", "--model", str(MODEL), "--scheduler", f"127.0.0.1:{sc}",
+                          "--port", str(http), "--grpc-address", f"127.0.0.1:{gw}"]),
+             ("scheduler", [py, "-m", "scheduler_service.server", "--executors", f"127.0.0.1:{ex}",
+                            "--address", f"127.0.0.1:{sc}", "--metrics-address", f"127.0.0.1:{free_port()}"]),
+             ("executor", [py, "-m", "executor_service.server", "--model", str(MODEL), "--address",
+                           f"127.0.0.1:{ex}", "--kv-cache-memory", str(256 << 20), "--max-model-len", "2048",
+                           "--metrics-address", f"127.0.0.1:{free_port()}"])]
+    url = f"http://127.0.0.1:{http}"
+    sc_channel = grpc.insecure_channel(f"127.0.0.1:{sc}")
+    log_files = [logs / f"{name}.log" for name, _ in order]
+    # Each is up, and not ready because the next one is missing, before the next one starts.
+    up_and_waiting = {
+        "gateway": (lambda: http_status(url + "/health") == 503, "the gateway to answer /health with 503"),
+        "scheduler": (lambda: grpc_health(sc_channel) == health_pb2.HealthCheckResponse.NOT_SERVING,
+                      "the scheduler to report NOT_SERVING"),
+    }
+    procs = {}
+    for name, cmd in order:
+        procs[name] = subprocess.Popen(cmd, cwd=ROOT, stdout=open(logs / f"{name}.log", "w"),
+                                       stderr=subprocess.STDOUT)
+        if name in up_and_waiting:
+            ready, what = up_and_waiting[name]
+            wait_until(ready, 120, what, procs=procs, logs=log_files)
+    sc_channel.close()
+    wait_http_ready(url, procs, logs=log_files)
+    yield HttpStack(url, openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0), sc, gw)
+    for p in procs.values():
+        p.terminate()
+        p.wait(timeout=15)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from scheduler_service import Request, RequestStatus, RunnerOutput, SamplingParams, Scheduler, SchedulerConfig
+from scheduler_service import Request, RequestStatus, RunnerOutput, Scheduler, SchedulerConfig
+from stepwire.contract import SamplingParams
 
 OUT = 7  # the token the fake model samples
 
@@ -57,58 +58,100 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_http_ready(url: str, procs: dict, seconds: float = 120) -> None:
-    """Poll the gateway's /health until it answers 200; fail early if one of the processes died."""
-    import time
+def log_tail(path, lines: int = 40) -> str:
+    """The last `lines` lines of a service's log file, for failure messages."""
+    from pathlib import Path
 
+    path = Path(path)
+    try:
+        text = path.read_text(errors="replace")
+    except OSError as e:
+        return f"--- {path.name}: unreadable ({e})"
+    tail = text.splitlines()[-lines:]
+    return f"--- last {len(tail)} lines of {path}:\n" + "\n".join(tail)
+
+
+def wait_until(predicate, timeout: float, what, *, procs=None, logs=(), interval: float = 0.1):
+    """Poll `predicate` until it returns something truthy, and return that.
+
+    Fails with `what` (a string, or a callable giving one, e.g. to show the last state seen) when `timeout`
+    seconds pass, or as soon as one of `procs` (a name -> Popen dict, or one Popen) has exited; the failure
+    message ends with the tail of each file in `logs` (a path or several).
+    """
+    import subprocess
+    import time
+    from pathlib import Path
+
+    if isinstance(procs, subprocess.Popen):
+        procs = {"process": procs}
+    procs = procs or {}
+    logs = [logs] if isinstance(logs, str | Path) else list(logs)
+
+    def fail(why: str):
+        text = what() if callable(what) else what
+        raise AssertionError("\n".join([f"{why} while waiting for {text}", *(log_tail(p) for p in logs)]))
+
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        dead = {n: p.returncode for n, p in procs.items() if p.poll() is not None}
+        if dead:
+            fail(f"exited ({', '.join(f'{n}: code {rc}' for n, rc in dead.items())})")
+        if time.monotonic() >= deadline:
+            fail(f"timed out after {timeout:g}s")
+        time.sleep(interval)
+
+
+def wait_http_ready(url: str, procs: dict, seconds: float = 120, logs=()) -> None:
+    """Poll the gateway's /health until it answers 200; fail early if one of the processes died, showing the
+    tail of each of `logs`."""
     import httpx
 
-    deadline = time.time() + seconds
-    while True:
+    def ready():
         try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
+            return httpx.get(url + "/health", timeout=1).status_code == 200
         except httpx.HTTPError:
-            pass
-        dead = [n for n, p in procs.items() if p.poll() is not None]
-        assert not dead and time.time() < deadline, f"stack not ready; dead: {dead}"
-        time.sleep(0.3)
+            return False
+
+    wait_until(ready, seconds, f"{url}/health to answer 200", procs=procs, logs=logs, interval=0.3)
 
 
-def wait_grpc_serving(channel, proc, seconds: float = 60) -> None:
-    """Poll the standard gRPC health service until SERVING; fail early if the process died."""
-    import time
-
+def grpc_health(channel, timeout: float = 1) -> int | None:
+    """The standard gRPC health service's status on `channel`, or None when it does not answer."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    health = health_pb2_grpc.HealthStub(channel)
-    deadline = time.time() + seconds
-    while True:
-        try:
-            if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == \
-                    health_pb2.HealthCheckResponse.SERVING:
-                return
-        except grpc.RpcError:
-            pass
-        assert proc.poll() is None and time.time() < deadline, "service did not become ready"
-        time.sleep(0.2)
+    try:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout).status
+    except grpc.RpcError:
+        return None
+
+
+def wait_grpc_serving(channel, proc, seconds: float = 60, logs=()) -> None:
+    """Poll the standard gRPC health service until SERVING; fail early if `proc` (one Popen, or a name -> Popen
+    dict) died, showing the tail of each of `logs`."""
+    from grpc_health.v1 import health_pb2
+
+    wait_until(lambda: grpc_health(channel) == health_pb2.HealthCheckResponse.SERVING, seconds,
+               "the gRPC health service to report SERVING", procs=proc, logs=logs, interval=0.2)
 
 
 def wait_executor_idle(stub, seconds: float = 10):
     """Poll the scheduler's Stats until its first executor runs nothing, queues nothing and has every block
     free; returns that executor's stats."""
-    import time
-
     from stepwire.internal import scheduler_pb2
 
-    deadline = time.time() + seconds
-    while True:
+    last = []
+
+    def idle():
         e = stub.Stats(scheduler_pb2.StatsRequest()).executors[0]
-        if e.num_free_blocks == e.num_total_blocks and e.num_running == 0 and e.num_waiting == 0:
-            return e
-        assert time.time() < deadline, e
-        time.sleep(0.1)
+        last[:] = [e]
+        return e.num_free_blocks == e.num_total_blocks and e.num_running == 0 and e.num_waiting == 0
+
+    wait_until(idle, seconds, lambda: f"the executor to be idle; last stats: {last[0] if last else None}")
+    return last[0]
 
 
 def record_logits(engine) -> list:
@@ -119,7 +162,8 @@ def record_logits(engine) -> list:
     def spy(inputs):
         logits = forward(inputs)
         for k, i in enumerate(inputs.sample_mask.nonzero()[0]):
-            seen.append((inputs.req_ids[i], int(inputs.seq_lens[i]) - 1, logits[k].clone()))
+            rid = engine.handles.id_of[inputs.handles[i]]
+            seen.append((rid, int(inputs.seq_lens[i]) - 1, logits[k].clone()))
         return logits
 
     engine.runner.forward = spy

@@ -1,9 +1,6 @@
 """The whole stack as three processes on loopback ports, driven over HTTP with the official openai client."""
 
 import concurrent.futures
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -12,48 +9,20 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 pytest.importorskip("torch")
 
-from helpers import free_port, wait_executor_idle, wait_http_ready  # noqa: E402
+from helpers import wait_executor_idle  # noqa: E402
 
-from executor_service.engine import LLMEngine  # noqa: E402
 from executor_service.runner import RunnerConfig  # noqa: E402
 from gateway.tokenizer import ModelTokenizer  # noqa: E402
-from scheduler_service import SamplingParams  # noqa: E402
+from stepwire.contract import SamplingParams  # noqa: E402
+from stepwire.engine import LLMEngine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
 NAME = "SmolLM2-135M-Instruct"
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    if not (MODEL / "conversion.json").exists():
-        pytest.skip("embedded model not converted (make model)")
-    logs = tmp_path_factory.mktemp("logs")
-    ex, sc, http, gw = free_port(), free_port(), free_port(), free_port()
-    py = sys.executable
-    # Deliberately the wrong way round: gateway, then scheduler, then executor. Each waits for the next.
-    order = [("gateway", [py, "-m", "gateway.server", "--model", str(MODEL), "--scheduler", f"127.0.0.1:{sc}",
-                          "--port", str(http), "--grpc-address", f"127.0.0.1:{gw}"]),
-             ("scheduler", [py, "-m", "scheduler_service.server", "--executors", f"127.0.0.1:{ex}",
-                            "--address", f"127.0.0.1:{sc}", "--metrics-address", f"127.0.0.1:{free_port()}"]),
-             ("executor", [py, "-m", "executor_service.server", "--model", str(MODEL), "--address",
-                           f"127.0.0.1:{ex}", "--kv-cache-memory", str(256 << 20), "--max-model-len", "2048",
-                           "--metrics-address", f"127.0.0.1:{free_port()}"])]
-    procs = {}
-    for name, cmd in order:
-        procs[name] = subprocess.Popen(cmd, cwd=ROOT, stdout=open(logs / f"{name}.log", "w"),
-                                       stderr=subprocess.STDOUT)
-        time.sleep(1.0)
-    url = f"http://127.0.0.1:{http}"
-    wait_http_ready(url, procs)
-    yield url, openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0), sc, gw
-    for p in procs.values():
-        p.terminate()
-        p.wait(timeout=15)
-
-
-def test_greedy_chat_and_completion_equal_the_in_process_engine(stack):
-    url, client, *_ = stack
+def test_greedy_chat_and_completion_equal_the_in_process_engine(http_stack):
+    url, client, *_ = http_stack
     tok = ModelTokenizer(MODEL)
     engine = LLMEngine(RunnerConfig(str(MODEL), kv_cache_memory=128 << 20, max_num_seqs=8, max_model_len=2048))
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=False)
@@ -72,8 +41,8 @@ def test_greedy_chat_and_completion_equal_the_in_process_engine(stack):
     assert chunks[-1].usage.completion_tokens == len(want_chat.token_ids)
 
 
-def test_32_concurrent_streams_of_mixed_lengths_all_complete(stack):
-    _, client, *_ = stack
+def test_32_concurrent_streams_of_mixed_lengths_all_complete(http_stack):
+    _, client, *_ = http_stack
 
     def one(i):
         s = client.completions.create(model=NAME, prompt=f"Story number {i}:", max_tokens=4 + i % 13,
@@ -87,8 +56,8 @@ def test_32_concurrent_streams_of_mixed_lengths_all_complete(stack):
     assert all(n > 0 for _, n in results)
 
 
-def test_a_client_that_disconnects_mid_stream_frees_every_block(stack):
-    url, _, sc, _ = stack
+def test_a_client_that_disconnects_mid_stream_frees_every_block(http_stack):
+    url, _, sc, _ = http_stack
     body = {"model": NAME, "prompt": "Tell me a very long story.", "max_tokens": 500, "stream": True,
             "ignore_eos": True}
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
@@ -113,8 +82,8 @@ def test_a_client_that_disconnects_mid_stream_frees_every_block(stack):
     ({"model": NAME, "prompt": "hi", "frobnicate": True}, "frobnicate"),
     ({"model": NAME}, "prompt"),
 ])
-def test_bad_input_gets_a_400_with_an_openai_error_body_and_the_stack_still_serves(stack, body, param):
-    url, client, *_ = stack
+def test_bad_input_gets_a_400_with_an_openai_error_body_and_the_stack_still_serves(http_stack, body, param):
+    url, client, *_ = http_stack
     r = httpx.post(url + "/v1/completions", json=body, timeout=30)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
@@ -123,26 +92,26 @@ def test_bad_input_gets_a_400_with_an_openai_error_body_and_the_stack_still_serv
     assert ok.usage.completion_tokens == 2
 
 
-def test_malformed_json_is_a_400(stack):
-    url, *_ = stack
+def test_malformed_json_is_a_400(http_stack):
+    url, *_ = http_stack
     r = httpx.post(url + "/v1/chat/completions", content=b"{not json", headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and "error" in r.json()
 
 
-def test_a_stop_string_ends_the_text_before_it(stack):
-    _, client, *_ = stack
+def test_a_stop_string_ends_the_text_before_it(http_stack):
+    _, client, *_ = http_stack
     full = client.completions.create(model=NAME, prompt="1, 2, 3,", max_tokens=12, temperature=0).choices[0].text
     assert "6" in full
     cut = client.completions.create(model=NAME, prompt="1, 2, 3,", max_tokens=12, temperature=0, stop=["6"])
     assert cut.choices[0].text == full[:full.index("6")] and cut.choices[0].finish_reason == "stop"
 
 
-def test_the_grpc_api_streams_and_answers_what_http_answers(stack):
+def test_the_grpc_api_streams_and_answers_what_http_answers(http_stack):
     import grpc
 
     from stepwire.v1 import generation_pb2 as g
     from stepwire.v1 import generation_pb2_grpc
-    _, client, _, gw = stack
+    _, client, _, gw = http_stack
     stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{gw}"))
     chat = g.Chat(messages=[g.ChatMessage(role="user", content="What is the capital of France?")])
     params = g.SamplingParameters(max_tokens=16, temperature=0)
@@ -176,8 +145,8 @@ def test_the_grpc_api_streams_and_answers_what_http_answers(stack):
         .completion_tokens == 2
 
 
-def test_n_seed_and_logprobs_over_http(stack):
-    _, client, *_ = stack
+def test_n_seed_and_logprobs_over_http(http_stack):
+    _, client, *_ = http_stack
     kw = dict(model=NAME, prompt="Once upon a time", max_tokens=8, temperature=1.0, extra_body={"ignore_eos": True})
     a = client.completions.create(n=3, seed=11, **kw)
     b = client.completions.create(n=3, seed=11, **kw)

@@ -10,16 +10,16 @@ transformers = pytest.importorskip("transformers")
 
 from helpers import record_logits  # noqa: E402
 
-from executor_service.engine import LLMEngine  # noqa: E402
 from executor_service.runner import RunnerConfig  # noqa: E402
-from scheduler_service import SamplingParams, SchedulerConfig  # noqa: E402
+from scheduler_service import SchedulerConfig  # noqa: E402
+from stepwire.contract import SamplingParams  # noqa: E402
+from stepwire.engine import LLMEngine  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 MODEL = Path(__file__).resolve().parent.parent / "models" / "SmolLM2-135M-Instruct"
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "List three primary colors.",
-             "Explain recursion in one sentence.", "What is 12 times 7?", "Translate 'good morning' to Spanish.",
-             "Name a famous physicist.", "Give me a tip for learning to code.", "Why is the sky blue?"]
-NEW_TOKENS = 32
+             "Explain recursion in one sentence.", "What is 12 times 7?", "Translate 'good morning' to Spanish."]
+NEW_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,7 @@ def chat_prompts():
 @pytest.fixture(scope="module")
 def hf_greedy(chat_prompts):
     model = transformers.AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None   # 32 tokens each, like ignore_eos on our side
+    model.generation_config.eos_token_id = None   # NEW_TOKENS each, like ignore_eos on our side
     out = []
     with torch.inference_mode():
         for ids in chat_prompts:
@@ -96,27 +96,27 @@ def test_mixed_batch_logits_match_each_request_computed_alone(chat_prompts):
 
 
 @pytest.fixture(scope="module")
-def prompts32(chat_prompts):
+def prompts16(chat_prompts):
     tok = transformers.AutoTokenizer.from_pretrained(MODEL)
-    extra = [f"Tell me one fact about the number {n}." for n in range(32 - len(QUESTIONS))]
+    extra = [f"Tell me one fact about the number {n}." for n in range(16 - len(QUESTIONS))]
     return chat_prompts + [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                                    tokenize=True, return_dict=False) for q in extra]
 
 
-def test_greedy_output_is_the_same_alone_and_in_a_batch_of_32_chunked_or_not_cached_or_not(prompts32):
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+def test_greedy_output_is_the_same_alone_and_in_a_batch_of_16_chunked_and_cached_or_neither(prompts16):
+    # Chunking and caching each on their own are covered against transformers above; here the batch is wide.
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     alone_engine = _engine(enable_prefix_caching=False)
-    alone = [alone_engine.generate([p], params)[0].token_ids for p in prompts32]
-    for sched in ({}, {"max_num_batched_tokens": 64}, {"enable_prefix_caching": False},
-                  {"max_num_batched_tokens": 64, "enable_prefix_caching": False}):
-        batch = [c.token_ids for c in _engine(**sched).generate(prompts32, params)]
+    alone = [alone_engine.generate([p], params)[0].token_ids for p in prompts16]
+    for sched in ({"max_num_batched_tokens": 64}, {"enable_prefix_caching": False}):
+        batch = [c.token_ids for c in _engine(**sched).generate(prompts16, params)]
         assert batch == alone, sched
 
 
-def test_a_seeded_sampled_request_gives_the_same_tokens_alone_and_in_a_batch(prompts32):
+def test_a_seeded_sampled_request_gives_the_same_tokens_alone_and_in_a_batch(prompts16):
     seeded = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, top_k=50, seed=7, ignore_eos=True)
     others = SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)
-    alone = _engine().generate([prompts32[3]], seeded)[0].token_ids
-    mixed = _engine(max_num_batched_tokens=64).generate(prompts32[:8], [others] * 3 + [seeded] + [others] * 4)
+    alone = _engine().generate([prompts16[3]], seeded)[0].token_ids
+    mixed = _engine(max_num_batched_tokens=64).generate(prompts16[:8], [others] * 3 + [seeded] + [others] * 4)
     assert mixed[3].token_ids == alone
     assert len(set(map(tuple, (c.token_ids for c in mixed)))) > 1   # the others really sampled

@@ -11,11 +11,12 @@ import pytest
 grpc = pytest.importorskip("grpc")
 pytest.importorskip("torch")
 
-from helpers import free_port, wait_grpc_serving  # noqa: E402
+from helpers import free_port, log_tail, wait_grpc_serving  # noqa: E402
 from tiny_model import kv_bytes, reference_greedy, write_tiny_llama  # noqa: E402
 
-from scheduler_service import Request, SamplingParams, Scheduler, SchedulerConfig  # noqa: E402
+from scheduler_service import Request, Scheduler, SchedulerConfig  # noqa: E402
 from scheduler_service.wire import HandleTable, decode_result, encode_step  # noqa: E402
+from stepwire.contract import SamplingParams  # noqa: E402
 from stepwire.internal import executor_pb2, executor_pb2_grpc, sampling_pb2  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,19 +30,25 @@ def fresh_epoch() -> int:
 
 @pytest.fixture(scope="module")
 def executor(tmp_path_factory):
-    model = write_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama")
+    tmp = tmp_path_factory.mktemp("tiny")
+    model = write_tiny_llama(tmp / "llama")
+    log_path = tmp / "executor.log"
+    log = open(log_path, "w")   # a file, not a pipe nobody reads: a chatty child would block on a full pipe
     address = f"127.0.0.1:{free_port()}"
     proc = subprocess.Popen([sys.executable, "-m", "executor_service.server", "--model", str(model),
                              "--address", address, "--block-size", "4", "--kv-cache-memory", str(KV_BYTES),
                              "--max-num-seqs", "8", "--max-model-len", "128",
                              "--metrics-address", f"127.0.0.1:{free_port()}"], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                            stdout=log, stderr=subprocess.STDOUT)
     channel = grpc.insecure_channel(address)
-    wait_grpc_serving(channel, proc)
+    wait_grpc_serving(channel, proc, logs=log_path)
     yield model, channel
     channel.close()
+    crashed = proc.poll()
     proc.terminate()
     proc.wait(timeout=10)
+    log.close()
+    assert crashed is None, f"the executor exited (code {crashed}) during the tests\n{log_tail(log_path)}"
 
 
 class StepStream:

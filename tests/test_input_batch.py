@@ -1,12 +1,16 @@
-"""The persistent batch follows the scheduler's diffs exactly: after any sequence of steps its arrays equal
-a rebuild from the scheduler's own state, and its vectorized inputs equal the per-token Python way."""
+"""The persistent batch follows the scheduler's diffs exactly: fed each step through the wire, after any
+sequence of steps its arrays equal a rebuild from the scheduler's own state, and its vectorized inputs
+equal the per-token Python way."""
 
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from executor_service.input_batch import InputBatch
-from scheduler_service import Request, RequestStatus, RunnerOutput, SamplingParams, Scheduler, SchedulerConfig
+from executor_service.wire import decode_step
+from scheduler_service import Request, RequestStatus, RunnerOutput, Scheduler, SchedulerConfig
+from scheduler_service.wire import HandleTable, encode_step
+from stepwire.contract import SamplingParams
 
 BS = 4
 
@@ -25,13 +29,14 @@ def naive_inputs(sched: Scheduler, num_scheduled: dict[str, int]):
     return ids, pos, slots
 
 
-def check_rows_match_scheduler(batch: InputBatch, sched: Scheduler, just_finished: set[str]) -> None:
-    live = set(batch.row_of)
+def check_rows_match_scheduler(batch: InputBatch, sched: Scheduler, just_finished: set[str], id_of) -> None:
+    live = {id_of[h] for h in batch.row_of}
     running = {r.request_id for r in sched.running}
     assert live == running | just_finished
     assert batch.num_reqs == len(live) and sorted(batch.row_of.values()) == list(range(len(live)))
+    handle_of = {v: k for k, v in id_of.items()}
     for rid in running:
-        req, row = sched.requests[rid], batch.row_of[rid]
+        req, row = sched.requests[rid], batch.row_of[handle_of[rid]]
         n = batch.num_tokens[row]
         assert batch.token_ids[row, :n].tolist() == req.all_token_ids
         assert batch.num_computed[row] == req.num_computed_tokens
@@ -40,9 +45,9 @@ def check_rows_match_scheduler(batch: InputBatch, sched: Scheduler, just_finishe
         assert batch.temperature[row] == np.float32(req.sampling_params.temperature)
         assert batch.top_k[row] == req.sampling_params.top_k
     parked = {r.request_id for r in sched.waiting if r.status == RequestStatus.PREEMPTED}
-    assert set(batch.parked) == parked
+    assert {id_of[h] for h in batch.parked} == parked
     for rid in parked:
-        assert batch.parked[rid].token_ids.tolist() == sched.requests[rid].all_token_ids
+        assert batch.parked[handle_of[rid]].token_ids.tolist() == sched.requests[rid].all_token_ids
 
 
 workload = st.lists(st.tuples(st.integers(1, 30), st.integers(1, 12), st.integers(0, 3),
@@ -57,6 +62,7 @@ def test_batch_arrays_equal_a_rebuild_after_any_sequence_of_diffs(workload, num_
     sched = Scheduler(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=budget, max_model_len=64,
                                       block_size=BS, long_prefill_token_threshold=8), num_blocks=num_blocks)
     batch = InputBatch(max_num_reqs=6, max_model_len=64, block_size=BS)
+    handles = HandleTable()
     pending = [(arrivals[i], Request(f"r{i}", rng.integers(0, 4, n).tolist(),      # tiny vocab: shared blocks
                                      SamplingParams(max_tokens=m, temperature=t, top_k=k, ignore_eos=True)))
                for i, (n, m, _, t, k) in enumerate(workload)]
@@ -70,16 +76,18 @@ def test_batch_arrays_equal_a_rebuild_after_any_sequence_of_diffs(workload, num_
         if step > max(arrivals) and not sched.has_unfinished_requests():
             break
         out = sched.schedule()
-        batch.apply(out)
-        inputs = batch.prepare(out.num_scheduled_tokens)
+        msg, order = encode_step(out, handles, epoch=1, step=step)
+        executor_step = decode_step(msg)
+        batch.apply(executor_step)
+        inputs = batch.prepare(executor_step.handles, executor_step.num_tokens, executor_step.total_tokens)
         assert (inputs.input_ids.tolist(), inputs.positions.tolist(), inputs.slot_mapping.tolist()) \
             == naive_inputs(sched, out.num_scheduled_tokens)
         sampled = rng.integers(0, 4, int(inputs.sample_mask.sum()))
         batch.append_sampled(inputs, sampled)
-        tokens = [[] for _ in inputs.req_ids]
+        tokens = [[] for _ in order]
         for k, i in enumerate(np.flatnonzero(inputs.sample_mask)):
             tokens[i] = [int(sampled[k])]
-        deltas = sched.update_from_output(out, RunnerOutput(inputs.req_ids, tokens))
+        deltas = sched.update_from_output(out, RunnerOutput(order, tokens))
         finished = {d.req_id for d in deltas if d.finish_reason is not None}
-        check_rows_match_scheduler(batch, sched, finished)
+        check_rows_match_scheduler(batch, sched, finished, dict(handles.id_of))
     assert not sched.has_unfinished_requests()

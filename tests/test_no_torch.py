@@ -19,9 +19,9 @@ class NoTorch:
         return None
 
 sys.meta_path.insert(0, NoTorch())
-import observability, scheduler_service
-# The scheduler image also runs the shared observability package.
-names = [m.name for pkg in (scheduler_service, observability)
+import observability, scheduler_service, stepwire.contract, stepwire.internal
+# The scheduler image also runs the shared packages: observability, the contract and the protos.
+names = [m.name for pkg in (scheduler_service, observability, stepwire.contract, stepwire.internal)
          for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + ".")]
 for name in names:
     importlib.import_module(name)
@@ -30,8 +30,8 @@ print(len(names))
 """
 
 
-def test_importing_every_scheduler_and_observability_module_loads_no_torch():
+def test_importing_every_scheduler_contract_and_observability_module_loads_no_torch():
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    assert int(proc.stdout.strip()) >= 12   # the walk really found the packages' modules
+    assert int(proc.stdout.strip()) >= 20   # the walk really found the packages' modules

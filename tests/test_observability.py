@@ -17,13 +17,13 @@ pytest.importorskip("opentelemetry.proto")
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc  # noqa: E402
-from helpers import free_port, wait_http_ready  # noqa: E402
+from helpers import free_port, wait_http_ready, wait_until  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from observability import receiver  # noqa: E402
 from stepwire.internal import scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
 from stepwire.v1 import generation_pb2 as g  # noqa: E402
 from stepwire.v1 import generation_pb2_grpc  # noqa: E402
+from tools import otlp_receiver  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
@@ -39,12 +39,16 @@ def _start_executor(ex, ex_metrics, env, log):
                             stdout=open(log, "a"), stderr=subprocess.STDOUT)
 
 
+def log_files(logs: Path) -> list[Path]:
+    return [logs / f"{name}.log" for name in ("gateway", "scheduler", "executor")]
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     if not (MODEL / "conversion.json").exists():
         pytest.skip("embedded model not converted (make model)")
     logs = tmp_path_factory.mktemp("logs")
-    server, sink, otlp = receiver.start("127.0.0.1:0")
+    server, sink, otlp = otlp_receiver.start("127.0.0.1:0")
     env = dict(os.environ, OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{otlp}", OTEL_EXPORTER_OTLP_INSECURE="true",
                OTEL_TRACES_SAMPLER="always_on", OTEL_BSP_SCHEDULE_DELAY="100")
     ports = {k: free_port() for k in ("ex", "sc", "http", "gw", "ex_metrics", "sc_metrics")}
@@ -61,7 +65,7 @@ def stack(tmp_path_factory):
         "executor": _start_executor(ports["ex"], ports["ex_metrics"], env, logs / "executor.log"),
     }
     url = f"http://127.0.0.1:{ports['http']}"
-    wait_http_ready(url, procs)
+    wait_http_ready(url, procs, logs=log_files(logs))
     yield {"url": url, "ports": ports, "sink": sink, "procs": procs, "env": env, "logs": logs}
     for p in procs.values():
         p.terminate()
@@ -69,12 +73,17 @@ def stack(tmp_path_factory):
     server.stop(0)
 
 
-@pytest.fixture(scope="module")
-def workload(stack):
+def new_trace_id() -> str:
+    return os.urandom(16).hex()
+
+
+def run_workload(stack, chat_trace: str, grpc_trace: str) -> dict:
     """Three good requests (streaming chat with a client traceparent, a completion, a gRPC Generate with a
-    traceparent in its metadata) and one bad one; returns what each reported."""
+    traceparent in its metadata) and one bad one; returns what each reported, and the window of wall-clock
+    time they were sent in (the gateway's spans for them start inside it)."""
+    start_ns = time.time_ns()
     client = openai.OpenAI(base_url=stack["url"] + "/v1", api_key="unused", max_retries=0)
-    header = {"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"}
+    header = {"traceparent": f"00-{chat_trace}-{CLIENT_SPAN}-01"}
     stream = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Name a color."}],
                                             max_tokens=7, temperature=0, stream=True,
                                             stream_options={"include_usage": True}, extra_headers=header,
@@ -82,7 +91,6 @@ def workload(stack):
     chat_usage = [c.usage for c in stream if c.usage][0]
     comp = client.completions.create(model=NAME, prompt="The sky is", max_tokens=5, temperature=0,
                                      extra_body={"ignore_eos": True})
-    grpc_trace = "0af7651916cd43dd8448eb211c80319c"
     stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{stack['ports']['gw']}"))
     gen = stub.Generate(g.GenerateRequest(text="One, two,", params=g.SamplingParameters(
         max_tokens=4, temperature=0, ignore_eos=True)),
@@ -93,22 +101,46 @@ def workload(stack):
               (comp.usage.prompt_tokens, comp.usage.completion_tokens, comp.usage.prompt_tokens_details.cached_tokens),
               (gen.usage.prompt_tokens, gen.usage.completion_tokens, gen.usage.cached_prompt_tokens)]
     assert [u[1] for u in usages] == [7, 5, 4]
-    return {"usages": usages, "grpc_trace": grpc_trace}
+    return {"usages": usages, "grpc_trace": grpc_trace, "window": (start_ns, time.time_ns())}
+
+
+@pytest.fixture(scope="module")
+def workload(stack):
+    """The workload the trace tests look at, run once; its chat is in CLIENT_TRACE."""
+    return run_workload(stack, CLIENT_TRACE, "0af7651916cd43dd8448eb211c80319c")
 
 
 def spans_when(sink, done, seconds=30):
-    deadline = time.time() + seconds
-    while True:
+    seen = []
+
+    def arrived():
         with sink.lock:
-            spans = list(sink.spans)
-        if done(spans):
-            return spans
-        assert time.time() < deadline, f"spans never arrived: {sorted({(s['service'], s['name']) for s in spans})}"
-        time.sleep(0.2)
+            seen[:] = list(sink.spans)
+        return done(seen)
+
+    wait_until(arrived, seconds, lambda: f"spans; arrived: {sorted({(s['service'], s['name']) for s in seen})}",
+               interval=0.2)
+    return list(seen)
+
+
+def workload_spans(spans, workload) -> list:
+    """The spans in the traces of the workload's requests (not those of other tests' requests): the traces
+    of the gateway SERVER spans that started while the workload ran."""
+    start, end = workload["window"]
+    traces = {s["trace_id"] for s in spans
+              if s["service"] == "stepwire-gateway" and s["kind"] == 2 and start <= s["start_ns"] <= end}
+    return [s for s in spans if s["trace_id"] in traces]
+
+
+def workload_arrived(spans, workload) -> bool:
+    """The gateway spans of the workload's four requests and the scheduler spans of its three good ones."""
+    mine = workload_spans(spans, workload)
+    return sum(s["service"] == "stepwire-gateway" and s["kind"] == 2 for s in mine) >= 4 and \
+        sum(s["name"] == "scheduler.request" for s in mine) >= 3
 
 
 def test_each_request_is_one_trace_from_the_gateway_through_the_scheduler(stack, workload):
-    spans = spans_when(stack["sink"], lambda ss: sum(s["name"] == "scheduler.request" for s in ss) >= 3)
+    spans = workload_spans(spans_when(stack["sink"], lambda ss: workload_arrived(ss, workload)), workload)
     gateway = [s for s in spans if s["service"] == "stepwire-gateway" and s["kind"] == 2]   # SERVER
     requests = [s for s in spans if s["name"] == "scheduler.request"]
     assert {s["service"] for s in requests} == {"stepwire-scheduler"}
@@ -138,10 +170,15 @@ def test_each_request_is_one_trace_from_the_gateway_through_the_scheduler(stack,
 
 
 def test_step_spans_link_the_requests_they_serve_and_parent_the_executors_step_spans(stack, workload):
-    spans = spans_when(stack["sink"], lambda ss: sum(s["name"] == "scheduler.request" for s in ss) >= 3 and
-                       sum(s["name"] == "sample" for s in ss) >= 3)
+    def arrived(ss):
+        # Every executor step span's parent (a scheduler step span, exported by the other process) is in too.
+        ids = {s["span_id"] for s in ss}
+        return workload_arrived(ss, workload) and sum(s["name"] == "sample" for s in ss) >= 3 and \
+            all(s["parent_id"] in ids for s in ss if s["name"] == "executor.step")
+
+    spans = spans_when(stack["sink"], arrived)
     by_id = {s["span_id"]: s for s in spans}
-    requests = {s["span_id"] for s in spans if s["name"] == "scheduler.request"}
+    requests = {s["span_id"] for s in workload_spans(spans, workload) if s["name"] == "scheduler.request"}
     steps = [s for s in spans if s["name"] == "scheduler.step"]
     assert steps and {s["service"] for s in steps} == {"stepwire-scheduler"}
     linked = {lk["span_id"] for s in steps for lk in s["links"]}
@@ -179,43 +216,79 @@ def total(values: dict, name: str, **labels) -> float:
     return sum(v for (n, ls), v in values.items() if n == name and want <= set(ls))
 
 
-def test_each_services_metrics_agree_with_the_workload(stack, workload):
-    ports, usages = stack["ports"], workload["usages"]
+def wait_scheduler_settled(stub, metrics_url: str) -> None:
+    """Wait until the scheduler runs and queues nothing, and every step it sent has come back (its step
+    histogram has counted as many steps as Stats says it sent), so no counter is about to move."""
+    last = {}
+
+    def settled():
+        e = stub.Stats(scheduler_pb2.StatsRequest()).executors[0]
+        done = total(scrape(metrics_url), "stepwire:step_duration_seconds_count")
+        last.update(running=e.num_running, waiting=e.num_waiting, free=e.num_free_blocks, blocks=e.num_total_blocks,
+                    steps_sent=e.num_steps, steps_done=done)
+        return e.num_running == 0 and e.num_waiting == 0 and e.num_free_blocks == e.num_total_blocks and \
+            done == e.num_steps
+
+    wait_until(settled, 30, lambda: f"the scheduler to settle; last seen: {last}")
+
+
+def test_each_services_metrics_agree_with_the_workload(stack):
+    """Counters are read before and after a workload of this test's own and compared as differences, so the
+    result does not depend on which tests ran before (the readiness test even replaces the executor)."""
+    ports = stack["ports"]
+    urls = {"sc": f"http://127.0.0.1:{ports['sc_metrics']}/metrics",
+            "ex": f"http://127.0.0.1:{ports['ex_metrics']}/metrics", "gw": stack["url"] + "/metrics"}
+    stub = scheduler_pb2_grpc.SchedulerStub(grpc.insecure_channel(f"127.0.0.1:{ports['sc']}"))
+    wait_scheduler_settled(stub, urls["sc"])
+    before = {k: scrape(u) for k, u in urls.items()}
+    stats_before = stub.Stats(scheduler_pb2.StatsRequest()).executors[0]
+
+    usages = run_workload(stack, new_trace_id(), new_trace_id())["usages"]
+    wait_scheduler_settled(stub, urls["sc"])
+    requests = "stepwire:gateway_requests_total"   # a streamed request is counted once its stream has ended
+    wait_until(lambda: total(scrape(urls["gw"]), requests) - total(before["gw"], requests) >= 4, 30,
+               "the gateway to count the workload's four requests")
+    after = {k: scrape(u) for k, u in urls.items()}
+    stats = stub.Stats(scheduler_pb2.StatsRequest()).executors[0]
+
+    def delta(service: str, name: str, **labels) -> float:
+        return total(after[service], name, **labels) - total(before[service], name, **labels)
+
+    def now(service: str, name: str, **labels) -> float:
+        return total(after[service], name, **labels)
+
     n = len(usages)
     prompt, out, cached = (sum(u[i] for u in usages) for i in range(3))
-    sc = scrape(f"http://127.0.0.1:{ports['sc_metrics']}/metrics")
-    assert total(sc, "stepwire:request_success_total", finished_reason="length") == n
-    assert total(sc, "stepwire:generation_tokens_total") == out
-    assert total(sc, "stepwire:prompt_tokens_total") == prompt
-    assert total(sc, "stepwire:time_to_first_token_seconds_count") == n
-    assert total(sc, "stepwire:e2e_request_latency_seconds_count") == n
-    assert total(sc, "stepwire:request_queue_time_seconds_count") == n
-    assert total(sc, "stepwire:inter_token_latency_seconds_count") == out - n
-    assert total(sc, "stepwire:num_requests_running") == 0 and total(sc, "stepwire:num_requests_waiting") == 0
-    assert total(sc, "stepwire:kv_cache_usage_perc") == 0 and total(sc, "stepwire:num_preemptions_total") == 0
-    assert total(sc, "stepwire:prefix_cache_queries_total") >= prompt - n
-    assert total(sc, "stepwire:prefix_cache_hits_total") == cached
-    assert total(sc, "stepwire:executor_connected") == 1
-    stats = scheduler_pb2_grpc.SchedulerStub(grpc.insecure_channel(f"127.0.0.1:{ports['sc']}")).Stats(
-        scheduler_pb2.StatsRequest()).executors[0]
-    assert total(sc, "stepwire:step_duration_seconds_count") == stats.num_steps
-    assert total(sc, "stepwire:step_wire_bytes_sum") == stats.wire_bytes
-    ex = scrape(f"http://127.0.0.1:{ports['ex_metrics']}/metrics")
-    assert total(ex, "stepwire:executor_steps_total") == stats.num_steps
+    steps = stats.num_steps - stats_before.num_steps
+    assert steps > 0
+    assert delta("sc", "stepwire:request_success_total", finished_reason="length") == n
+    assert delta("sc", "stepwire:generation_tokens_total") == out
+    assert delta("sc", "stepwire:prompt_tokens_total") == prompt
+    assert delta("sc", "stepwire:time_to_first_token_seconds_count") == n
+    assert delta("sc", "stepwire:e2e_request_latency_seconds_count") == n
+    assert delta("sc", "stepwire:request_queue_time_seconds_count") == n
+    assert delta("sc", "stepwire:inter_token_latency_seconds_count") == out - n
+    assert now("sc", "stepwire:num_requests_running") == 0 and now("sc", "stepwire:num_requests_waiting") == 0
+    assert now("sc", "stepwire:kv_cache_usage_perc") == 0 and delta("sc", "stepwire:num_preemptions_total") == 0
+    assert delta("sc", "stepwire:prefix_cache_queries_total") >= prompt - n
+    assert delta("sc", "stepwire:prefix_cache_hits_total") == cached
+    assert now("sc", "stepwire:executor_connected") == 1
+    assert delta("sc", "stepwire:step_duration_seconds_count") == steps
+    assert delta("sc", "stepwire:step_wire_bytes_sum") == stats.wire_bytes - stats_before.wire_bytes
+    assert delta("ex", "stepwire:executor_steps_total") == steps
     # Every prompt token not served from the cache, and every output token but the last, went through the model.
-    assert total(ex, "stepwire:executor_scheduled_tokens_total") == prompt - cached + out - n
-    assert total(ex, "stepwire:forward_time_seconds_count") == stats.num_steps
-    assert total(ex, "stepwire:executor_phase_seconds_count", phase="forward") == stats.num_steps
-    assert total(ex, "stepwire:executor_batch_requests") == 0 and total(ex, "stepwire:executor_model_loaded") == 1
-    gw = scrape(stack["url"] + "/metrics")
-    assert total(gw, "stepwire:gateway_requests_total", api="http", code="200") == 2
-    assert total(gw, "stepwire:gateway_requests_total", api="grpc", code="OK") == 1
-    assert total(gw, "stepwire:gateway_requests_total", api="http", code="400") == 1
-    assert total(gw, "stepwire:gateway_generation_tokens_total") == out
-    assert total(gw, "stepwire:gateway_prompt_tokens_total") == prompt
-    assert total(gw, "stepwire:gateway_request_success_total", finished_reason="length") == n
-    assert total(gw, "stepwire:gateway_time_to_first_token_seconds_count") == n
-    assert total(gw, "stepwire:gateway_scheduler_ready") == 1
+    assert delta("ex", "stepwire:executor_scheduled_tokens_total") == prompt - cached + out - n
+    assert delta("ex", "stepwire:forward_time_seconds_count") == steps
+    assert delta("ex", "stepwire:executor_phase_seconds_count", phase="forward") == steps
+    assert now("ex", "stepwire:executor_batch_requests") == 0 and now("ex", "stepwire:executor_model_loaded") == 1
+    assert delta("gw", "stepwire:gateway_requests_total", api="http", code="200") == 2
+    assert delta("gw", "stepwire:gateway_requests_total", api="grpc", code="OK") == 1
+    assert delta("gw", "stepwire:gateway_requests_total", api="http", code="400") == 1
+    assert delta("gw", "stepwire:gateway_generation_tokens_total") == out
+    assert delta("gw", "stepwire:gateway_prompt_tokens_total") == prompt
+    assert delta("gw", "stepwire:gateway_request_success_total", finished_reason="length") == n
+    assert delta("gw", "stepwire:gateway_time_to_first_token_seconds_count") == n
+    assert now("gw", "stepwire:gateway_scheduler_ready") == 1
 
 
 def health_status(port: int) -> int:
@@ -245,18 +318,16 @@ def test_readiness_follows_the_executor_going_away_and_coming_back(stack, worklo
     procs["executor"].kill()
     procs["executor"].wait()
     not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+    alive = {name: p for name, p in procs.items() if name != "executor"}
+    logs = log_files(stack["logs"])
 
-    def until(cond, seconds=30):
-        deadline = time.time() + seconds
-        while not cond():
-            assert time.time() < deadline
-            time.sleep(0.2)
-
-    until(lambda: health_status(ports["sc"]) == not_serving)
-    until(lambda: health_status(ports["gw"]) == not_serving)
+    wait_until(lambda: health_status(ports["sc"]) == not_serving, 30, "the scheduler to report NOT_SERVING",
+               procs=alive, logs=logs, interval=0.2)
+    wait_until(lambda: health_status(ports["gw"]) == not_serving, 30, "the gateway to report NOT_SERVING",
+               procs=alive, logs=logs, interval=0.2)
     assert httpx.get(stack["url"] + "/health").status_code == 503
     procs["executor"] = _start_executor(ports["ex"], ports["ex_metrics"], stack["env"], stack["logs"] / "executor.log")
-    wait_http_ready(stack["url"], procs)
+    wait_http_ready(stack["url"], procs, logs=logs)
     assert health_status(ports["sc"]) == health_pb2.HealthCheckResponse.SERVING
     client = openai.OpenAI(base_url=stack["url"] + "/v1", api_key="unused", max_retries=0)
     assert client.completions.create(model=NAME, prompt="Hi", max_tokens=3, temperature=0,
@@ -264,7 +335,7 @@ def test_readiness_follows_the_executor_going_away_and_coming_back(stack, worklo
 
 
 def test_the_tree_of_a_request_shows_its_spans_and_the_steps_that_served_it(stack, workload):
-    from observability.tree import render
+    from tools.trace_tree import render
 
     spans = spans_when(stack["sink"], lambda ss: sum(s["name"] == "sample" for s in ss) >= 3)
     lines = render(spans, CLIENT_TRACE, max_steps=2).splitlines()

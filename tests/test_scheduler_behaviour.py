@@ -3,7 +3,8 @@
 import pytest
 from helpers import OUT, fake_runner, make_scheduler, place_running, req, step
 
-from scheduler_service import InvalidRequestError, Request, RequestStatus, RunnerOutput, SamplingParams
+from scheduler_service import Request, RequestStatus, RunnerOutput
+from stepwire.contract import InvalidRequestError, SamplingParams
 
 
 def _state(s):
@@ -76,11 +77,13 @@ def test_aborted_request_between_schedule_and_update_gets_no_tokens():
 
 
 @pytest.mark.parametrize("kw, tokens, expect", [
-    ({"eos_token_id": 2}, [5, 2], ([5, 2], "stop")),
-    ({"eos_token_id": 2, "ignore_eos": True}, [5, 2, 2], ([5, 2, 2], "length")),
+    ({"eos_token_ids": (2,)}, [5, 2], ([5, 2], "stop")),
+    ({"eos_token_ids": (2, 7)}, [5, 7], ([5, 7], "stop")),                   # every EOS id stops, not the first
+    ({"eos_token_ids": (2, 7), "ignore_eos": True}, [7, 2, 7], ([7, 2, 7], "length")),
+    ({"eos_token_ids": (2,), "ignore_eos": True}, [5, 2, 2], ([5, 2, 2], "length")),
     ({"stop_token_ids": (9,)}, [5, 9], ([5, 9], "stop")),
-    ({"eos_token_id": 2, "min_tokens": 2}, [2, 2], ([2, 2], "stop")),      # first EOS is too early
-    ({"eos_token_id": 2, "min_tokens": 3}, [2, 2, 5], ([2, 2, 5], "length")),   # EOS ignored below min
+    ({"eos_token_ids": (2,), "min_tokens": 2}, [2, 2], ([2, 2], "stop")),      # first EOS is too early
+    ({"eos_token_ids": (2,), "min_tokens": 3}, [2, 2, 5], ([2, 2, 5], "length")),   # EOS ignored below min
     ({}, [5, 5, 5], ([5, 5, 5], "length")),
 ])
 def test_stop_conditions_eos_stop_ids_min_tokens_and_max_tokens(kw, tokens, expect):
@@ -97,7 +100,7 @@ def test_stop_conditions_eos_stop_ids_min_tokens_and_max_tokens(kw, tokens, expe
 
 def test_a_step_returning_several_tokens_is_trimmed_at_the_stop():
     s = make_scheduler()
-    s.add_request(req("A", 5, max_tokens=10, eos_token_id=2))
+    s.add_request(req("A", 5, max_tokens=10, eos_token_ids=(2,)))
     out = s.schedule()
     deltas = s.update_from_output(out, RunnerOutput(["A"], [[4, 2, 8, 8]]))
     assert deltas[0].new_token_ids == [4, 2] and deltas[0].finish_reason == "stop"

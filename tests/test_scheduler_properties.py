@@ -26,15 +26,8 @@ from hypothesis.stateful import (  # noqa: E402
 )
 from invariants import assert_pool_invariants, cached_entries, cdiv, exclusive_block_count  # noqa: E402
 
-from scheduler_service import (  # noqa: E402
-    InvalidRequestError,
-    Request,
-    RequestStatus,
-    RunnerOutput,
-    SamplingParams,
-    Scheduler,
-    SchedulerConfig,
-)
+from scheduler_service import Request, RequestStatus, RunnerOutput, Scheduler, SchedulerConfig  # noqa: E402
+from stepwire.contract import InvalidRequestError, SamplingParams  # noqa: E402
 
 VOCAB = 6  # tokens 0..5: prompts and samples collide often, so blocks are shared and stop tokens fire
 EOS = VOCAB - 1
@@ -175,7 +168,8 @@ class Harness:
         self.num_added += 1
         sp = SamplingParams(max_tokens=spec.max_tokens, stop_token_ids=spec.stop_token_ids,
                             ignore_eos=spec.ignore_eos, min_tokens=spec.min_tokens)
-        req = Request(rid, list(spec.prompt), sp, eos_token_id=spec.eos, priority=spec.priority,
+        eos = () if spec.eos is None else (spec.eos,)
+        req = Request(rid, list(spec.prompt), sp, eos_token_ids=eos, priority=spec.priority,
                       arrival_time=float(self.num_added), cache_salt=spec.salt)
         capacity = (s.kv.pool.num_blocks - 1) * self.cfg.block_size
         too_long = len(spec.prompt) >= self.cfg.max_model_len

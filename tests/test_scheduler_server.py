@@ -2,7 +2,6 @@
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -10,8 +9,8 @@ import pytest
 grpc = pytest.importorskip("grpc")
 pytest.importorskip("torch")
 
-from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
-from helpers import free_port, wait_executor_idle, wait_grpc_serving  # noqa: E402
+from grpc_health.v1 import health_pb2  # noqa: E402
+from helpers import free_port, grpc_health, log_tail, wait_executor_idle, wait_grpc_serving, wait_until  # noqa: E402
 from tiny_model import kv_bytes, reference_greedy, write_tiny_llama  # noqa: E402
 
 from stepwire.internal import sampling_pb2, scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
@@ -32,22 +31,29 @@ def stack(tmp_path_factory):
                                   "--metrics-address", f"127.0.0.1:{free_port()}"],
                                  cwd=ROOT, stdout=sched_log, stderr=subprocess.STDOUT)
     channel = grpc.insecure_channel(sc_addr)
-    time.sleep(1.5)   # the scheduler starts first and must wait for its executor, not crash
-    assert scheduler.poll() is None
-    health = health_pb2_grpc.HealthStub(channel)
-    assert health.Check(health_pb2.HealthCheckRequest(), timeout=2).status == \
-        health_pb2.HealthCheckResponse.NOT_SERVING
+    logs = [tmp / "scheduler.log", tmp / "executor.log"]
+    # The scheduler starts first and must wait for its executor, not crash: once its log shows a second
+    # attempt to reach the missing executor it has come through a failed one, and it answers health checks
+    # with NOT_SERVING (wait_until fails at once if it exits).
+    wait_until(lambda: logs[0].read_text().count("waiting for executor") >= 2
+               and grpc_health(channel) == health_pb2.HealthCheckResponse.NOT_SERVING, 60,
+               "the scheduler to retry its missing executor while reporting NOT_SERVING", procs=scheduler, logs=logs)
+    assert scheduler.poll() is None, log_tail(logs[0])
     executor = subprocess.Popen([sys.executable, "-m", "executor_service.server", "--model", str(model),
                                  "--address", ex_addr, "--block-size", "4", "--kv-cache-memory", str(KV_BYTES),
                                  "--max-num-seqs", "8", "--max-model-len", "128",
                                  "--metrics-address", f"127.0.0.1:{free_port()}"], cwd=ROOT,
                                 stdout=exec_log, stderr=subprocess.STDOUT)
-    wait_grpc_serving(channel, scheduler)
+    wait_grpc_serving(channel, {"scheduler": scheduler, "executor": executor}, logs=logs)
     yield model, scheduler_pb2_grpc.SchedulerStub(channel), tmp / "scheduler.log"
     channel.close()
+    crashed = {n: p.poll() for n, p in (("scheduler", scheduler), ("executor", executor)) if p.poll() is not None}
     for p in (scheduler, executor):
         p.terminate()
         p.wait(timeout=10)
+    sched_log.close()
+    exec_log.close()
+    assert not crashed, f"exited during the tests: {crashed}\n" + "\n".join(log_tail(p) for p in logs)
 
 
 def submit(stub, rid, prompt, max_tokens=10, **kw):
@@ -88,12 +94,21 @@ def test_a_client_that_cancels_mid_stream_has_its_request_aborted_and_every_bloc
 
 
 def test_bad_input_gets_invalid_argument_and_the_stack_still_serves(stack):
+    # The scheduler's port is reachable by more than the gateway: it applies the contract's rules itself.
     _, stub, _ = stack
-    for prompt, kw in (([], {}), (list(range(200)), {}), ([1, 2], {"temperature": -1.0})):
+    nan, inf = float("nan"), float("inf")
+    for prompt, kw in (([], {}), (list(range(200)), {}), ([1, 2], {"temperature": -1.0}),
+                       ([1, 2], {"temperature": nan}), ([1, 2], {"top_p": inf}), ([1, 2], {"min_p": nan}),
+                       ([1, 97], {}), ([1, 2**32 - 1], {}), ([1, 2], {"max_tokens": 0})):
         with pytest.raises(grpc.RpcError) as e:
-            params = sampling_pb2.SamplingParams(max_tokens=4, top_p=1.0, top_k=-1, **kw)
-            list(stub.Submit(scheduler_pb2.SubmitRequest(request_id="bad", prompt_token_ids=prompt, params=params)))
-        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            params = sampling_pb2.SamplingParams(**({"max_tokens": 4, "top_p": 1.0, "top_k": -1} | kw))
+            list(stub.Submit(scheduler_pb2.SubmitRequest(request_id="bad", prompt_token_ids=prompt, params=params),
+                             timeout=10))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (prompt, kw)
+    with pytest.raises(grpc.RpcError) as e:   # no sampling parameters at all
+        list(stub.Submit(scheduler_pb2.SubmitRequest(request_id="bad", prompt_token_ids=[1, 2]), timeout=10))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "params" in e.value.details()
+    wait_executor_idle(stub)   # nothing refused holds a block
     assert sum(len(o.token_ids) for o in submit(stub, "good", [4, 5, 6], max_tokens=3)) == 3
 
 
@@ -184,14 +199,13 @@ def test_one_scheduler_spreads_requests_over_two_executors_and_each_answers_corr
     procs.append(subprocess.Popen([sys.executable, "-m", "scheduler_service.server", "--executors", ",".join(ex_addrs),
                                    "--address", sc_addr, "--max-num-batched-tokens", str(BUDGET), "--max-num-seqs",
                                    "8", "--metrics-address", ""], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
+    watched = {"executor-0": procs[0], "executor-1": procs[1], "scheduler": procs[2]}
     try:
         channel = grpc.insecure_channel(sc_addr)
-        wait_grpc_serving(channel, procs[-1])
+        wait_grpc_serving(channel, watched, logs=tmp_path / "services.log")
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
-        deadline = time.time() + 60
-        while not all(e.connected for e in stub.Stats(scheduler_pb2.StatsRequest()).executors):
-            assert time.time() < deadline
-            time.sleep(0.2)
+        wait_until(lambda: all(e.connected for e in stub.Stats(scheduler_pb2.StatsRequest()).executors), 60,
+                   "the scheduler to connect to both executors", procs=watched, logs=tmp_path / "services.log")
         prompts = [[5 + i, 6, 7, 8 + i] for i in range(6)]
         expected = reference_greedy(model, prompts, budget=BUDGET)
         calls = [submit(stub, f"two-{i}", p) for i, p in enumerate(prompts)]   # all queued before any finishes
@@ -204,3 +218,4 @@ def test_one_scheduler_spreads_requests_over_two_executors_and_each_answers_corr
         for p in procs:
             p.terminate()
             p.wait(timeout=10)
+        log.close()

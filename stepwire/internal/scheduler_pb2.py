@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from stepwire.internal import sampling_pb2 as stepwire_dot_internal_dot_sampling__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!stepwire/internal/scheduler.proto\x12\x11stepwire.internal\x1a stepwire/internal/sampling.proto\"\xd7\x01\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x31\n\x06params\x18\x03 \x01(\x0b\x32!.stepwire.internal.SamplingParams\x12\x19\n\x0c\x65os_token_id\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x13\n\x0btraceparent\x18\x07 \x01(\tB\x0f\n\r_eos_token_id\"4\n\rTokenLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\xcc\x01\n\rRequestOutput\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12\x32\n\x08logprobs\x18\x04 \x03(\x0b\x32 .stepwire.internal.TokenLogprobs\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12.\n\x05\x65rror\x18\x06 \x01(\x0b\x32\x1f.stepwire.internal.RequestError\"-\n\x0cRequestError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"~\n\x0eSessionRequest\x12\x32\n\x06submit\x18\x01 \x01(\x0b\x32 .stepwire.internal.SubmitRequestH\x00\x12\x30\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x1f.stepwire.internal.AbortRequestH\x00\x42\x06\n\x04kind\"B\n\rSessionOutput\x12\x31\n\x07outputs\x18\x01 \x03(\x0b\x32 .stepwire.internal.RequestOutput\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x03(\t\"\x0e\n\x0cStatsRequest\"\xfc\x02\n\rExecutorStats\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\tconnected\x18\x02 \x01(\x08\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x06 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x07 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x08 \x01(\x02\x12\x1c\n\x14prefix_cache_queries\x18\t \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\n \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x0b \x01(\x04\x12\x11\n\tnum_steps\x18\x0c \x01(\x04\x12\x12\n\nwire_bytes\x18\r \x01(\x04\x12\x1a\n\x12wire_request_steps\x18\x0e \x01(\x04\x12\x15\n\rmax_model_len\x18\x0f \x01(\r\x12\x17\n\x0f\x66orward_seconds\x18\x10 \x01(\x01\"Z\n\rStatsResponse\x12\x33\n\texecutors\x18\x01 \x03(\x0b\x32 .stepwire.internal.ExecutorStats\x12\x14\n\x0cnum_requests\x18\x02 \x01(\r2\xc7\x02\n\tScheduler\x12N\n\x06Submit\x12 .stepwire.internal.SubmitRequest\x1a .stepwire.internal.RequestOutput0\x01\x12R\n\x07Session\x12!.stepwire.internal.SessionRequest\x1a .stepwire.internal.SessionOutput(\x01\x30\x01\x12J\n\x05\x41\x62ort\x12\x1f.stepwire.internal.AbortRequest\x1a .stepwire.internal.AbortResponse\x12J\n\x05Stats\x12\x1f.stepwire.internal.StatsRequest\x1a .stepwire.internal.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!stepwire/internal/scheduler.proto\x12\x11stepwire.internal\x1a stepwire/internal/sampling.proto\"\xb1\x01\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x31\n\x06params\x18\x03 \x01(\x0b\x32!.stepwire.internal.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x13\n\x0btraceparent\x18\x07 \x01(\tJ\x04\x08\x04\x10\x05\"4\n\rTokenLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\xcc\x01\n\rRequestOutput\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12\x32\n\x08logprobs\x18\x04 \x03(\x0b\x32 .stepwire.internal.TokenLogprobs\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12.\n\x05\x65rror\x18\x06 \x01(\x0b\x32\x1f.stepwire.internal.RequestError\"-\n\x0cRequestError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"~\n\x0eSessionRequest\x12\x32\n\x06submit\x18\x01 \x01(\x0b\x32 .stepwire.internal.SubmitRequestH\x00\x12\x30\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x1f.stepwire.internal.AbortRequestH\x00\x42\x06\n\x04kind\"B\n\rSessionOutput\x12\x31\n\x07outputs\x18\x01 \x03(\x0b\x32 .stepwire.internal.RequestOutput\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x03(\t\"\x0e\n\x0cStatsRequest\"\xfc\x02\n\rExecutorStats\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\tconnected\x18\x02 \x01(\x08\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x06 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x07 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x08 \x01(\x02\x12\x1c\n\x14prefix_cache_queries\x18\t \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\n \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x0b \x01(\x04\x12\x11\n\tnum_steps\x18\x0c \x01(\x04\x12\x12\n\nwire_bytes\x18\r \x01(\x04\x12\x1a\n\x12wire_request_steps\x18\x0e \x01(\x04\x12\x15\n\rmax_model_len\x18\x0f \x01(\r\x12\x17\n\x0f\x66orward_seconds\x18\x10 \x01(\x01\"Z\n\rStatsResponse\x12\x33\n\texecutors\x18\x01 \x03(\x0b\x32 .stepwire.internal.ExecutorStats\x12\x14\n\x0cnum_requests\x18\x02 \x01(\r2\xc7\x02\n\tScheduler\x12N\n\x06Submit\x12 .stepwire.internal.SubmitRequest\x1a .stepwire.internal.RequestOutput0\x01\x12R\n\x07Session\x12!.stepwire.internal.SessionRequest\x1a .stepwire.internal.SessionOutput(\x01\x30\x01\x12J\n\x05\x41\x62ort\x12\x1f.stepwire.internal.AbortRequest\x1a .stepwire.internal.AbortResponse\x12J\n\x05Stats\x12\x1f.stepwire.internal.StatsRequest\x1a .stepwire.internal.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,27 +33,27 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'stepwire.internal.scheduler
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SUBMITREQUEST']._serialized_start=91
-  _globals['_SUBMITREQUEST']._serialized_end=306
-  _globals['_TOKENLOGPROBS']._serialized_start=308
-  _globals['_TOKENLOGPROBS']._serialized_end=360
-  _globals['_REQUESTOUTPUT']._serialized_start=363
-  _globals['_REQUESTOUTPUT']._serialized_end=567
-  _globals['_REQUESTERROR']._serialized_start=569
-  _globals['_REQUESTERROR']._serialized_end=614
-  _globals['_SESSIONREQUEST']._serialized_start=616
-  _globals['_SESSIONREQUEST']._serialized_end=742
-  _globals['_SESSIONOUTPUT']._serialized_start=744
-  _globals['_SESSIONOUTPUT']._serialized_end=810
-  _globals['_ABORTREQUEST']._serialized_start=812
-  _globals['_ABORTREQUEST']._serialized_end=847
-  _globals['_ABORTRESPONSE']._serialized_start=849
-  _globals['_ABORTRESPONSE']._serialized_end=881
-  _globals['_STATSREQUEST']._serialized_start=883
-  _globals['_STATSREQUEST']._serialized_end=897
-  _globals['_EXECUTORSTATS']._serialized_start=900
-  _globals['_EXECUTORSTATS']._serialized_end=1280
-  _globals['_STATSRESPONSE']._serialized_start=1282
-  _globals['_STATSRESPONSE']._serialized_end=1372
-  _globals['_SCHEDULER']._serialized_start=1375
-  _globals['_SCHEDULER']._serialized_end=1702
+  _globals['_SUBMITREQUEST']._serialized_end=268
+  _globals['_TOKENLOGPROBS']._serialized_start=270
+  _globals['_TOKENLOGPROBS']._serialized_end=322
+  _globals['_REQUESTOUTPUT']._serialized_start=325
+  _globals['_REQUESTOUTPUT']._serialized_end=529
+  _globals['_REQUESTERROR']._serialized_start=531
+  _globals['_REQUESTERROR']._serialized_end=576
+  _globals['_SESSIONREQUEST']._serialized_start=578
+  _globals['_SESSIONREQUEST']._serialized_end=704
+  _globals['_SESSIONOUTPUT']._serialized_start=706
+  _globals['_SESSIONOUTPUT']._serialized_end=772
+  _globals['_ABORTREQUEST']._serialized_start=774
+  _globals['_ABORTREQUEST']._serialized_end=809
+  _globals['_ABORTRESPONSE']._serialized_start=811
+  _globals['_ABORTRESPONSE']._serialized_end=843
+  _globals['_STATSREQUEST']._serialized_start=845
+  _globals['_STATSREQUEST']._serialized_end=859
+  _globals['_EXECUTORSTATS']._serialized_start=862
+  _globals['_EXECUTORSTATS']._serialized_end=1242
+  _globals['_STATSRESPONSE']._serialized_start=1244
+  _globals['_STATSRESPONSE']._serialized_end=1334
+  _globals['_SCHEDULER']._serialized_start=1337
+  _globals['_SCHEDULER']._serialized_end=1664
 # @@protoc_insertion_point(module_scope)

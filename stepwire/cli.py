@@ -1,4 +1,8 @@
-"""The `stepwire` command: serve the whole stack, run one service, or stream a completion."""
+"""The `stepwire` command: serve the whole stack, run one service, or stream a completion.
+
+It sits above the services: it starts them as processes (or runs one in this process) and never shares
+their code, so each service stays importable on its own.
+"""
 
 from __future__ import annotations
 
@@ -11,23 +15,33 @@ import sys
 import time
 
 import httpx
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from stepwire.contract.settings import ServiceSettings, load
 
 USAGE = """stepwire serve [--model DIR] [--port 8000]    start executor, scheduler and gateway on localhost
 stepwire executor|scheduler|gateway [...]      start one service (--help for its flags)
 stepwire generate "prompt" [--max-tokens N]    stream a completion from a running gateway"""
 
 
+class ServeSettings(ServiceSettings):
+    """Start executor, scheduler and gateway on localhost. Every flag is also STEPWIRE_SERVE_<FLAG>."""
+
+    model_config = SettingsConfigDict(env_prefix="STEPWIRE_SERVE_", cli_prog_name="stepwire serve")
+
+    model: str = Field("models/SmolLM2-135M-Instruct", description="Hugging Face model directory")
+    port: int = Field(8000, description="HTTP port of the gateway")
+    grpc_port: int = Field(50050, description="gRPC port of the gateway (stepwire.v1)")
+    scheduler_port: int = Field(50051)
+    executor_port: int = Field(50061)
+    kv_cache_memory: int = Field(1 << 30, ge=1, description="bytes for the executor's KV cache")
+    scheduler_metrics_port: int = Field(9091, description="Prometheus /metrics of the scheduler")
+    executor_metrics_port: int = Field(9092, description="Prometheus /metrics of the executor")
+
+
 def serve(argv: list[str]) -> None:
-    ap = argparse.ArgumentParser(prog="stepwire serve", description="Start the three services on localhost.")
-    ap.add_argument("--model", default=os.environ.get("STEPWIRE_MODEL", "models/SmolLM2-135M-Instruct"))
-    ap.add_argument("--port", type=int, default=8000, help="HTTP port of the gateway")
-    ap.add_argument("--executor-port", type=int, default=50061)
-    ap.add_argument("--scheduler-port", type=int, default=50051)
-    ap.add_argument("--grpc-port", type=int, default=50050, help="gRPC port of the gateway (stepwire.v1)")
-    ap.add_argument("--kv-cache-memory", type=int, default=1 << 30)
-    ap.add_argument("--scheduler-metrics-port", type=int, default=9091, help="Prometheus /metrics of the scheduler")
-    ap.add_argument("--executor-metrics-port", type=int, default=9092, help="Prometheus /metrics of the executor")
-    a = ap.parse_args(argv)
+    a = load(ServeSettings, argv)
     py = sys.executable
     ex, sc = f"127.0.0.1:{a.executor_port}", f"127.0.0.1:{a.scheduler_port}"
     commands = {

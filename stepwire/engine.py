@@ -1,6 +1,9 @@
-"""The in-process engine: one scheduler and one model runner in one process, stepping in lockstep.
+"""The in-process engine: one scheduler core and one model runner in one process, stepping in lockstep.
 
 It is the reference the gRPC split must match token for token, and the fastest single-process baseline.
+Each step crosses the same encoding the services use (handles, the step diff, the packed result) without
+the network, so the two can only differ in the hop itself. It composes both services' cores, so it lives
+here rather than in either service.
 """
 
 from __future__ import annotations
@@ -10,7 +13,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from executor_service.runner import ModelRunner, RunnerConfig
-from scheduler_service import Request, RequestDelta, SamplingParams, Scheduler, SchedulerConfig
+from executor_service.wire import decode_step, encode_result
+from scheduler_service import Request, RequestDelta, Scheduler, SchedulerConfig
+from scheduler_service.wire import HandleTable, decode_result, encode_step
+from stepwire.contract import SamplingParams
 
 
 @dataclass
@@ -34,15 +40,15 @@ class LLMEngine:
             raise ValueError(f"scheduler block_size {scheduler_config.block_size} != executor's "
                              f"{facts['block_size']}")
         self.scheduler = Scheduler(scheduler_config, facts["num_blocks"])
-        eos = facts["eos_token_ids"]
-        self.eos_token_id = eos[0] if eos else None
+        self.eos_token_ids = tuple(facts["eos_token_ids"])
+        self.handles = HandleTable()
         self._ids = itertools.count()
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0) -> str:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         self.scheduler.add_request(Request(rid, list(prompt_token_ids), params or SamplingParams(),
-                                           eos_token_id=self.eos_token_id, priority=priority))
+                                           eos_token_ids=self.eos_token_ids, priority=priority))
         return rid
 
     def abort(self, request_ids) -> None:
@@ -52,7 +58,10 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty and not out.finished_req_ids:
             return []
-        return self.scheduler.update_from_output(out, self.runner.execute(out))
+        msg, order = encode_step(out, self.handles, epoch=1, step=0)
+        step = decode_step(msg)
+        reply = encode_result(self.runner.execute(step), len(step.handles), 1, 0)
+        return self.scheduler.update_from_output(out, decode_result(reply, order))
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished_requests()

@@ -1,0 +1,37 @@
+"""The executor process's settings: the model it serves, where it listens, and how it sizes its caches.
+
+The model knobs carry the names of `RunnerConfig`'s fields and are handed over by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from executor_service.runner import RunnerConfig
+from stepwire.contract.settings import ServiceSettings
+
+
+class ExecutorSettings(ServiceSettings):
+    """Run one stepwire executor. Every flag is also STEPWIRE_EXECUTOR_<FLAG> (capitals, underscores)."""
+
+    model_config = SettingsConfigDict(env_prefix="STEPWIRE_EXECUTOR_", cli_prog_name="stepwire executor")
+
+    address: str = Field("127.0.0.1:50061", description="host:port of the Executor gRPC service")
+    metrics_address: str = Field("127.0.0.1:9092", description="host:port for Prometheus /metrics; empty: off")
+
+    # RunnerConfig's knobs.
+    model: str = Field("models/SmolLM2-135M-Instruct", description="Hugging Face model directory (safetensors)")
+    device: str = Field("cpu", description="torch device: cpu, cuda, cuda:1, ...")
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None, description="weights and KV dtype; default float32 on CPU, bfloat16 on CUDA")
+    kv_cache_memory: int = Field(1 << 30, ge=1, description="bytes for the KV cache of all layers")
+    block_size: int = Field(16, ge=1, description="tokens per KV block")
+    max_num_seqs: int = Field(256, ge=1, description="rows of the persistent batch")
+    max_model_len: int | None = Field(None, ge=2, description="context cap; default: the model's")
+
+    def runner_config(self) -> RunnerConfig:
+        return RunnerConfig(**{f.name: getattr(self, f.name) for f in fields(RunnerConfig)})

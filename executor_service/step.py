@@ -1,0 +1,55 @@
+"""The executor's own view of one step, keyed by the integer handles the scheduler assigned.
+
+It mirrors the wire message (`stepwire.internal.StepRequest`) field for field, in the order the
+persistent batch applies them: drop finished and preempted rows, bring back resumed ones, append grown
+blocks, add new rows, then run `handles` with `num_tokens` each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from stepwire.internal import sampling_pb2
+
+
+@dataclass(slots=True)
+class NewRow:
+    handle: int
+    token_ids: list[int]              # prompt, then any output generated before the executor lost it
+    sampling: sampling_pb2.SamplingParams
+    block_ids: list[int]
+    num_computed: int                 # KV already in block_ids (prefix-cache hits)
+
+
+@dataclass(slots=True)
+class Step:
+    handles: list[int]                # every scheduled row, in compute order
+    num_tokens: list[int]             # tokens each computes this step
+    total_tokens: int
+    finished: list[int] = field(default_factory=list)
+    preempted: list[int] = field(default_factory=list)
+    new: list[NewRow] = field(default_factory=list)
+    # Back from preemption: (handle, computed tokens, the whole new block table).
+    resumed: list[tuple[int, int, list[int]]] = field(default_factory=list)
+    # Crossed into new blocks: (handle, block ids appended).
+    grown: list[tuple[int, list[int]]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class StepResult:
+    """Indices into the step's `handles` of the rows that sampled (mid-prefill rows did not), their tokens,
+    and, when any asked, per sampled row a list of (token id, logprob) pairs, the sampled token first."""
+
+    sampled: np.ndarray
+    token_ids: np.ndarray
+    logprobs: list[list[tuple[int, float]] | None] | None = None
+
+
+def seed_of(sp: sampling_pb2.SamplingParams) -> int | None:
+    return sp.seed if sp.HasField("seed") else None
+
+
+def logprobs_of(sp: sampling_pb2.SamplingParams) -> int | None:
+    return sp.logprobs if sp.HasField("logprobs") else None

@@ -1,0 +1,184 @@
+"""One executor as the scheduler drives it: a scheduler core with its block pool, and the Step stream.
+
+A link is an asyncio task: connect (retrying, with a log line, until `Describe` answers), size the block
+pool from the answer, then loop schedule -> step -> update while there is work. If the stream breaks or
+the executor asks for a resync, the link preempts everything it ran (recompute), opens a new epoch and
+carries on: clients see their streams continue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+from opentelemetry.trace import Link
+
+from observability import tracing
+from scheduler_service.lifecycle import Lifecycles
+from scheduler_service.request import Request
+from scheduler_service.scheduler import Scheduler
+from scheduler_service.settings import SchedulerSettings
+from scheduler_service.wire import HandleTable, decode_result, encode_step
+from stepwire.internal import executor_pb2, executor_pb2_grpc
+
+log = logging.getLogger("stepwire.scheduler")
+
+
+@dataclass
+class ExecutorLink:
+    address: str
+    settings: SchedulerSettings
+    core: Scheduler | None = None
+    epoch: int = 0
+    step: int = 0
+    wire_bytes: int = 0
+    wire_request_steps: int = 0
+    forward_seconds: float = 0.0              # executor time inside execute(), summed over steps
+    connected: bool = False
+    eos_token_ids: tuple[int, ...] = ()
+    vocab_size: int = 0
+    streams: dict[str, asyncio.Queue] = field(default_factory=dict)
+    wakeup: asyncio.Event = field(default_factory=asyncio.Event)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    lifecycles: Lifecycles | None = None
+    on_change: Callable[[], None] = lambda: None   # called when the link connects or drops
+
+    def abort(self, request_ids) -> list[Request]:
+        """Abort at the core (blocks freed now) and close the requests' lives; the caller tells the streams."""
+        reqs = self.core.abort_requests(request_ids)
+        for req in reqs:
+            self.lifecycles.finished(req.request_id, "abort", max(req.num_cached_tokens, 0))
+        self.wakeup.set()
+        return reqs
+
+    async def run(self) -> None:
+        while True:
+            # Keepalive pings find an executor that vanished without closing its connection (a node lost).
+            channel = grpc.aio.insecure_channel(self.address, options=[("grpc.keepalive_time_ms", 10_000),
+                                                                       ("grpc.keepalive_timeout_ms", 5_000)])
+            try:
+                stub = executor_pb2_grpc.ExecutorStub(channel)
+                await self._connect(stub)
+                await self._drive(stub)
+            except grpc.RpcError as e:
+                log.warning("executor %s: stream lost (%s); recomputing its requests", self.address, e.code())
+            except ConnectionError as e:
+                log.warning("executor %s: %s; recomputing its requests", self.address, e)
+            finally:
+                self.connected = False
+                self.on_change()
+                await channel.close()
+            if self.core is not None:
+                self.lifecycles.preempted([r.request_id for r in self.core.reset_executor_state()])
+            await asyncio.sleep(self.settings.retry_seconds)
+
+    async def _connect(self, stub) -> None:
+        while True:
+            try:
+                d = await stub.Describe(executor_pb2.DescribeRequest(), timeout=5)
+                break
+            except grpc.RpcError as e:
+                log.info("waiting for executor %s (%s); retrying in %.1fs", self.address, e.code(),
+                         self.settings.retry_seconds)
+                await asyncio.sleep(self.settings.retry_seconds)
+        if self.core is None:
+            self.core = Scheduler(self.settings.core_config(d.block_size, d.max_model_len), num_blocks=d.num_blocks)
+            self.eos_token_ids = tuple(d.eos_token_ids)
+            self.vocab_size = d.vocab_size
+            # The executor names its model by directory; the gateway serves it under the directory's name too.
+            self.lifecycles.model = self.lifecycles.model or os.path.basename(d.model.rstrip("/"))
+        # Epochs only grow; a clock reading stays above any earlier one, across scheduler restarts too.
+        self.epoch = max(self.epoch + 1, time.time_ns())
+        self.handles = HandleTable()
+        self.connected = True
+        self.ready.set()
+        self.on_change()
+        log.info("executor %s connected: %d blocks of %d tokens, epoch %d", self.address, d.num_blocks,
+                 d.block_size, self.epoch)
+
+    async def _drive(self, stub) -> None:
+        call = stub.Step()
+        # An idle link reads nothing, so it learns that the executor is gone from the call ending.
+        broken = asyncio.Event()
+        call.add_done_callback(lambda _: broken.set())
+        core = self.core
+        lives = self.lifecycles
+        m = lives.metrics
+        while True:
+            if not core.has_unfinished_requests() and not core.finished_req_ids:
+                self.wakeup.clear()
+                waits = [asyncio.ensure_future(self.wakeup.wait()), asyncio.ensure_future(broken.wait())]
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                for w in waits:
+                    w.cancel()
+                if broken.is_set():
+                    raise ConnectionError("the step stream ended while idle")
+                continue
+            t0 = time.perf_counter()
+            start_ns = time.time_ns()
+            out = core.schedule()
+            if out.is_empty and not out.finished_req_ids and not out.preempted_req_ids:
+                await asyncio.sleep(0.001)     # nothing can run yet (e.g. waiting on admission)
+                continue
+            lives.scheduled(out)
+            msg, order = encode_step(out, self.handles, self.epoch, self.step)
+            span = self._step_span(out, start_ns) if tracing.tracer() is not None else None
+            if span is not None:
+                msg.traceparent = tracing.traceparent(span)
+            self.step += 1
+            size = msg.ByteSize()
+            self.wire_bytes += size
+            self.wire_request_steps += len(order)
+            m.wire_bytes.observe(size)
+            forward = None
+            try:
+                await call.write(msg)
+                reply = await call.read()
+                if reply is grpc.aio.EOF:
+                    raise ConnectionError("executor closed the step stream")
+                if reply.HasField("resync"):
+                    log.warning("executor %s asked for a resync: %s", self.address, reply.resync.reason)
+                    lives.preempted([r.request_id for r in core.reset_executor_state()])
+                    self.epoch += 1
+                    self.handles = HandleTable()
+                    continue
+                forward = reply.forward_seconds
+                self.forward_seconds += forward
+                deltas = core.update_from_output(out, decode_result(reply, order))
+                lives.delivered(deltas)
+                for d in deltas:
+                    q = self.streams.get(d.req_id)
+                    if q is not None:
+                        q.put_nowait(d)
+            finally:
+                if span is not None:
+                    span.set_attribute("stepwire.step.wire_bytes", size)
+                    if forward is not None:
+                        span.set_attribute("stepwire.step.forward_seconds", forward)
+                    span.end()
+            m.step_duration.observe(time.perf_counter() - t0)
+
+    def _step_span(self, out, start_ns: int):
+        """`scheduler.step`: the batch's facts, linked to the span of every request it serves."""
+        lives = self.lifecycles
+        links = []
+        for rid in out.num_scheduled_tokens:
+            sp = lives.span_of(rid)
+            if sp is not None:
+                links.append(Link(sp.get_span_context()))
+        cached = out.scheduled_cached_reqs
+        return tracing.tracer().start_span("scheduler.step", start_time=start_ns, links=links, attributes={
+            "stepwire.executor": self.address, "stepwire.step": self.step, "stepwire.epoch": self.epoch,
+            "stepwire.step.num_requests": len(out.num_scheduled_tokens),
+            "stepwire.step.scheduled_tokens": out.total_num_scheduled_tokens,
+            "stepwire.step.new_requests": len(out.scheduled_new_reqs),
+            "stepwire.step.cached_requests": len(cached.req_ids),
+            "stepwire.step.resumed_requests": len(cached.resumed_req_ids),
+            "stepwire.step.preempted_requests": len(out.preempted_req_ids),
+            "stepwire.step.finished_requests": len(out.finished_req_ids),
+            "stepwire.kv_cache.usage": self.core.kv.usage})

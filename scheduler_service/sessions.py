@@ -1,0 +1,44 @@
+"""A gateway's Session stream as the scheduler keeps it: many requests, one stream, one message a step."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from scheduler_service.executor_link import ExecutorLink
+from scheduler_service.output import RequestDelta
+from stepwire.internal import scheduler_pb2
+
+
+def to_output(d: RequestDelta, request_id: str = "") -> scheduler_pb2.RequestOutput:
+    out = scheduler_pb2.RequestOutput(token_ids=d.new_token_ids, finish_reason=d.finish_reason or "",
+                                      num_cached_tokens=max(d.num_cached_tokens, 0), request_id=request_id)
+    if d.logprobs:
+        for pairs in d.logprobs:
+            out.logprobs.add(token_ids=[t for t, _ in pairs], logprobs=[v for _, v in pairs])
+    return out
+
+
+class Session:
+    """One gateway's Session stream. Executor links put deltas here as they do into a Submit queue; they
+    pile up until the stream's writer wakes, which is after the link has delivered the whole step."""
+
+    def __init__(self):
+        self.pending: list[scheduler_pb2.RequestOutput] = []
+        self.ready = asyncio.Event()
+        self.live: dict[str, ExecutorLink] = {}   # request id -> the link running it
+        self.closed = False                       # the gateway half-closed: end once live is empty
+
+    def put_nowait(self, d: RequestDelta) -> None:
+        self.pending.append(to_output(d, d.req_id))
+        if d.finish_reason is not None:
+            link = self.live.pop(d.req_id, None)
+            if link is not None:
+                link.streams.pop(d.req_id, None)
+        self.ready.set()
+
+    def refuse(self, rid: str, code: grpc.StatusCode, message: str) -> None:
+        self.pending.append(scheduler_pb2.RequestOutput(
+            request_id=rid, error=scheduler_pb2.RequestError(code=code.value[0], message=message)))
+        self.ready.set()

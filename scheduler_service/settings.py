@@ -1,0 +1,52 @@
+"""The scheduler process's settings: where it listens, which executors it drives, and the scheduling knobs.
+
+The scheduling knobs carry the names of `SchedulerConfig`'s fields and are handed over by name, so a knob
+added there is one line here and nowhere else. Each executor link builds its core's config from them and
+from what its executor reports (block size, context length).
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Annotated, Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import NoDecode, SettingsConfigDict
+
+from scheduler_service.config import SchedulerConfig
+from stepwire.contract.settings import ServiceSettings
+
+
+class SchedulerSettings(ServiceSettings):
+    """Run the stepwire scheduler. Every flag is also STEPWIRE_SCHEDULER_<FLAG> (capitals, underscores)."""
+
+    model_config = SettingsConfigDict(env_prefix="STEPWIRE_SCHEDULER_", cli_prog_name="stepwire scheduler")
+
+    executors: Annotated[list[str], NoDecode] = Field(
+        default=["127.0.0.1:50061"], min_length=1, description="host:port of each executor, comma-separated")
+    address: str = Field("127.0.0.1:50051", description="host:port of the Scheduler gRPC service")
+    metrics_address: str = Field("127.0.0.1:9091", description="host:port for Prometheus /metrics; empty: off")
+    max_waiting: int = Field(1024, ge=0, description="waiting requests per executor beyond which new ones get "
+                                                    "RESOURCE_EXHAUSTED")
+    retry_seconds: float = Field(1.0, gt=0, description="pause between attempts to reach an executor")
+
+    # SchedulerConfig's knobs (block_size always comes from the executor).
+    max_num_seqs: int = Field(256, ge=1, description="requests running at once per executor")
+    max_num_batched_tokens: int = Field(8192, ge=1, description="token budget of one step")
+    max_model_len: int | None = Field(None, ge=2, description="context cap; default: what the executor reports")
+    long_prefill_token_threshold: int = Field(0, ge=0, description="most tokens one prompt takes from a step "
+                                                                   "while others wait (0: no cap)")
+    enable_chunked_prefill: bool = Field(True, description="split long prompts over several steps")
+    enable_prefix_caching: bool = Field(True, description="reuse KV blocks of shared prompt prefixes")
+    policy: Literal["fcfs", "priority"] = Field("fcfs", description="fcfs, or priority (lower value first)")
+
+    @field_validator("executors", mode="before")
+    @classmethod
+    def _comma_separated(cls, value):
+        return [a.strip() for a in value.split(",") if a.strip()] if isinstance(value, str) else value
+
+    def core_config(self, block_size: int, executor_max_model_len: int) -> SchedulerConfig:
+        """The config of one executor's core: these knobs, within what that executor can hold."""
+        knobs = {f.name: getattr(self, f.name) for f in fields(SchedulerConfig) if f.name in type(self).model_fields}
+        knobs["max_model_len"] = min(self.max_model_len or executor_max_model_len, executor_max_model_len)
+        return SchedulerConfig(**knobs | {"block_size": block_size})

@@ -1,0 +1,70 @@
+"""Sampling parameters: one schema, one set of rules, one conversion to the wire.
+
+The gateway builds a `SamplingParams` from an HTTP body or a gRPC message and validates it; it crosses
+to the scheduler as `stepwire.internal.SamplingParams`, and the scheduler hands that very message on to
+the executor. `check_sampling` reads fields by name, so it validates the dataclass and the proto message
+alike: the scheduler re-checks what arrives on its port with the same rules the gateway used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from stepwire.contract.errors import InvalidRequestError
+from stepwire.contract.limits import FLOAT32_MAX, INT32_MAX, UINT32_MAX, UINT64_MAX, integer, real
+from stepwire.internal import sampling_pb2
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Everything a request asks of generation. The scheduler reads the stop-related fields (max_tokens,
+    min_tokens, stop_token_ids, ignore_eos); the executor's sampler reads the rest."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 (or 0) disables
+    min_p: float = 0.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None  # top-n logprobs per sampled token
+
+    def validate(self) -> SamplingParams:
+        check_sampling(self)
+        return self
+
+    def to_proto(self) -> sampling_pb2.SamplingParams:
+        msg = sampling_pb2.SamplingParams(
+            max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            min_p=self.min_p, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens)
+        if self.seed is not None:
+            msg.seed = self.seed
+        if self.logprobs is not None:
+            msg.logprobs = self.logprobs
+        return msg
+
+
+def check_sampling(sp) -> None:
+    """Raise InvalidRequestError naming the first bad field of a SamplingParams or its proto message."""
+    integer("max_tokens", sp.max_tokens, 1, UINT32_MAX)
+    real("temperature", sp.temperature, 0.0, FLOAT32_MAX)
+    real("top_p", sp.top_p, 0.0, 1.0, above=True)
+    integer("top_k", sp.top_k, -1, INT32_MAX)
+    real("min_p", sp.min_p, 0.0, 1.0)
+    if sp.seed is not None:
+        integer("seed", sp.seed, 0, UINT64_MAX)
+    integer("min_tokens", sp.min_tokens, 0, UINT32_MAX)
+    if sp.min_tokens > sp.max_tokens:
+        raise InvalidRequestError("min_tokens", f"must be at most max_tokens ({sp.max_tokens}), got {sp.min_tokens}")
+    for tok in sp.stop_token_ids:
+        integer("stop_token_ids", tok, 0, UINT32_MAX)
+    if sp.logprobs is not None:
+        integer("logprobs", sp.logprobs, 0, UINT32_MAX)
+
+
+def as_proto(sp) -> sampling_pb2.SamplingParams:
+    """The wire form: a message that came off the wire is passed on as it is, never rebuilt."""
+    return sp if isinstance(sp, sampling_pb2.SamplingParams) else sp.to_proto()
