@@ -103,7 +103,7 @@ class Backend:
             p.sampling.max_tokens = max(limit - len(prompt_ids), 1) if limit else 256
         else:
             p.sampling.max_tokens = p.max_tokens
-            if limit and isinstance(p.max_tokens, int) and len(prompt_ids) + p.max_tokens > limit:
+            if limit and len(prompt_ids) + p.max_tokens > limit:
                 raise InvalidRequestError("max_tokens", f"this model's maximum context length is {limit} tokens; "
                                                         f"{len(prompt_ids)} in the prompt plus max_tokens="
                                                         f"{p.max_tokens} exceed it")

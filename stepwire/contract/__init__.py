@@ -8,8 +8,8 @@ it too, so nothing here may pull torch or a service.
 """
 
 from stepwire.contract.errors import InvalidRequestError
-from stepwire.contract.requests import CHAT_ROLES, FINISH_REASONS, check_chat, check_priority, check_prompt
+from stepwire.contract.requests import CHAT_ROLES, check_chat, check_priority, check_prompt
 from stepwire.contract.sampling import SamplingParams, as_proto, check_sampling
 
-__all__ = ["CHAT_ROLES", "FINISH_REASONS", "InvalidRequestError", "SamplingParams", "as_proto", "check_chat",
+__all__ = ["CHAT_ROLES", "InvalidRequestError", "SamplingParams", "as_proto", "check_chat",
            "check_priority", "check_prompt", "check_sampling"]

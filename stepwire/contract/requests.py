@@ -7,9 +7,6 @@ from collections.abc import Sequence
 from stepwire.contract.errors import InvalidRequestError
 from stepwire.contract.limits import INT32_MAX, INT32_MIN, integer
 
-# How a request ends, as the scheduler reports it and the gateway passes it on.
-FINISH_REASONS = ("stop", "length", "abort")
-
 
 def check_priority(priority) -> int:
     return integer("priority", priority, INT32_MIN, INT32_MAX)
