@@ -6,6 +6,7 @@ converted directory is `models/SmolLM2-135M-Instruct` in the checkout, converted
 """
 
 import contextlib
+import functools
 import importlib.util
 import json
 import os
@@ -82,8 +83,33 @@ def model_dir(gguf_path: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference_tokenizer(gguf_path: Path):
-    return transformers.AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+def gguf_parsed_once():
+    """transformers' GGUF loader parses the file anew for the config, the weights and the tokenizer (6 s each
+    here: a numpy view per vocabulary entry) and rebuilds gguf's tensor-name table once per tensor (10 s in all).
+    Both are pure functions of their arguments, so sharing them changes nothing that gets loaded."""
+    readers: dict[tuple[str, str], gguf.GGUFReader] = {}
+    read = gguf.GGUFReader
+
+    def shared_reader(path, mode="r"):
+        key = (str(path), mode)
+        if key not in readers:
+            readers[key] = read(path, mode)
+        return readers[key]
+
+    @contextlib.contextmanager
+    def active():
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(gguf, "GGUFReader", shared_reader)
+            patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+            yield
+
+    return active
+
+
+@pytest.fixture(scope="module")
+def reference_tokenizer(gguf_path: Path, gguf_parsed_once):
+    with gguf_parsed_once():
+        return transformers.AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
 
 
 @pytest.fixture(scope="module")
@@ -92,11 +118,12 @@ def converted_tokenizer(model_dir: Path):
 
 
 @pytest.fixture(scope="module")
-def reference_model(gguf_path: Path):
+def reference_model(gguf_path: Path, gguf_parsed_once):
     pytest.importorskip("accelerate", reason="transformers needs accelerate to load a GGUF model")
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
-    )
+    with gguf_parsed_once():
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+        )
     return model.eval()
 
 
