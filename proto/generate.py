@@ -46,7 +46,8 @@ def differences() -> list[str]:
         generated = generate(fresh)
         diffs = [str(rel) for rel in generated
                  if not (ROOT / rel).exists() or not filecmp.cmp(fresh / rel, ROOT / rel, shallow=False)]
-        committed = {p.relative_to(ROOT) for p in (ROOT / "stepwire").glob("**/*_pb2*.py*")}
+        # .py and .pyi only: bytecode caches beside them are not committed code.
+        committed = {p.relative_to(ROOT) for p in (ROOT / "stepwire").glob("**/*_pb2*") if p.suffix in (".py", ".pyi")}
         diffs += [f"{rel} (no .proto generates it)" for rel in sorted(committed - set(generated))]
         return diffs
 
