@@ -216,7 +216,7 @@ def test_chat_template_renders_like_transformers(reference_tokenizer, converted_
 
 @pytest.fixture(scope="module")
 def greedy_runs(reference_tokenizer, converted_tokenizer, reference_model, converted_model):
-    """24 greedy tokens for each conversation from both models, the prompts batched (left-padded) in one call
+    """16 greedy tokens for each conversation from both models, the prompts batched (left-padded) in one call
     each: both models get the very same tensors, so padding cannot make them differ, and one batched call costs
     about what one prompt does."""
     prompts = [
@@ -227,7 +227,7 @@ def greedy_runs(reference_tokenizer, converted_tokenizer, reference_model, conve
     batch = converted_tokenizer(prompts, return_tensors="pt", padding=True)
     reference_batch = reference_tokenizer(prompts, return_tensors="pt", padding=True)
     assert batch.input_ids.tolist() == reference_batch.input_ids.tolist()
-    options = {"max_new_tokens": 24, "do_sample": False, "pad_token_id": converted_tokenizer.pad_token_id}
+    options = {"max_new_tokens": 16, "do_sample": False, "pad_token_id": converted_tokenizer.pad_token_id}
     with torch.inference_mode(), _one_torch_thread():
         expected = reference_model.generate(**reference_batch, **options)
         got = converted_model.generate(**batch, **options)
