@@ -37,7 +37,7 @@ def http_stack(tmp_path_factory) -> HttpStack:
     openai = pytest.importorskip("openai")
     import grpc
     from grpc_health.v1 import health_pb2
-    from helpers import free_port, grpc_health, wait_http_ready, wait_until
+    from helpers import free_port, grpc_health, stop_processes, wait_http_ready, wait_until
 
     if not (MODEL / "conversion.json").exists():
         pytest.skip("embedded model not converted (make model)")
@@ -71,6 +71,4 @@ def http_stack(tmp_path_factory) -> HttpStack:
     sc_channel.close()
     wait_http_ready(url, procs, logs=log_files)
     yield HttpStack(url, openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0), sc, gw)
-    for p in procs.values():
-        p.terminate()
-        p.wait(timeout=15)
+    stop_processes(procs)

@@ -71,6 +71,16 @@ def log_tail(path, lines: int = 40) -> str:
     return f"--- last {len(tail)} lines of {path}:\n" + "\n".join(tail)
 
 
+def stop_processes(procs, timeout: float = 15) -> None:
+    """SIGTERM to every process first, then wait for each: a service stops only after its grace period when a
+    peer still holds a stream to it, so stopping them one after another costs a grace period per process."""
+    procs = list(procs.values()) if isinstance(procs, dict) else list(procs)
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        p.wait(timeout=timeout)
+
+
 def wait_until(predicate, timeout: float, what, *, procs=None, logs=(), interval: float = 0.1):
     """Poll `predicate` until it returns something truthy, and return that.
 

@@ -17,7 +17,7 @@ pytest.importorskip("opentelemetry.proto")
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc  # noqa: E402
-from helpers import free_port, wait_http_ready, wait_until  # noqa: E402
+from helpers import free_port, stop_processes, wait_http_ready, wait_until  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from stepwire.internal import scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
@@ -67,9 +67,7 @@ def stack(tmp_path_factory):
     url = f"http://127.0.0.1:{ports['http']}"
     wait_http_ready(url, procs, logs=log_files(logs))
     yield {"url": url, "ports": ports, "sink": sink, "procs": procs, "env": env, "logs": logs}
-    for p in procs.values():
-        p.terminate()
-        p.wait(timeout=15)
+    stop_processes(procs)
     server.stop(0)
 
 

@@ -10,7 +10,15 @@ grpc = pytest.importorskip("grpc")
 pytest.importorskip("torch")
 
 from grpc_health.v1 import health_pb2  # noqa: E402
-from helpers import free_port, grpc_health, log_tail, wait_executor_idle, wait_grpc_serving, wait_until  # noqa: E402
+from helpers import (  # noqa: E402
+    free_port,
+    grpc_health,
+    log_tail,
+    stop_processes,
+    wait_executor_idle,
+    wait_grpc_serving,
+    wait_until,
+)
 from tiny_model import kv_bytes, reference_greedy, write_tiny_llama  # noqa: E402
 
 from stepwire.internal import sampling_pb2, scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
@@ -48,9 +56,7 @@ def stack(tmp_path_factory):
     yield model, scheduler_pb2_grpc.SchedulerStub(channel), tmp / "scheduler.log"
     channel.close()
     crashed = {n: p.poll() for n, p in (("scheduler", scheduler), ("executor", executor)) if p.poll() is not None}
-    for p in (scheduler, executor):
-        p.terminate()
-        p.wait(timeout=10)
+    stop_processes([scheduler, executor])
     sched_log.close()
     exec_log.close()
     assert not crashed, f"exited during the tests: {crashed}\n" + "\n".join(log_tail(p) for p in logs)
@@ -215,7 +221,5 @@ def test_one_scheduler_spreads_requests_over_two_executors_and_each_answers_corr
         assert all(e.num_steps > 0 for e in stats)          # both executors ran some of the requests
         assert all(e.num_free_blocks == e.num_total_blocks for e in stats)
     finally:
-        for p in procs:
-            p.terminate()
-            p.wait(timeout=10)
+        stop_processes(procs)
         log.close()
