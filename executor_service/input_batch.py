@@ -27,6 +27,7 @@ class RequestState:
     sampling_params: sampling_pb2.SamplingParams
     # Filled only while the request is parked (preempted); live rows keep tokens in the batch arrays.
     token_ids: np.ndarray | None = None
+    seed: int | None = None
     generator: object | None = None      # the request's own RNG when seeded (a torch.Generator)
 
 

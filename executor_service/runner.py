@@ -15,7 +15,7 @@ from executor_service.loader import load_model
 from executor_service.memory import keep_freed_memory
 from executor_service.model_config import ModelConfig
 from executor_service.sampler import Sampler, SamplingTensors
-from executor_service.step import Step, StepResult, logprobs_of, seed_of
+from executor_service.step import Step, StepResult, draw_seed, logprobs_of, seed_of
 from observability import tracing
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -68,9 +68,9 @@ class ModelRunner:
                 "device": str(self.device), "eos_token_ids": list(mc.eos_token_ids)}
 
     def _new_state(self, state: RequestState) -> None:
-        seed = seed_of(state.sampling_params)
-        if seed is not None:
-            state.generator = torch.Generator(device=self.device).manual_seed(seed)
+        state.seed = seed_of(state.sampling_params)
+        if state.seed is not None:
+            state.generator = torch.Generator(device=self.device)
 
     @torch.inference_mode()
     def execute(self, step: Step) -> StepResult:
@@ -111,7 +111,14 @@ class ModelRunner:
             return np.empty(0, dtype=np.int64), None
         b = self.batch
         states = [b.states[b.handles[r]] for r in rows]
-        generators = {i: s.generator for i, s in enumerate(states) if s.generator is not None}
+        generators = {}
+        for i, s in enumerate(states):
+            if s.generator is not None:
+                # The draw for a token depends on the seed and the token's position only, not on how many
+                # draws this executor made before: a request preempted, resent or moved to another
+                # executor samples what it would have sampled without the detour.
+                s.generator.manual_seed(draw_seed(s.seed, int(b.num_tokens[rows[i]])))
+                generators[i] = s.generator
         num_logprobs = max((n for s in states if (n := logprobs_of(s.sampling_params)) is not None), default=None)
         t = torch.from_numpy
         st = SamplingTensors.from_cpu(t(b.temperature[rows]), t(b.top_p[rows]), t(b.top_k[rows]), t(b.min_p[rows]),

@@ -3,6 +3,13 @@
 The executor keeps only a cache of the scheduler's state, so anything it cannot place is answered with
 `resync` and changes nothing: a step from an older epoch, or one naming a handle it does not hold (after
 a restart, say). A step from a newer epoch means the scheduler started over: the cache is dropped first.
+
+It serves one Step stream at a time. A new stream drops the cache and ends the older stream at its next
+message, and epochs live and die with their stream: whatever a peer sends on one stream, the next one
+starts clean, so no message can make the executor refuse its scheduler.
+
+SIGTERM starts a drain: health goes NOT_SERVING, every reply says `draining`, and the process exits once
+the scheduler has closed its stream (its requests finished or moved) or the drain period is over.
 """
 
 from __future__ import annotations
@@ -12,14 +19,16 @@ import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import grpc
+import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from opentelemetry.trace import SpanKind
 
 from executor_service.metrics import ExecutorMetrics
-from executor_service.runner import ModelRunner, RunnerConfig
+from executor_service.runner import ModelRunner
 from executor_service.settings import ExecutorSettings
 from executor_service.wire import decode_step, encode_result
 from observability import tracing
@@ -32,11 +41,22 @@ log = logging.getLogger("stepwire.executor")
 SERVICE = executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name
 
 
+@dataclass
+class _Stream:
+    """What one Step stream has established: its epoch, once its first step arrived."""
+
+    epoch: int | None = None
+
+
 class ExecutorService(executor_pb2_grpc.ExecutorServicer):
     def __init__(self, worker: ThreadPoolExecutor, runner: ModelRunner | None = None):
         self.runner = runner                # None while the weights load: calls get UNAVAILABLE
         self.instance_id = uuid.uuid4().hex
-        self.epoch = 0
+        self.draining = False
+        self._newest: object | None = None      # the stream being served; older ones are ended
+        self.streams_open = 0
+        self.streams_closed = asyncio.Event()   # set whenever no stream is open
+        self.streams_closed.set()
         # One step at a time, whatever the number of streams: the batch and the KV cache are shared.
         self._lock = asyncio.Lock()
         # All torch work, loading included, on one thread: steps run on a different thread from the one
@@ -58,29 +78,46 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
 
     async def Step(self, request_iterator, context):
         await self._ready(context)
-        async for msg in request_iterator:
+        stream = _Stream()
+        self._newest = stream
+        self.streams_open += 1
+        self.streams_closed.clear()
+        loop = asyncio.get_running_loop()
+        try:
             async with self._lock:
-                yield await asyncio.get_running_loop().run_in_executor(self._worker, self._step, msg)
+                await loop.run_in_executor(self._worker, self.runner.reset_batch)
+            async for msg in request_iterator:
+                async with self._lock:
+                    if self._newest is not stream:
+                        await context.abort(grpc.StatusCode.ABORTED, "a newer Step stream replaced this one")
+                    reply = await loop.run_in_executor(self._worker, self._step, msg, stream)
+                reply.draining = self.draining
+                yield reply
+        finally:
+            self.streams_open -= 1
+            if not self.streams_open:
+                self.streams_closed.set()
 
-    def _step(self, msg: executor_pb2.StepRequest) -> executor_pb2.StepResponse:
+    def _step(self, msg: executor_pb2.StepRequest, stream: _Stream) -> executor_pb2.StepResponse:
         tracer = tracing.tracer()
         if tracer is None or not msg.traceparent:
-            return self._run_step(msg)
+            return self._run_step(msg, stream)
         # A child of the scheduler's step span, in this process: the trace crosses the Step stream here.
         with tracer.start_as_current_span("executor.step", context=tracing.from_traceparent(msg.traceparent),
                                           kind=SpanKind.SERVER, attributes={
                                               "stepwire.step": msg.step, "stepwire.epoch": msg.epoch,
                                               "stepwire.executor.instance": self.instance_id}) as span:
-            reply = self._run_step(msg)
+            reply = self._run_step(msg, stream)
             if reply.HasField("resync"):
                 span.set_attribute("stepwire.resync", reply.resync.reason)
             return reply
 
-    def _run_step(self, msg: executor_pb2.StepRequest) -> executor_pb2.StepResponse:
-        if msg.epoch < self.epoch:
-            return self._resync(msg, f"epoch {msg.epoch} is older than {self.epoch}")
-        if msg.epoch > self.epoch:
-            self._reset(msg.epoch)
+    def _run_step(self, msg: executor_pb2.StepRequest, stream: _Stream) -> executor_pb2.StepResponse:
+        if stream.epoch is not None and msg.epoch < stream.epoch:
+            return self._resync(msg, f"epoch {msg.epoch} is older than {stream.epoch}")
+        if stream.epoch is not None and msg.epoch > stream.epoch:
+            self.runner.reset_batch()
+        stream.epoch = msg.epoch
         rows, parked = self.runner.batch.row_of, self.runner.batch.parked
         new = {n.handle for n in msg.new_requests}
         unknown = [h for h in (*msg.handles, *msg.preempted, *msg.resumed)
@@ -95,9 +132,18 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
         self.metrics.observe_step(reply.forward_seconds, step.total_tokens, self.runner.phase_seconds)
         return reply
 
-    def _reset(self, epoch: int) -> None:
-        self.runner.reset_batch()
-        self.epoch = epoch
+    async def drain(self, health_servicer, seconds: float) -> None:
+        """Stop taking work and wait (at most `seconds`) for the scheduler to close its stream."""
+        self.draining = True
+        for name in ("", SERVICE):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        log.info("draining: waiting up to %.0fs for the scheduler to move or finish this executor's requests",
+                 seconds)
+        try:
+            await asyncio.wait_for(self.streams_closed.wait(), seconds)
+            log.info("drained: the scheduler closed its stream")
+        except TimeoutError:
+            log.warning("drain period of %.0fs over with a stream still open; stopping", seconds)
 
     def _resync(self, msg, reason: str) -> executor_pb2.StepResponse:
         self.metrics.resyncs.inc()
@@ -105,7 +151,7 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
         return executor_pb2.StepResponse(epoch=msg.epoch, step=msg.step, resync=executor_pb2.Resync(reason=reason))
 
 
-async def serve(runner_config: RunnerConfig, address: str, metrics_address: str = "") -> None:
+async def serve(settings: ExecutorSettings) -> None:
     tracing.setup("stepwire-executor")
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
                                       ("grpc.max_send_message_length", 64 << 20),
@@ -118,26 +164,30 @@ async def serve(runner_config: RunnerConfig, address: str, metrics_address: str 
     worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
     service = ExecutorService(worker)
     executor_pb2_grpc.add_ExecutorServicer_to_server(service, server)
-    serve_metrics(metrics_address, service.metrics.registry, "executor")
-    port = server.add_insecure_port(address)
+    serve_metrics(settings.metrics_address, service.metrics.registry, "executor")
+    port = server.add_insecure_port(settings.address)
     # Not serving until the weights are in: a readiness probe must not route steps to a loading pod.
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()
-    log.info("executor listening on %s (port %d), loading %s", address, port, runner_config.model)
-    runner = await asyncio.get_running_loop().run_in_executor(worker, ModelRunner, runner_config)
-    service.runner = runner
+    runner_config = settings.runner_config()
+    log.info("executor listening on %s (port %d), loading %s", settings.address, port, runner_config.model)
+    loop = asyncio.get_running_loop()
+    if settings.threads:
+        # Several executors on one host each start a thread per core by default and fight over them.
+        await loop.run_in_executor(worker, torch.set_num_threads, settings.threads)
+    service.runner = await loop.run_in_executor(worker, ModelRunner, runner_config)
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("executor ready: %s", runner.describe())
-    await serve_until_sigterm(server)
+    log.info("executor ready (%d torch threads): %s", torch.get_num_threads(), service.runner.describe())
+    await serve_until_sigterm(server, before_stop=lambda: service.drain(health_servicer, settings.drain_seconds))
 
 
 def main(argv: list[str] | None = None) -> None:
     settings = load(ExecutorSettings, argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        asyncio.run(serve(settings.runner_config(), settings.address, settings.metrics_address))
+        asyncio.run(serve(settings))
     except KeyboardInterrupt:
         pass
 

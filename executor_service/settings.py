@@ -22,6 +22,10 @@ class ExecutorSettings(ServiceSettings):
 
     address: str = Field("127.0.0.1:50061", description="host:port of the Executor gRPC service")
     metrics_address: str = Field("127.0.0.1:9092", description="host:port for Prometheus /metrics; empty: off")
+    threads: int = Field(0, ge=0, description="torch intra-op threads; 0: torch's default (one per core)")
+    drain_seconds: float = Field(25.0, ge=0, description="after SIGTERM, how long to wait for the scheduler to "
+                                 "finish or move this executor's requests (keep it under Kubernetes' "
+                                 "terminationGracePeriodSeconds)")
 
     # RunnerConfig's knobs.
     model: str = Field("models/SmolLM2-135M-Instruct", description="Hugging Face model directory (safetensors)")

@@ -51,5 +51,17 @@ def seed_of(sp: sampling_pb2.SamplingParams) -> int | None:
     return sp.seed if sp.HasField("seed") else None
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def draw_seed(seed: int, position: int) -> int:
+    """The seed of the draw for the token at `position` of a request seeded with `seed`: splitmix64 of the
+    pair, so neighbouring positions and seeds give unrelated streams. 63 bits: torch takes signed seeds."""
+    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
 def logprobs_of(sp: sampling_pb2.SamplingParams) -> int | None:
     return sp.logprobs if sp.HasField("logprobs") else None

@@ -92,7 +92,7 @@ class Resync(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("epoch", "step", "all_sampled", "sampled", "token_ids", "logprob_rows", "logprob_counts", "logprob_token_ids", "logprob_values", "resync", "forward_seconds")
+    __slots__ = ("epoch", "step", "all_sampled", "sampled", "token_ids", "logprob_rows", "logprob_counts", "logprob_token_ids", "logprob_values", "resync", "forward_seconds", "draining")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     ALL_SAMPLED_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +104,7 @@ class StepResponse(_message.Message):
     LOGPROB_VALUES_FIELD_NUMBER: _ClassVar[int]
     RESYNC_FIELD_NUMBER: _ClassVar[int]
     FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     step: int
     all_sampled: bool
@@ -115,4 +116,5 @@ class StepResponse(_message.Message):
     logprob_values: _containers.RepeatedScalarFieldContainer[float]
     resync: Resync
     forward_seconds: float
-    def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., all_sampled: _Optional[bool] = ..., sampled: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprob_rows: _Optional[_Iterable[int]] = ..., logprob_counts: _Optional[_Iterable[int]] = ..., logprob_token_ids: _Optional[_Iterable[int]] = ..., logprob_values: _Optional[_Iterable[float]] = ..., resync: _Optional[_Union[Resync, _Mapping]] = ..., forward_seconds: _Optional[float] = ...) -> None: ...
+    draining: bool
+    def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., all_sampled: _Optional[bool] = ..., sampled: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprob_rows: _Optional[_Iterable[int]] = ..., logprob_counts: _Optional[_Iterable[int]] = ..., logprob_token_ids: _Optional[_Iterable[int]] = ..., logprob_values: _Optional[_Iterable[float]] = ..., resync: _Optional[_Union[Resync, _Mapping]] = ..., forward_seconds: _Optional[float] = ..., draining: _Optional[bool] = ...) -> None: ...
