@@ -1,9 +1,12 @@
 """One executor as the scheduler drives it: a scheduler core with its block pool, and the Step stream.
 
 A link is an asyncio task: connect (retrying, with a log line, until `Describe` answers), size the block
-pool from the answer, then loop schedule -> step -> update while there is work. If the stream breaks or
-the executor asks for a resync, the link preempts everything it ran (recompute), opens a new epoch and
-carries on: clients see their streams continue.
+pool from the answer, then loop schedule -> step -> update while there is work. If the stream breaks (or
+keepalive finds the executor gone), `on_lost` moves its requests to other executors; if the executor asks
+for a resync, the link preempts what it ran there (recompute) and opens a new epoch. Either way clients
+see their streams continue. A reply marked `draining` starts a drain: nothing new comes here, queued
+requests move at once, running ones finish until the drain period ends and move then; the link closes the
+stream when nothing is left, which lets the executor exit.
 """
 
 from __future__ import annotations
@@ -40,13 +43,18 @@ class ExecutorLink:
     wire_request_steps: int = 0
     forward_seconds: float = 0.0              # executor time inside execute(), summed over steps
     connected: bool = False
+    draining: bool = False
+    drain_deadline: float = 0.0
+    num_migrated_out: int = 0
     eos_token_ids: tuple[int, ...] = ()
     vocab_size: int = 0
-    streams: dict[str, asyncio.Queue] = field(default_factory=dict)
+    streams: dict[str, asyncio.Queue] = field(default_factory=dict)   # the fleet's, shared by every link
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     lifecycles: Lifecycles | None = None
-    on_change: Callable[[], None] = lambda: None   # called when the link connects or drops
+    on_change: Callable[[], None] = lambda: None   # called when the link connects, drops or drains
+    on_lost: Callable[[ExecutorLink], None] = lambda link: None            # move its requests elsewhere
+    on_drain: Callable[[ExecutorLink, bool], None] = lambda link, everything: None
 
     def abort(self, request_ids) -> list[Request]:
         """Abort at the core (blocks freed now) and close the requests' lives; the caller tells the streams."""
@@ -66,15 +74,14 @@ class ExecutorLink:
                 await self._connect(stub)
                 await self._drive(stub)
             except grpc.RpcError as e:
-                log.warning("executor %s: stream lost (%s); recomputing its requests", self.address, e.code())
+                log.warning("executor %s: stream lost (%s)", self.address, e.code())
             except ConnectionError as e:
-                log.warning("executor %s: %s; recomputing its requests", self.address, e)
+                log.warning("executor %s: %s", self.address, e)
             finally:
                 self.connected = False
                 self.on_change()
                 await channel.close()
-            if self.core is not None:
-                self.lifecycles.preempted([r.request_id for r in self.core.reset_executor_state()])
+            self.on_lost(self)
             await asyncio.sleep(self.settings.retry_seconds)
 
     async def _connect(self, stub) -> None:
@@ -96,6 +103,7 @@ class ExecutorLink:
         self.epoch = max(self.epoch + 1, time.time_ns())
         self.handles = HandleTable()
         self.connected = True
+        self.draining = False                    # it answered Describe, which a draining executor refuses
         self.ready.set()
         self.on_change()
         log.info("executor %s connected: %d blocks of %d tokens, epoch %d", self.address, d.num_blocks,
@@ -110,6 +118,15 @@ class ExecutorLink:
         lives = self.lifecycles
         m = lives.metrics
         while True:
+            if self.draining:
+                if time.monotonic() >= self.drain_deadline and core.has_unfinished_requests():
+                    log.warning("executor %s: drain period over; moving %d requests", self.address,
+                                len(core.requests))
+                    self.on_drain(self, True)
+                if not core.has_unfinished_requests():
+                    await call.done_writing()   # nothing left here: the executor may exit now
+                    await broken.wait()
+                    raise ConnectionError("drained")
             if not core.has_unfinished_requests() and not core.finished_req_ids:
                 self.wakeup.clear()
                 waits = [asyncio.ensure_future(self.wakeup.wait()), asyncio.ensure_future(broken.wait())]
@@ -147,6 +164,13 @@ class ExecutorLink:
                     self.epoch += 1
                     self.handles = HandleTable()
                     continue
+                if reply.draining and not self.draining:
+                    self.draining = True
+                    self.drain_deadline = time.monotonic() + self.settings.drain_seconds
+                    log.info("executor %s is draining: %d requests running there get %.0fs to finish",
+                             self.address, len(core.running), self.settings.drain_seconds)
+                    self.on_change()
+                    self.on_drain(self, False)
                 forward = reply.forward_seconds
                 self.forward_seconds += forward
                 deltas = core.update_from_output(out, decode_result(reply, order))

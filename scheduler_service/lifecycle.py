@@ -59,6 +59,16 @@ class Lifecycles:
             span.add_event("queued")
         self.lives[req.request_id] = _Life(now, req.num_prompt_tokens, span)
 
+    def routed(self, rid: str, executor: str, hit_tokens: int, why: str) -> None:
+        """Where the router put a request (why: "new" or "moved"), and the prefix hit that decided it."""
+        life = self.lives.get(rid)
+        if life is not None and life.span is not None:
+            attrs = {"stepwire.executor": executor, "stepwire.route.prefix_hit_tokens": hit_tokens,
+                     "stepwire.route.reason": why}
+            life.span.set_attributes(attrs)
+            life.span.add_event("routed", attrs)
+        self.metrics.routed.labels(executor, why).inc()
+
     def scheduled(self, out: SchedulerOutput) -> None:
         """Events for a step's decision: requests that start (or restart) running, and those preempted."""
         now = time.monotonic()

@@ -35,6 +35,10 @@ class SchedulerMetrics:
                                        "trip to the executor, update.", buckets=LATENCY, registry=r)
         self.wire_bytes = Histogram("stepwire:step_wire_bytes", "Serialized size of each step message.",
                                     buckets=BYTES, registry=r)
+        self.routed = Counter("stepwire:requests_routed", "Requests given to an executor: new ones, and ones "
+                              "moved from an executor that was lost or drained.", ["executor", "reason"], registry=r)
+        self.migrations = Counter("stepwire:request_migrations", "Requests moved off an executor that was lost "
+                                  "or drained.", registry=r)
         r.register(_Live(links))
 
 
@@ -58,8 +62,11 @@ class _Live:
         preemptions = CounterMetricFamily("stepwire:num_preemptions", "Preemptions.", labels=["executor"])
         connected = GaugeMetricFamily("stepwire:executor_connected", "1 while the executor's step stream is up.",
                                       labels=["executor"])
+        draining = GaugeMetricFamily("stepwire:executor_draining", "1 while the executor drains (takes nothing "
+                                     "new).", labels=["executor"])
         for link in self.links():
             connected.add_metric([link.address], float(link.connected))
+            draining.add_metric([link.address], float(link.draining))
             if link.core is None:
                 continue
             s = link.core.stats()
@@ -69,4 +76,4 @@ class _Live:
             queries.add_metric([link.address], s.prefix_cache_queries)
             hits.add_metric([link.address], s.prefix_cache_hits)
             preemptions.add_metric([link.address], s.num_preemptions)
-        yield from (running, waiting, usage, queries, hits, preemptions, connected)
+        yield from (running, waiting, usage, queries, hits, preemptions, connected, draining)

@@ -1,7 +1,7 @@
 """The scheduler process: the Scheduler service, health and reflection, metrics, and one task per executor.
 
-It owns every request and, per executor, a scheduler core and its block pool (executor_link.py); it is
-ready exactly while at least one executor is connected.
+It owns every request and, per executor, a scheduler core and its block pool (executor_link.py), kept
+together by the fleet (fleet.py); it is ready exactly while at least one executor takes requests.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from grpc_reflection.v1alpha import reflection
 from observability import tracing
 from observability.metrics_server import serve_metrics
 from observability.shutdown import serve_until_sigterm
-from scheduler_service.executor_link import ExecutorLink
+from scheduler_service.fleet import Fleet
 from scheduler_service.lifecycle import Lifecycles
 from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.service import SchedulerService
@@ -30,19 +30,17 @@ SERVICE = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
 
 async def serve(settings: SchedulerSettings) -> None:
     tracing.setup("stepwire-scheduler")
-    links = [ExecutorLink(a, settings) for a in settings.executors]
-    metrics = SchedulerMetrics(lambda: links)
-    lifecycles = Lifecycles(metrics)
+    fleet: Fleet | None = None
+    metrics = SchedulerMetrics(lambda: fleet.links.values())
     server = grpc.aio.server()
-    scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerService(links, settings), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     port = server.add_insecure_port(settings.address)
 
-    # Ready (for Kubernetes and for the gateway) exactly while at least one executor is connected.
+    # Ready (for Kubernetes and for the gateway) exactly while at least one executor takes requests.
     async def follow_links() -> None:
-        up = any(lk.connected for lk in links)
+        up = bool(fleet.live())
         status = health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", SERVICE):
             await health_servicer.set(name, status)
@@ -54,18 +52,21 @@ async def serve(settings: SchedulerSettings) -> None:
         pending.add(t)
         t.add_done_callback(pending.discard)
 
-    for lk in links:
-        lk.lifecycles, lk.on_change = lifecycles, on_change
+    fleet = Fleet(settings, Lifecycles(metrics), on_change)
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerService(fleet, settings), server)
     await follow_links()
     serve_metrics(settings.metrics_address, metrics.registry, "scheduler")
     await server.start()
+    for address in settings.executors:
+        fleet.add(address)
     log.info("scheduler listening on %s (port %d); executors: %s", settings.address, port,
              ", ".join(settings.executors))
-    tasks = [asyncio.create_task(link.run()) for link in links]
+    orphans = asyncio.create_task(fleet.watch_orphans())
     try:
         await serve_until_sigterm(server)
     finally:
-        for t in tasks:
+        orphans.cancel()
+        for t in fleet.tasks.values():
             t.cancel()
 
 

@@ -1,4 +1,4 @@
-"""The Scheduler gRPC service: Submit, Session, Abort and Stats, over the executor links."""
+"""The Scheduler gRPC service: Submit, Session, Abort and Stats, over the executor fleet."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import asyncio
 import grpc
 
 from scheduler_service.admission import Refused, admit
-from scheduler_service.executor_link import ExecutorLink
+from scheduler_service.fleet import Failure, Fleet
 from scheduler_service.output import RequestDelta
 from scheduler_service.sessions import Session, to_output
 from scheduler_service.settings import SchedulerSettings
@@ -15,36 +15,39 @@ from stepwire.internal import scheduler_pb2, scheduler_pb2_grpc
 
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
-    def __init__(self, links: list[ExecutorLink], settings: SchedulerSettings):
-        self.links = links
+    def __init__(self, fleet: Fleet, settings: SchedulerSettings):
+        self.fleet = fleet
         self.settings = settings
 
-    def _admit(self, submit) -> tuple[ExecutorLink, str]:
-        return admit(self.links, submit, self.settings.max_waiting)
+    def _admit(self, submit) -> str:
+        return admit(self.fleet, submit, self.settings.max_waiting)
 
     async def Submit(self, request, context):
         try:
-            link, rid = self._admit(request)
+            rid = self._admit(request)
         except Refused as e:
             await context.abort(e.code, e.message)
         queue: asyncio.Queue = asyncio.Queue()
-        link.streams[rid] = queue
+        self.fleet.streams[rid] = queue
         finished = False
         try:
             while True:
                 d = await queue.get()
+                if isinstance(d, Failure):
+                    finished = True
+                    await context.abort(d.code, d.message)
                 yield to_output(d)
                 if d.finish_reason is not None:
                     finished = True
                     return
         finally:
-            link.streams.pop(rid, None)
+            self.fleet.streams.pop(rid, None)
             if not finished:
                 # The client went away (or the call was cancelled): free the request's blocks now.
-                link.abort([rid])
+                self.fleet.abort([rid])
 
     async def Session(self, request_iterator, context):
-        session = Session()
+        session = Session(self.fleet)
         reader = asyncio.create_task(self._read_session(request_iterator, session))
         try:
             while True:
@@ -59,9 +62,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         finally:
             reader.cancel()
             # The gateway went away: nobody is left to read these requests, so free their blocks now.
-            for rid, link in session.live.items():
-                link.streams.pop(rid, None)
-                link.abort([rid])
+            for rid in session.live:
+                self.fleet.streams.pop(rid, None)
+            self.fleet.abort(list(session.live))
             session.live.clear()
 
     async def _read_session(self, request_iterator, session: Session) -> None:
@@ -74,15 +77,14 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                                        "request_id: a unique, non-empty id is required on a session")
                         continue
                     try:
-                        link, rid = self._admit(msg.submit)
+                        rid = self._admit(msg.submit)
                     except Refused as e:
                         session.refuse(rid, e.code, e.message)
                         continue
-                    link.streams[rid] = session
-                    session.live[rid] = link
+                    self.fleet.streams[rid] = session
+                    session.live.add(rid)
                 elif msg.HasField("abort"):
-                    ids = [r for r in msg.abort.request_ids if r in session.live]
-                    self._abort(ids)
+                    self._abort([r for r in msg.abort.request_ids if r in session.live])
         finally:
             session.closed = True
             session.ready.set()
@@ -92,23 +94,23 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     def _abort(self, request_ids) -> list[str]:
         aborted = []
-        for link in self.links:
-            if link.core is None:
-                continue
-            for req in link.abort(request_ids):
-                aborted.append(req.request_id)
-                q = link.streams.get(req.request_id)
-                if q is not None:
-                    q.put_nowait(RequestDelta(req.request_id, [], "abort", max(req.num_cached_tokens, 0)))
+        for req in self.fleet.abort(request_ids):
+            aborted.append(req.request_id)
+            q = self.fleet.streams.get(req.request_id)
+            if q is not None:
+                q.put_nowait(RequestDelta(req.request_id, [], "abort", max(req.num_cached_tokens, 0)))
         return aborted
 
     async def Stats(self, request, context):
-        resp = scheduler_pb2.StatsResponse()
-        for link in self.links:
+        fleet = self.fleet
+        resp = scheduler_pb2.StatsResponse(num_waiting_for_executor=len(fleet.orphans),
+                                           num_migrations=fleet.num_migrated, num_requests=fleet.num_requests())
+        for link in fleet.links.values():
             e = resp.executors.add(address=link.address, connected=link.connected, epoch=link.epoch,
                                    num_steps=link.step, wire_bytes=link.wire_bytes,
                                    wire_request_steps=link.wire_request_steps,
-                                   forward_seconds=link.forward_seconds)
+                                   forward_seconds=link.forward_seconds, draining=link.draining,
+                                   num_migrated_out=link.num_migrated_out)
             if link.core is not None:
                 s = link.core.stats()
                 e.num_running, e.num_waiting = s.num_running, s.num_waiting
@@ -117,5 +119,4 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 e.prefix_cache_queries, e.prefix_cache_hits = s.prefix_cache_queries, s.prefix_cache_hits
                 e.num_preemptions = s.num_preemptions
                 e.max_model_len = link.core.config.max_model_len
-                resp.num_requests += len(link.core.requests)
         return resp

@@ -6,7 +6,7 @@ import asyncio
 
 import grpc
 
-from scheduler_service.executor_link import ExecutorLink
+from scheduler_service.fleet import Failure, Fleet
 from scheduler_service.output import RequestDelta
 from stepwire.internal import scheduler_pb2
 
@@ -21,21 +21,25 @@ def to_output(d: RequestDelta, request_id: str = "") -> scheduler_pb2.RequestOut
 
 
 class Session:
-    """One gateway's Session stream. Executor links put deltas here as they do into a Submit queue; they
+    """One gateway's Session stream. The fleet's links put deltas here as they do into a Submit queue; they
     pile up until the stream's writer wakes, which is after the link has delivered the whole step."""
 
-    def __init__(self):
+    def __init__(self, fleet: Fleet):
+        self.fleet = fleet
         self.pending: list[scheduler_pb2.RequestOutput] = []
         self.ready = asyncio.Event()
-        self.live: dict[str, ExecutorLink] = {}   # request id -> the link running it
+        self.live: set[str] = set()               # this session's requests not finished yet
         self.closed = False                       # the gateway half-closed: end once live is empty
 
-    def put_nowait(self, d: RequestDelta) -> None:
+    def put_nowait(self, d: RequestDelta | Failure) -> None:
+        if isinstance(d, Failure):
+            self.refuse(d.req_id, d.code, d.message)
+            self.live.discard(d.req_id)
+            return
         self.pending.append(to_output(d, d.req_id))
         if d.finish_reason is not None:
-            link = self.live.pop(d.req_id, None)
-            if link is not None:
-                link.streams.pop(d.req_id, None)
+            self.live.discard(d.req_id)
+            self.fleet.streams.pop(d.req_id, None)
         self.ready.set()
 
     def refuse(self, rid: str, code: grpc.StatusCode, message: str) -> None:

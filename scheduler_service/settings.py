@@ -29,6 +29,10 @@ class SchedulerSettings(ServiceSettings):
     max_waiting: int = Field(1024, ge=0, description="waiting requests per executor beyond which new ones get "
                                                     "RESOURCE_EXHAUSTED")
     retry_seconds: float = Field(1.0, gt=0, description="pause between attempts to reach an executor")
+    executor_wait_seconds: float = Field(30.0, ge=0, description="how long a request with no executor able to "
+                                         "take it waits for one before it fails with UNAVAILABLE")
+    drain_seconds: float = Field(20.0, ge=0, description="how long a draining executor's running requests get "
+                                 "to finish before they move (keep it under the executor's --drain-seconds)")
 
     # SchedulerConfig's knobs (block_size always comes from the executor).
     max_num_seqs: int = Field(256, ge=1, description="requests running at once per executor")

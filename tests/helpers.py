@@ -51,11 +51,19 @@ def place_running(sched: Scheduler, request: Request, num_computed: int, num_out
 
 def free_port() -> int:
     """A loopback port nothing listens on right now (for services the tests start as processes)."""
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct such ports: all are held while they are picked, so none is handed out twice."""
+    import contextlib
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    with contextlib.ExitStack() as held:
+        socks = [held.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
 
 
 def log_tail(path, lines: int = 40) -> str:

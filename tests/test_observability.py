@@ -154,8 +154,11 @@ def test_each_request_is_one_trace_from_the_gateway_through_the_scheduler(stack,
         mine = [s for s in requests if s["trace_id"] == gw_span["trace_id"]]
         assert len(mine) == 1 and mine[0]["parent_id"] == gw_span["span_id"]
         req = mine[0]
-        assert [e["name"] for e in req["events"]] == ["queued", "scheduled", "first_token", "finished"]
+        assert [e["name"] for e in req["events"]] == ["queued", "routed", "scheduled", "first_token", "finished"]
         a = req["attributes"]
+        # The router's decision: the only executor, chosen for a new request, with the prefix hit it saw then.
+        assert a["stepwire.executor"] == f"127.0.0.1:{stack['ports']['ex']}" and a["stepwire.route.reason"] == "new"
+        assert 0 <= a["stepwire.route.prefix_hit_tokens"] <= prompt
         assert a["gen_ai.request.model"] == NAME and a["gen_ai.request.max_tokens"] == out
         assert a["gen_ai.usage.input_tokens"] == prompt and a["gen_ai.usage.output_tokens"] == out
         assert a["gen_ai.response.finish_reasons"] == ["length"] and a["gen_ai.request.temperature"] == 0

@@ -86,7 +86,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ExecutorStats(_message.Message):
-    __slots__ = ("address", "connected", "epoch", "num_running", "num_waiting", "num_total_blocks", "num_free_blocks", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_steps", "wire_bytes", "wire_request_steps", "max_model_len", "forward_seconds")
+    __slots__ = ("address", "connected", "epoch", "num_running", "num_waiting", "num_total_blocks", "num_free_blocks", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_steps", "wire_bytes", "wire_request_steps", "max_model_len", "forward_seconds", "draining", "num_migrated_out")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     CONNECTED_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +103,8 @@ class ExecutorStats(_message.Message):
     WIRE_REQUEST_STEPS_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    NUM_MIGRATED_OUT_FIELD_NUMBER: _ClassVar[int]
     address: str
     connected: bool
     epoch: int
@@ -119,12 +121,18 @@ class ExecutorStats(_message.Message):
     wire_request_steps: int
     max_model_len: int
     forward_seconds: float
-    def __init__(self, address: _Optional[str] = ..., connected: _Optional[bool] = ..., epoch: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., wire_request_steps: _Optional[int] = ..., max_model_len: _Optional[int] = ..., forward_seconds: _Optional[float] = ...) -> None: ...
+    draining: bool
+    num_migrated_out: int
+    def __init__(self, address: _Optional[str] = ..., connected: _Optional[bool] = ..., epoch: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., wire_request_steps: _Optional[int] = ..., max_model_len: _Optional[int] = ..., forward_seconds: _Optional[float] = ..., draining: _Optional[bool] = ..., num_migrated_out: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("executors", "num_requests")
+    __slots__ = ("executors", "num_requests", "num_waiting_for_executor", "num_migrations")
     EXECUTORS_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FOR_EXECUTOR_FIELD_NUMBER: _ClassVar[int]
+    NUM_MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     executors: _containers.RepeatedCompositeFieldContainer[ExecutorStats]
     num_requests: int
-    def __init__(self, executors: _Optional[_Iterable[_Union[ExecutorStats, _Mapping]]] = ..., num_requests: _Optional[int] = ...) -> None: ...
+    num_waiting_for_executor: int
+    num_migrations: int
+    def __init__(self, executors: _Optional[_Iterable[_Union[ExecutorStats, _Mapping]]] = ..., num_requests: _Optional[int] = ..., num_waiting_for_executor: _Optional[int] = ..., num_migrations: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,185 @@
+"""The executors a scheduler drives, and where each request lives among them.
+
+Every request is on exactly one executor's core, or waiting for one (an orphan) when none can take it.
+An executor that is lost hands its requests to the others (migration.py); one that drains stops getting
+new ones. Orphans wait up to `executor_wait_seconds` for an executor to appear, then end with UNAVAILABLE:
+nothing waits for ever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from scheduler_service.executor_link import ExecutorLink
+from scheduler_service.lifecycle import Lifecycles
+from scheduler_service.migration import adopt, take_all
+from scheduler_service.request import Request
+from scheduler_service.settings import SchedulerSettings
+
+log = logging.getLogger("stepwire.scheduler")
+
+
+@dataclass(slots=True)
+class Failure:
+    """Put on a request's stream instead of a delta when the request cannot go on."""
+
+    req_id: str
+    code: grpc.StatusCode
+    message: str
+
+
+class Fleet:
+    def __init__(self, settings: SchedulerSettings, lifecycles: Lifecycles, on_change=lambda: None):
+        self.settings = settings
+        self.lifecycles = lifecycles
+        self.on_change = on_change
+        self.links: dict[str, ExecutorLink] = {}
+        self.streams: dict[str, object] = {}         # request id -> its stream; shared by every link
+        self.orphans: dict[str, tuple[Request, float]] = {}   # request id -> (request, give-up time)
+        self.num_migrated = 0
+        self.tasks: dict[str, asyncio.Task] = {}
+
+    # ------------------------------------------------------------------ membership
+
+    def add(self, address: str) -> ExecutorLink:
+        link = ExecutorLink(address, self.settings, streams=self.streams, lifecycles=self.lifecycles,
+                            on_change=self._changed, on_lost=self.evacuate, on_drain=self.drain_queue)
+        self.links[address] = link
+        self.tasks[address] = asyncio.get_running_loop().create_task(link.run())
+        log.info("executor %s joined the fleet", address)
+        return link
+
+    def remove(self, address: str) -> None:
+        """The executor left the membership: its requests move now, its link stops."""
+        link = self.links.pop(address, None)
+        if link is None:
+            return
+        self.tasks.pop(address).cancel()
+        link.connected = False
+        self.evacuate(link)
+        log.info("executor %s left the fleet", address)
+        self._changed()
+
+    def model(self) -> ExecutorLink | None:
+        """A link that has described its executor (vocabulary, EOS ids): every executor serves one model."""
+        return next((lk for lk in self.links.values() if lk.core is not None), None)
+
+    def wait_for_executor(self, req: Request) -> None:
+        self.orphans[req.request_id] = (req, time.monotonic() + self.settings.executor_wait_seconds)
+
+    def live(self) -> list[ExecutorLink]:
+        return [lk for lk in self.links.values() if lk.connected and not lk.draining and lk.core is not None]
+
+    def _changed(self) -> None:
+        self.place_orphans()
+        self.on_change()
+
+    # ------------------------------------------------------------------ routing
+
+    def route(self, req: Request, exclude: ExecutorLink | None = None) -> tuple[ExecutorLink | None, int]:
+        """The live executor with the longest prefix hit for `req` in its block pool, then the least loaded
+        (waiting, then running, then KV usage), and that hit in tokens. None when no executor can take it."""
+        best, best_key = None, None
+        for link in self.live():
+            if link is exclude:
+                continue
+            core = link.core
+            hit = 0
+            if core.config.enable_prefix_caching:
+                req.block_hashes = []
+                req.update_block_hashes(core.config.block_size)
+                hit = core.kv.get_computed_blocks(req)[1]
+            key = (-hit, len(core.waiting), len(core.running), core.kv.usage)
+            if best_key is None or key < best_key:
+                best, best_key = link, key
+        return best, (0 if best_key is None else -best_key[0])
+
+    def place(self, reqs: list[Request], exclude: ExecutorLink | None = None) -> None:
+        """Give each request to the best live executor, or make it an orphan."""
+        by_link: dict[str, list[Request]] = {}
+        for req in reqs:
+            link, hit = self.route(req, exclude)
+            if link is None:
+                self.wait_for_executor(req)
+                continue
+            by_link.setdefault(link.address, []).append(req)
+            self.lifecycles.routed(req.request_id, link.address, hit, "moved")
+        for address, moved in by_link.items():
+            link = self.links[address]
+            for req in adopt(link.core, moved):
+                self.fail(req.request_id, grpc.StatusCode.UNAVAILABLE,
+                          f"{req.num_tokens} tokens do not fit the context of the executors left")
+            link.wakeup.set()
+
+    def place_orphans(self) -> None:
+        if self.orphans and self.live():
+            reqs = [r for r, _ in self.orphans.values()]
+            self.orphans.clear()
+            self.place(reqs)
+
+    def expire_orphans(self) -> None:
+        now = time.monotonic()
+        for rid, (_, deadline) in list(self.orphans.items()):
+            if now >= deadline:
+                del self.orphans[rid]
+                self.fail(rid, grpc.StatusCode.UNAVAILABLE, f"no executor could take the request within "
+                          f"{self.settings.executor_wait_seconds:g}s")
+
+    async def watch_orphans(self) -> None:
+        while True:
+            await asyncio.sleep(0.25)
+            self.expire_orphans()
+
+    # ------------------------------------------------------------------ executors going away
+
+    def evacuate(self, link: ExecutorLink) -> None:
+        """`link`'s executor is gone: every request on it moves to the others (or waits for one)."""
+        if link.core is None:
+            return
+        moved = take_all(link.core)
+        if moved:
+            self._count_moved(link, moved)
+            log.warning("executor %s lost: moving %d requests", link.address, len(moved))
+            self.lifecycles.preempted([r.request_id for r in moved])
+            self.place(moved, exclude=link)
+
+    def drain_queue(self, link: ExecutorLink, everything: bool) -> None:
+        """`link` is draining: what has not started there moves now; at the end of the drain period, all."""
+        moved = take_all(link.core, only_waiting=not everything)
+        if moved:
+            self._count_moved(link, moved)
+            log.info("executor %s draining: moving %d requests", link.address, len(moved))
+            self.place(moved, exclude=link)
+
+    def _count_moved(self, link: ExecutorLink, moved: list[Request]) -> None:
+        self.num_migrated += len(moved)
+        link.num_migrated_out += len(moved)
+        self.lifecycles.metrics.migrations.inc(len(moved))
+
+    # ------------------------------------------------------------------ ending requests
+
+    def fail(self, rid: str, code: grpc.StatusCode, message: str) -> None:
+        self.lifecycles.finished(rid, "error", 0)
+        sink = self.streams.pop(rid, None)
+        if sink is not None:
+            sink.put_nowait(Failure(rid, code, message))
+
+    def abort(self, request_ids) -> list[Request]:
+        aborted = []
+        for rid in request_ids:
+            orphan = self.orphans.pop(rid, None)
+            if orphan is not None:
+                self.lifecycles.finished(rid, "abort", 0)
+                aborted.append(orphan[0])
+        for link in self.links.values():
+            if link.core is not None:
+                aborted += link.abort(request_ids)
+        return aborted
+
+    def num_requests(self) -> int:
+        return len(self.orphans) + sum(len(lk.core.requests) for lk in self.links.values() if lk.core is not None)

@@ -1,0 +1,49 @@
+"""Moving requests between executors' cores: the executor they ran on is gone or draining.
+
+A moved request is recomputed from its prompt plus the tokens already delivered, exactly as a preempted
+one is: the client's stream goes on from the next token, with nothing repeated and nothing skipped.
+"""
+
+from __future__ import annotations
+
+from scheduler_service.request import Request, RequestStatus
+from scheduler_service.scheduler import Scheduler
+
+
+def take_all(core: Scheduler, only_waiting: bool = False) -> list[Request]:
+    """Take requests off `core` (all of them, or only those not running) and free their blocks. Running
+    ones come first, then the queue in its order. Each is left ready to be queued on another core."""
+    moved = [] if only_waiting else core.running
+    if not only_waiting:
+        core.running = []
+    while core.waiting:
+        moved.append(core.waiting.pop())
+    for req in moved:
+        core.kv.free(req)
+        del core.requests[req.request_id]
+        req.num_computed_tokens = 0
+        if req.status is not RequestStatus.WAITING:
+            # The executor that held it may still hold it, or not at all: the next one gets it in full.
+            req.status = RequestStatus.PREEMPTED
+            req.resend_in_full = True
+    if not only_waiting:
+        core.finished_req_ids = set()
+        core.kv.reset_prefix_cache()
+    return moved
+
+
+def adopt(core: Scheduler, moved: list[Request]) -> list[Request]:
+    """Queue moved requests on `core` ahead of anything queued there (they are older), keeping their order.
+    Returns those this core's executor cannot hold (its context is shorter than where they came from)."""
+    cfg = core.config
+    refused = [r for r in moved if r.num_tokens >= cfg.max_model_len]
+    for req in reversed(moved):
+        if req.num_tokens >= cfg.max_model_len:
+            continue
+        req.block_hashes = []
+        if cfg.enable_prefix_caching:
+            req.update_block_hashes(cfg.block_size)
+        req.length_limit = min(req.num_prompt_tokens + req.sampling_params.max_tokens, cfg.max_model_len)
+        core.requests[req.request_id] = req
+        core.waiting.prepend(req)
+    return refused

@@ -1,0 +1,205 @@
+"""The executor fleet as real processes on loopback: executors die, drain and get hostile messages under load,
+and no request is lost, duplicated or left hanging."""
+
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+grpc = pytest.importorskip("grpc")
+pytest.importorskip("torch")
+
+from helpers import free_ports, stop_processes, wait_grpc_serving, wait_until  # noqa: E402
+from tiny_model import kv_bytes, reference_greedy, write_tiny_llama  # noqa: E402
+
+from stepwire.internal import executor_pb2, executor_pb2_grpc, sampling_pb2, scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+BUDGET = 16
+TOKENS = 60           # long enough that a fault lands mid-stream on the tiny model
+PROMPTS = [[5 + i, 6, 7, 8 + i] for i in range(16)]
+
+
+class Fleet:
+    def __init__(self, tmp: Path, num_executors: int, *scheduler_flags: str, executor_flags=()):
+        self.tmp, self.model = tmp, write_tiny_llama(tmp / "llama")
+        self.procs: dict[str, subprocess.Popen] = {}
+        *ports, sc_port = free_ports(num_executors + 1)
+        self.addresses = [f"127.0.0.1:{port}" for port in ports]
+        self.executor_flags = executor_flags
+        for i in range(num_executors):
+            self.start_executor(i)
+        self.sc_addr = f"127.0.0.1:{sc_port}"
+        self.procs["scheduler"] = subprocess.Popen(
+            [sys.executable, "-m", "scheduler_service.server", "--executors", ",".join(self.addresses), "--address",
+             self.sc_addr, "--max-num-batched-tokens", str(BUDGET), "--max-num-seqs", "8", "--metrics-address", "",
+             "--retry-seconds", "0.2", *scheduler_flags], cwd=ROOT, stdout=self.log("scheduler"),
+            stderr=subprocess.STDOUT)
+        self.channel = grpc.insecure_channel(self.sc_addr)
+        self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
+        wait_grpc_serving(self.channel, self.procs, logs=self.logs())
+        wait_until(lambda: all(e.connected for e in self.stats().executors), 60, "every executor to connect",
+                   procs=self.procs, logs=self.logs())
+
+    def start_executor(self, i: int) -> None:
+        self.procs[f"executor-{i}"] = subprocess.Popen(
+            [sys.executable, "-m", "executor_service.server", "--model", str(self.model), "--address",
+             self.addresses[i], "--block-size", "4", "--kv-cache-memory", str(kv_bytes(64)), "--max-num-seqs", "8",
+             "--max-model-len", "128", "--metrics-address", "", "--threads", "1", *self.executor_flags],
+            cwd=ROOT, stdout=self.log(f"executor-{i}"), stderr=subprocess.STDOUT)
+
+    def log(self, name: str):
+        return open(self.tmp / f"{name}.log", "a")
+
+    def logs(self) -> list[Path]:
+        return sorted(self.tmp.glob("*.log"))
+
+    def stats(self) -> scheduler_pb2.StatsResponse:
+        return self.stub.Stats(scheduler_pb2.StatsRequest())
+
+    def stop(self) -> None:
+        self.channel.close()
+        stop_processes([p for p in self.procs.values() if p.poll() is None])
+
+
+class Streams:
+    """Requests submitted on the scheduler's port, each read to its end on its own thread."""
+
+    def __init__(self, stub, prompts, **params):
+        self.tokens = [[] for _ in prompts]
+        self.errors: list = [None] * len(prompts)
+        self.ended_at = [0.0] * len(prompts)
+        self.threads = [threading.Thread(target=self._read, args=(stub, i, p, params), daemon=True)
+                        for i, p in enumerate(prompts)]
+        for t in self.threads:
+            t.start()
+
+    def _read(self, stub, i, prompt, params):
+        kw = {"max_tokens": TOKENS, "temperature": 0.0, "top_p": 1.0, "top_k": -1, "ignore_eos": True} | params
+        if isinstance(kw.get("seed"), list):
+            kw["seed"] = kw["seed"][i]
+        try:
+            for out in stub.Submit(scheduler_pb2.SubmitRequest(
+                    request_id=f"r{i}-{id(self)}", prompt_token_ids=prompt, params=sampling_pb2.SamplingParams(**kw))):
+                self.tokens[i] += out.token_ids
+        except grpc.RpcError as e:
+            self.errors[i] = e
+        self.ended_at[i] = time.monotonic()
+
+    def started(self) -> bool:
+        return all(self.tokens)
+
+    def join(self, seconds: float = 60) -> None:
+        for t in self.threads:
+            t.join(seconds)
+        assert not any(t.is_alive() for t in self.threads), "a stream never ended"
+
+
+@pytest.fixture
+def two(tmp_path):
+    fleet = Fleet(tmp_path, 2, "--executor-wait-seconds", "20", "--drain-seconds", "5",
+                  executor_flags=("--drain-seconds", "15"))
+    yield fleet
+    fleet.stop()
+
+
+def _no_fault(fleet, prompts, **params):
+    s = Streams(fleet.stub, prompts, **params)
+    s.join()
+    assert s.errors == [None] * len(prompts)
+    return s.tokens
+
+
+def test_killing_one_of_two_executors_mid_stream_loses_and_repeats_no_token(two):
+    expected = reference_greedy(two.model, PROMPTS, max_tokens=TOKENS, budget=BUDGET)
+    seeded = {"temperature": 1.0, "seed": list(range(100, 108))}
+    expected_seeded = _no_fault(two, PROMPTS[:8], **seeded)
+    greedy, sampled = Streams(two.stub, PROMPTS), Streams(two.stub, PROMPTS[:8], **seeded)
+    wait_until(lambda: greedy.started() and sampled.started(), 30, "every stream's first token")
+    assert two.stats().executors[0].num_running > 0
+    two.procs["executor-0"].kill()
+    greedy.join()
+    sampled.join()
+    assert greedy.errors == [None] * 16 and sampled.errors == [None] * 8
+    # Every stream is the whole answer, once: nothing repeated after the move, nothing skipped.
+    assert greedy.tokens == expected
+    assert sampled.tokens == expected_seeded
+    stats = two.stats()
+    assert stats.num_migrations > 0 and stats.executors[0].num_migrated_out == stats.num_migrations
+    assert not stats.executors[0].connected and stats.num_requests == 0
+
+
+def test_an_executor_that_joins_later_takes_requests_without_a_restart(two):
+    two.procs["executor-1"].kill()
+    wait_until(lambda: not two.stats().executors[1].connected, 20, "the scheduler to see executor-1 gone")
+    before = {e.address: e.num_steps for e in two.stats().executors}
+    two.start_executor(1)       # same address, a new process: it comes back as a new member
+    wait_until(lambda: all(e.connected for e in two.stats().executors), 60, "executor-1 to join again",
+               procs=two.procs, logs=two.logs())
+    assert _no_fault(two, PROMPTS) == reference_greedy(two.model, PROMPTS, max_tokens=TOKENS, budget=BUDGET)
+    after = {e.address: e.num_steps for e in two.stats().executors}
+    assert after[two.addresses[1]] > before[two.addresses[1]]
+
+
+def test_sigterm_drains_an_executor_under_load_and_no_client_sees_an_error(two):
+    expected = reference_greedy(two.model, PROMPTS, max_tokens=TOKENS, budget=BUDGET)
+    streams = Streams(two.stub, PROMPTS)
+    wait_until(streams.started, 30, "every stream's first token")
+    t0 = time.monotonic()
+    two.procs["executor-0"].send_signal(signal.SIGTERM)
+    assert two.procs["executor-0"].wait(timeout=20) == 0
+    assert time.monotonic() - t0 < 15          # within its drain period
+    streams.join()
+    assert streams.errors == [None] * 16 and streams.tokens == expected
+    log = (two.tmp / "executor-0.log").read_text()
+    assert "drained: the scheduler closed its stream" in log
+    # Nothing new goes to a drained executor: the next requests all run on executor-1.
+    assert _no_fault(two, PROMPTS[:4]) == expected[:4]
+
+
+def test_with_no_executor_left_open_and_new_requests_end_unavailable_within_the_deadline(tmp_path):
+    fleet = Fleet(tmp_path, 1, "--executor-wait-seconds", "2")
+    try:
+        streams = Streams(fleet.stub, PROMPTS[:8])
+        wait_until(streams.started, 30, "every stream's first token")
+        fleet.procs["executor-0"].kill()
+        killed = time.monotonic()
+        late = Streams(fleet.stub, PROMPTS[8:10])
+        streams.join(10)
+        late.join(10)
+        for s in (streams, late):
+            assert all(e is not None and e.code() == grpc.StatusCode.UNAVAILABLE for e in s.errors), s.errors
+            assert all(t - killed < 2 + 1 + 1 for t in s.ended_at)     # the deadline, a second, and the hop
+        assert "no executor could take the request within 2s" in streams.errors[0].details()
+        # Tokens delivered before the fault were real, and none came after it.
+        assert all(0 < len(t) < TOKENS for t in streams.tokens)
+    finally:
+        fleet.stop()
+
+
+def test_hostile_messages_on_an_executor_port_leave_the_fleet_serving(two):
+    address = two.addresses[0]
+    # A Step stream from a stranger, with the largest epoch and handles nobody assigned.
+    stranger = grpc.insecure_channel(address)
+    hostile = executor_pb2.StepRequest(epoch=2**64 - 1, step=7, handles=[4000000000], num_tokens=[5])
+    try:
+        replies = list(executor_pb2_grpc.ExecutorStub(stranger).Step(iter([hostile, hostile]), timeout=10))
+        assert all(r.HasField("resync") for r in replies)
+    except grpc.RpcError as e:
+        assert e.code() in (grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED)
+    # Bytes that are not a StepRequest, and bytes that are not HTTP/2 at all.
+    garbage = stranger.unary_unary("/stepwire.internal.Executor/Describe")
+    with pytest.raises(grpc.RpcError):
+        garbage(b"\xff\xff\xff\xff\x0f", timeout=5)
+    with socket.create_connection(("127.0.0.1", int(address.rsplit(":", 1)[1]))) as sock:
+        sock.sendall(b"\x00" * 64 + b"GET / HTTP/1.1\r\n\r\n")
+    stranger.close()
+    # The scheduler's own stream took the executor back; both serve, and the answers are right.
+    assert _no_fault(two, PROMPTS) == reference_greedy(two.model, PROMPTS, max_tokens=TOKENS, budget=BUDGET)
+    assert all(p.poll() is None for p in two.procs.values())
+    assert all(e.num_steps > 0 for e in two.stats().executors)
