@@ -47,7 +47,6 @@ def admit(fleet: Fleet, submit, max_waiting: int) -> str:
         if len(core.waiting) >= max_waiting:
             raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"{len(core.waiting)} requests already waiting; retry later")
-        req.block_hashes = []           # the router hashed it for each pool's block size; the core redoes it
         core.add_request(req)
     except InvalidRequestError as e:
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None

@@ -47,23 +47,13 @@ class Fleet:
     # ------------------------------------------------------------------ membership
 
     def add(self, address: str) -> ExecutorLink:
+        """A new member: its link connects, sizes a block pool from Describe and starts taking requests."""
         link = ExecutorLink(address, self.settings, streams=self.streams, lifecycles=self.lifecycles,
                             on_change=self._changed, on_lost=self.evacuate, on_drain=self.drain_queue)
         self.links[address] = link
         self.tasks[address] = asyncio.get_running_loop().create_task(link.run())
         log.info("executor %s joined the fleet", address)
         return link
-
-    def remove(self, address: str) -> None:
-        """The executor left the membership: its requests move now, its link stops."""
-        link = self.links.pop(address, None)
-        if link is None:
-            return
-        self.tasks.pop(address).cancel()
-        link.connected = False
-        self.evacuate(link)
-        log.info("executor %s left the fleet", address)
-        self._changed()
 
     def model(self) -> ExecutorLink | None:
         """A link that has described its executor (vocabulary, EOS ids): every executor serves one model."""
@@ -85,19 +75,25 @@ class Fleet:
         """The live executor with the longest prefix hit for `req` in its block pool, then the least loaded
         (waiting, then running, then KV usage), and that hit in tokens. None when no executor can take it."""
         best, best_key = None, None
+        hashes: dict[int, list[bytes]] = {}     # per block size: executors usually share one, so hash once
         for link in self.live():
             if link is exclude:
                 continue
             core = link.core
-            hit = 0
-            if core.config.enable_prefix_caching:
-                req.block_hashes = []
-                req.update_block_hashes(core.config.block_size)
-                hit = core.kv.get_computed_blocks(req)[1]
+            size = core.config.block_size
+            if size not in hashes:
+                req.block_hashes = hashes[size] = []
+                req.update_block_hashes(size)
+            req.block_hashes = hashes[size]
+            hit = core.kv.get_computed_blocks(req)[1] if core.config.enable_prefix_caching else 0
             key = (-hit, len(core.waiting), len(core.running), core.kv.usage)
             if best_key is None or key < best_key:
                 best, best_key = link, key
-        return best, (0 if best_key is None else -best_key[0])
+        if best is None:
+            return None, 0
+        # Left as the chosen core needs them: queuing it there extends them instead of hashing again.
+        req.block_hashes = hashes[best.core.config.block_size]
+        return best, -best_key[0]
 
     def place(self, reqs: list[Request], exclude: ExecutorLink | None = None) -> None:
         """Give each request to the best live executor, or make it an orphan."""

@@ -40,9 +40,8 @@ def adopt(core: Scheduler, moved: list[Request]) -> list[Request]:
     for req in reversed(moved):
         if req.num_tokens >= cfg.max_model_len:
             continue
-        req.block_hashes = []
         if cfg.enable_prefix_caching:
-            req.update_block_hashes(cfg.block_size)
+            req.update_block_hashes(cfg.block_size)   # route() left them at this core's block size
         req.length_limit = min(req.num_prompt_tokens + req.sampling_params.max_tokens, cfg.max_model_len)
         core.requests[req.request_id] = req
         core.waiting.prepend(req)

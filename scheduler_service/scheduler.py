@@ -104,7 +104,7 @@ class Scheduler:
         self.waiting.prepend(request)
 
     def reset_executor_state(self) -> list[Request]:
-        """The executor lost everything (it restarted, or asked for a resync): every running request is
+        """The executor lost its batch (it asked for a resync): every running request is
         preempted for recompute and, like every preempted one, re-sent in full on its next admission;
         the prefix cache is emptied, since the KV it indexed is gone. Returns the preempted requests."""
         victims = self.running[::-1]              # tail first, so the waiting queue keeps their order
