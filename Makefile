@@ -20,7 +20,7 @@ $(PY):
 $(DEV_STAMP): pyproject.toml | $(PY)
 	$(PIP) --no-compile --no-deps torch==2.13.0
 	$(PIP) 'uv>=0.9'
-	$(PY) -m uv pip install -q --python $(PY) -e '.[executor,gateway,dev]'
+	$(PY) -m uv pip install -q --python $(PY) -e '.[scheduler,executor,gateway,dev]'
 	touch $@
 
 lint: $(DEV_STAMP)

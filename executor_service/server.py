@@ -67,6 +67,9 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
     async def _ready(self, context) -> None:
         if self.runner is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "executor is loading its model")
+        if self.draining:
+            # The stream already open goes on until the scheduler closes it; nothing new starts here.
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "executor is draining")
 
     async def Describe(self, request, context):
         await self._ready(context)
@@ -155,8 +158,9 @@ async def serve(settings: ExecutorSettings) -> None:
     tracing.setup("stepwire-executor")
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
                                       ("grpc.max_send_message_length", 64 << 20),
-                                      # the scheduler's keepalive pings (every 10 s) must not count as abuse
-                                      ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+                                      # the scheduler's keepalive pings (--keepalive-seconds, at least 1)
+                                      # must not count as abuse
+                                      ("grpc.http2.min_ping_interval_without_data_ms", 1_000),
                                       ("grpc.keepalive_permit_without_calls", 1)])
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

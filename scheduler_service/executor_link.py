@@ -6,7 +6,8 @@ keepalive finds the executor gone), `on_lost` moves its requests to other execut
 for a resync, the link preempts what it ran there (recompute) and opens a new epoch. Either way clients
 see their streams continue. A reply marked `draining` starts a drain: nothing new comes here, queued
 requests move at once, running ones finish until the drain period ends and move then; the link closes the
-stream when nothing is left, which lets the executor exit.
+stream when nothing is left, which lets the executor exit. A link the membership source retires (its
+endpoint terminating or gone) drains the same way and then ends instead of reconnecting.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ class ExecutorLink:
     wire_request_steps: int = 0
     forward_seconds: float = 0.0              # executor time inside execute(), summed over steps
     connected: bool = False
-    draining: bool = False
+    draining: bool = False                    # the executor said so (SIGTERM)
+    retiring: bool = False                    # membership dropped it: drain, then end the link
     drain_deadline: float = 0.0
     num_migrated_out: int = 0
     eos_token_ids: tuple[int, ...] = ()
@@ -56,6 +58,15 @@ class ExecutorLink:
     on_lost: Callable[[ExecutorLink], None] = lambda link: None            # move its requests elsewhere
     on_drain: Callable[[ExecutorLink, bool], None] = lambda link, everything: None
 
+    @property
+    def leaving(self) -> bool:
+        """Takes nothing new: draining on its own or retired by membership."""
+        return self.draining or self.retiring
+
+    def start_drain(self) -> None:
+        deadline = time.monotonic() + self.settings.drain_seconds
+        self.drain_deadline = min(self.drain_deadline, deadline) if self.leaving else deadline
+
     def abort(self, request_ids) -> list[Request]:
         """Abort at the core (blocks freed now) and close the requests' lives; the caller tells the streams."""
         reqs = self.core.abort_requests(request_ids)
@@ -67,8 +78,10 @@ class ExecutorLink:
     async def run(self) -> None:
         while True:
             # Keepalive pings find an executor that vanished without closing its connection (a node lost).
-            channel = grpc.aio.insecure_channel(self.address, options=[("grpc.keepalive_time_ms", 10_000),
-                                                                       ("grpc.keepalive_timeout_ms", 5_000)])
+            ka = int(self.settings.keepalive_seconds * 1000)
+            channel = grpc.aio.insecure_channel(self.address, options=[("grpc.keepalive_time_ms", ka),
+                                                                       ("grpc.keepalive_timeout_ms", ka),
+                                                                       ("grpc.keepalive_permit_without_calls", 1)])
             try:
                 stub = executor_pb2_grpc.ExecutorStub(channel)
                 await self._connect(stub)
@@ -82,6 +95,8 @@ class ExecutorLink:
                 self.on_change()
                 await channel.close()
             self.on_lost(self)
+            if self.retiring:
+                return
             await asyncio.sleep(self.settings.retry_seconds)
 
     async def _connect(self, stub) -> None:
@@ -118,7 +133,7 @@ class ExecutorLink:
         lives = self.lifecycles
         m = lives.metrics
         while True:
-            if self.draining:
+            if self.leaving:
                 if time.monotonic() >= self.drain_deadline and core.has_unfinished_requests():
                     log.warning("executor %s: drain period over; moving %d requests", self.address,
                                 len(core.requests))
@@ -165,8 +180,8 @@ class ExecutorLink:
                     self.handles = HandleTable()
                     continue
                 if reply.draining and not self.draining:
+                    self.start_drain()
                     self.draining = True
-                    self.drain_deadline = time.monotonic() + self.settings.drain_seconds
                     log.info("executor %s is draining: %d requests running there get %.0fs to finish",
                              self.address, len(core.running), self.settings.drain_seconds)
                     self.on_change()

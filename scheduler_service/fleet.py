@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import grpc
@@ -46,14 +47,55 @@ class Fleet:
 
     # ------------------------------------------------------------------ membership
 
+    def sync(self, addresses: Iterable[str]) -> None:
+        """The membership source's current view. New addresses join (in the order given); those that left are
+        retired, which drains them (a terminating pod's running requests may still finish there) rather than
+        cutting them off."""
+        addresses = list(dict.fromkeys(addresses))
+        for address in addresses:
+            link = self.links.get(address)
+            if link is not None and link.retiring and self.tasks[address].done():
+                self._ended(link)            # its task ended a moment ago; the callback has not run yet
+                link = None
+            if link is None:
+                self.add(address)
+            elif link.retiring:
+                link.retiring = False        # back before it had gone: keep it
+                log.info("executor %s is back in the membership", address)
+                self._changed()
+        for address, link in list(self.links.items()):
+            if address not in addresses and not link.retiring:
+                self.retire(link)
+
     def add(self, address: str) -> ExecutorLink:
         """A new member: its link connects, sizes a block pool from Describe and starts taking requests."""
         link = ExecutorLink(address, self.settings, streams=self.streams, lifecycles=self.lifecycles,
                             on_change=self._changed, on_lost=self.evacuate, on_drain=self.drain_queue)
         self.links[address] = link
-        self.tasks[address] = asyncio.get_running_loop().create_task(link.run())
+        task = self.tasks[address] = asyncio.get_running_loop().create_task(link.run())
+        task.add_done_callback(lambda _: self._ended(link))
         log.info("executor %s joined the fleet", address)
         return link
+
+    def retire(self, link: ExecutorLink) -> None:
+        """`link` left the membership: nothing new goes there, its queue moves now, its running requests get
+        the drain period, then the link closes its stream and ends."""
+        link.retiring = True
+        if not link.connected:               # nothing runs there: its requests moved when it dropped
+            log.info("executor %s left the fleet", link.address)
+            self.tasks[link.address].cancel()
+            return
+        log.info("executor %s left the membership: draining it", link.address)
+        link.start_drain()
+        self._changed()
+        self.drain_queue(link, everything=False)
+        link.wakeup.set()
+
+    def _ended(self, link: ExecutorLink) -> None:
+        if self.links.get(link.address) is link:
+            del self.links[link.address]
+            del self.tasks[link.address]
+            self._changed()
 
     def model(self) -> ExecutorLink | None:
         """A link that has described its executor (vocabulary, EOS ids): every executor serves one model."""
@@ -63,7 +105,7 @@ class Fleet:
         self.orphans[req.request_id] = (req, time.monotonic() + self.settings.executor_wait_seconds)
 
     def live(self) -> list[ExecutorLink]:
-        return [lk for lk in self.links.values() if lk.connected and not lk.draining and lk.core is not None]
+        return [lk for lk in self.links.values() if lk.connected and not lk.leaving and lk.core is not None]
 
     def _changed(self) -> None:
         self.place_orphans()

@@ -62,11 +62,11 @@ class _Live:
         preemptions = CounterMetricFamily("stepwire:num_preemptions", "Preemptions.", labels=["executor"])
         connected = GaugeMetricFamily("stepwire:executor_connected", "1 while the executor's step stream is up.",
                                       labels=["executor"])
-        draining = GaugeMetricFamily("stepwire:executor_draining", "1 while the executor drains (takes nothing "
-                                     "new).", labels=["executor"])
+        draining = GaugeMetricFamily("stepwire:executor_draining", "1 while the executor drains or leaves the "
+                                     "fleet (takes nothing new).", labels=["executor"])
         for link in self.links():
             connected.add_metric([link.address], float(link.connected))
-            draining.add_metric([link.address], float(link.draining))
+            draining.add_metric([link.address], float(link.leaving))
             if link.core is None:
                 continue
             s = link.core.stats()

@@ -16,6 +16,7 @@ from grpc_reflection.v1alpha import reflection
 from observability import tracing
 from observability.metrics_server import serve_metrics
 from observability.shutdown import serve_until_sigterm
+from scheduler_service import membership
 from scheduler_service.fleet import Fleet
 from scheduler_service.lifecycle import Lifecycles
 from scheduler_service.metrics import SchedulerMetrics
@@ -57,15 +58,16 @@ async def serve(settings: SchedulerSettings) -> None:
     await follow_links()
     serve_metrics(settings.metrics_address, metrics.registry, "scheduler")
     await server.start()
-    for address in settings.executors:
-        fleet.add(address)
-    log.info("scheduler listening on %s (port %d); executors: %s", settings.address, port,
-             ", ".join(settings.executors))
+    log.info("scheduler listening on %s (port %d); executors from %s discovery", settings.address, port,
+             settings.discovery)
+    discovery = membership.start(settings, fleet.sync)
     orphans = asyncio.create_task(fleet.watch_orphans())
     try:
         await serve_until_sigterm(server)
     finally:
         orphans.cancel()
+        if discovery is not None:
+            discovery.cancel()
         for t in fleet.tasks.values():
             t.cancel()
 

@@ -109,7 +109,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             e = resp.executors.add(address=link.address, connected=link.connected, epoch=link.epoch,
                                    num_steps=link.step, wire_bytes=link.wire_bytes,
                                    wire_request_steps=link.wire_request_steps,
-                                   forward_seconds=link.forward_seconds, draining=link.draining,
+                                   forward_seconds=link.forward_seconds, draining=link.leaving,
                                    num_migrated_out=link.num_migrated_out)
             if link.core is not None:
                 s = link.core.stats()

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
 
 from scheduler_service.config import SchedulerConfig
@@ -22,8 +22,24 @@ class SchedulerSettings(ServiceSettings):
 
     model_config = SettingsConfigDict(env_prefix="STEPWIRE_SCHEDULER_", cli_prog_name="stepwire scheduler")
 
+    discovery: Literal["static", "dns", "kubernetes"] = Field(
+        "static", description="where the executors come from: the --executors list; DNS, re-resolving the one "
+        "name in --executors (a headless Service); or the Kubernetes API's EndpointSlices")
     executors: Annotated[list[str], NoDecode] = Field(
-        default=["127.0.0.1:50061"], min_length=1, description="host:port of each executor, comma-separated")
+        default=["127.0.0.1:50061"], min_length=1, description="host:port of each executor, comma-separated "
+        "(static); name:port (dns)")
+    dns_refresh_seconds: float = Field(5.0, gt=0, description="dns: how often the name is resolved again")
+    dns_nameserver: str = Field("", description="dns: host:port of the name server; empty: /etc/resolv.conf's")
+    kubernetes_namespace: str = Field("", description="kubernetes: namespace of the EndpointSlices; empty: "
+                                      "the pod's own (or default)")
+    kubernetes_label_selector: str = Field("kubernetes.io/service-name=stepwire-executor",
+                                           description="kubernetes: label selector of the executors' slices")
+    kubernetes_port_name: str = Field("grpc", description="kubernetes: the slice port executors listen on")
+    kubernetes_watch_seconds: int = Field(300, ge=1, description="kubernetes: length of one watch request")
+    kubeconfig: str = Field("", description="kubernetes: kubeconfig file; empty: in-cluster credentials, "
+                            "else ~/.kube/config")
+    keepalive_seconds: float = Field(10.0, ge=1, description="ping an executor's connection this often; one "
+                                     "that does not answer within as long is lost and its requests move")
     address: str = Field("127.0.0.1:50051", description="host:port of the Scheduler gRPC service")
     metrics_address: str = Field("127.0.0.1:9091", description="host:port for Prometheus /metrics; empty: off")
     max_waiting: int = Field(1024, ge=0, description="waiting requests per executor beyond which new ones get "
@@ -48,6 +64,12 @@ class SchedulerSettings(ServiceSettings):
     @classmethod
     def _comma_separated(cls, value):
         return [a.strip() for a in value.split(",") if a.strip()] if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _one_name_for_dns(self):
+        if self.discovery == "dns" and len(self.executors) != 1:
+            raise ValueError("--discovery dns takes one name:port in --executors")
+        return self
 
     def core_config(self, block_size: int, executor_max_model_len: int) -> SchedulerConfig:
         """The config of one executor's core: these knobs, within what that executor can hold."""

@@ -14,6 +14,7 @@ import pytest
 grpc = pytest.importorskip("grpc")
 pytest.importorskip("torch")
 
+from fake_discovery import FakeDNS, FakeKubeAPI  # noqa: E402
 from helpers import free_ports, stop_processes, wait_grpc_serving, wait_until  # noqa: E402
 from tiny_model import kv_bytes, reference_greedy, write_tiny_llama  # noqa: E402
 
@@ -26,25 +27,39 @@ PROMPTS = [[5 + i, 6, 7, 8 + i] for i in range(16)]
 
 
 class Fleet:
-    def __init__(self, tmp: Path, num_executors: int, *scheduler_flags: str, executor_flags=()):
+    """Executors and a scheduler as processes. By default the scheduler gets the executors as a static list;
+    `discovery` flags replace that, and `started` says how many executors run from the start."""
+
+    def __init__(self, tmp: Path, num_executors: int, *scheduler_flags: str, executor_flags=(), discovery=(),
+                 started: int | None = None, same_port: bool = False, port: int | None = None):
         self.tmp, self.model = tmp, write_tiny_llama(tmp / "llama")
         self.procs: dict[str, subprocess.Popen] = {}
         *ports, sc_port = free_ports(num_executors + 1)
-        self.addresses = [f"127.0.0.1:{port}" for port in ports]
+        # Same port on 127.0.0.1, .2, .3...: one executor per pod IP, as a headless Service has them.
+        self.addresses = ([f"127.0.0.{i + 1}:{port or ports[0]}" for i in range(num_executors)] if same_port
+                          else [f"127.0.0.1:{port}" for port in ports])
         self.executor_flags = executor_flags
-        for i in range(num_executors):
+        started = num_executors if started is None else started
+        for i in range(started):
             self.start_executor(i)
         self.sc_addr = f"127.0.0.1:{sc_port}"
         self.procs["scheduler"] = subprocess.Popen(
-            [sys.executable, "-m", "scheduler_service.server", "--executors", ",".join(self.addresses), "--address",
-             self.sc_addr, "--max-num-batched-tokens", str(BUDGET), "--max-num-seqs", "8", "--metrics-address", "",
+            [sys.executable, "-m", "scheduler_service.server", "--address", self.sc_addr,
+             *(discovery or ("--executors", ",".join(self.addresses))),
+             "--max-num-batched-tokens", str(BUDGET), "--max-num-seqs", "8", "--metrics-address", "",
              "--retry-seconds", "0.2", *scheduler_flags], cwd=ROOT, stdout=self.log("scheduler"),
             stderr=subprocess.STDOUT)
         self.channel = grpc.insecure_channel(self.sc_addr)
         self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
         wait_grpc_serving(self.channel, self.procs, logs=self.logs())
-        wait_until(lambda: all(e.connected for e in self.stats().executors), 60, "every executor to connect",
-                   procs=self.procs, logs=self.logs())
+        self.wait_connected(self.addresses[:started])
+
+    def wait_connected(self, addresses) -> None:
+        wait_until(lambda: {e.address for e in self.stats().executors if e.connected} == set(addresses), 60,
+                   f"exactly {sorted(addresses)} to be connected", procs=self.procs, logs=self.logs())
+
+    def steps(self) -> dict[str, int]:
+        return {e.address: e.num_steps for e in self.stats().executors}
 
     def start_executor(self, i: int) -> None:
         self.procs[f"executor-{i}"] = subprocess.Popen(
@@ -136,7 +151,8 @@ def test_killing_one_of_two_executors_mid_stream_loses_and_repeats_no_token(two)
 
 def test_an_executor_that_joins_later_takes_requests_without_a_restart(two):
     two.procs["executor-1"].kill()
-    wait_until(lambda: not two.stats().executors[1].connected, 20, "the scheduler to see executor-1 gone")
+    wait_until(lambda: not two.stats().executors[1].connected, 20, "the scheduler to see executor-1 gone",
+               logs=two.logs())
     before = {e.address: e.num_steps for e in two.stats().executors}
     two.start_executor(1)       # same address, a new process: it comes back as a new member
     wait_until(lambda: all(e.connected for e in two.stats().executors), 60, "executor-1 to join again",
@@ -152,6 +168,18 @@ def test_sigterm_drains_an_executor_under_load_and_no_client_sees_an_error(two):
     wait_until(streams.started, 30, "every stream's first token")
     t0 = time.monotonic()
     two.procs["executor-0"].send_signal(signal.SIGTERM)
+    # While it drains, the executor opens nothing new: Describe (and so a new Step stream) is refused.
+    refused = None
+    with grpc.insecure_channel(two.addresses[0]) as channel:
+        describe = executor_pb2_grpc.ExecutorStub(channel).Describe
+        while refused is None and two.procs["executor-0"].poll() is None:
+            try:
+                describe(executor_pb2.DescribeRequest(), timeout=1)
+            except grpc.RpcError as e:
+                refused = e
+            time.sleep(0.02)
+    assert refused is not None and refused.code() == grpc.StatusCode.UNAVAILABLE
+    assert "draining" in refused.details()
     assert two.procs["executor-0"].wait(timeout=20) == 0
     assert time.monotonic() - t0 < 15          # within its drain period
     streams.join()
@@ -203,3 +231,71 @@ def test_hostile_messages_on_an_executor_port_leave_the_fleet_serving(two):
     assert _no_fault(two, PROMPTS) == reference_greedy(two.model, PROMPTS, max_tokens=TOKENS, budget=BUDGET)
     assert all(p.poll() is None for p in two.procs.values())
     assert all(e.num_steps > 0 for e in two.stats().executors)
+
+
+def _joins_under_load_then_one_leaves(fleet, add, remove):
+    """Load on two executors; a third appears (`add`) and takes the next requests; then executor-0 leaves the
+    membership (`remove`) under load: its running requests finish there, nothing new goes there, its link
+    ends, and the process is left alone. Every answer equals the reference."""
+    expected = reference_greedy(fleet.model, PROMPTS, max_tokens=TOKENS, budget=BUDGET)
+    first = Streams(fleet.stub, PROMPTS)
+    wait_until(first.started, 30, "every stream's first token")
+    fleet.start_executor(2)
+    add()
+    fleet.wait_connected(fleet.addresses)
+    second = Streams(fleet.stub, PROMPTS)
+    wait_until(second.started, 30, "the second wave's first tokens")
+    assert fleet.steps()[fleet.addresses[2]] > 0        # the newcomer took requests, with no restart
+    remove()
+    wait_until(lambda: fleet.addresses[0] not in fleet.steps(), 30, "executor-0 to leave the fleet")
+    third = Streams(fleet.stub, PROMPTS[:4])
+    for s in (first, second, third):
+        s.join()
+        assert s.errors == [None] * len(s.errors)
+    assert first.tokens == second.tokens == expected and third.tokens == expected[:4]
+    assert fleet.addresses[0] not in fleet.steps()
+    assert fleet.procs["executor-0"].poll() is None       # it left the membership; nobody killed it
+
+
+def test_kubernetes_endpoint_slices_add_and_drain_executors_under_load(tmp_path):
+    kube = FakeKubeAPI()
+    fleet = None
+    try:
+        # Scheduler first, executors from the slices: the list it starts from names two of them.
+        up = lambda i: {"ip": f"127.0.0.{i + 1}", "ready": True, "serving": True, "terminating": False}
+        port = free_ports(1)[0]
+        kube.put("exec-a", port, [up(0), up(1)])
+        kube.put("exec-b", port, [])
+        fleet = Fleet(tmp_path, 3, discovery=("--discovery", "kubernetes", "--kubeconfig", str(kube.kubeconfig(
+            tmp_path)), "--kubernetes-namespace", "ns", "--kubernetes-watch-seconds", "5"), started=2,
+            same_port=True, port=port)
+
+        def add():
+            kube.expire()                  # the watch ends with 410 Gone: the scheduler lists again
+            kube.put("exec-b", port, [up(2)])
+
+        terminating = {"ip": "127.0.0.1", "ready": False, "serving": True, "terminating": True}
+        _joins_under_load_then_one_leaves(fleet, add, lambda: kube.put("exec-a", port, [terminating, up(1)]))
+        assert kube.lists() >= 2
+    finally:
+        if fleet is not None:
+            fleet.stop()
+        kube.stop()
+
+
+def test_dns_discovery_adds_and_drains_executors_under_load(tmp_path):
+    dns = FakeDNS()
+    fleet = None
+    try:
+        dns.records["executors.test"] = ["127.0.0.1", "127.0.0.2"]
+        port = free_ports(1)[0]
+        fleet = Fleet(tmp_path, 3, discovery=("--discovery", "dns", "--executors", f"executors.test:{port}",
+                                              "--dns-nameserver", dns.address, "--dns-refresh-seconds", "0.2"),
+                      started=2, same_port=True, port=port)
+        _joins_under_load_then_one_leaves(
+            fleet, lambda: dns.records["executors.test"].append("127.0.0.3"),
+            lambda: dns.records.__setitem__("executors.test", ["127.0.0.2", "127.0.0.3"]))
+    finally:
+        if fleet is not None:
+            fleet.stop()
+        dns.stop()
