@@ -160,7 +160,7 @@ async def serve(settings: ExecutorSettings) -> None:
                                       ("grpc.max_send_message_length", 64 << 20),
                                       # the scheduler's keepalive pings (--keepalive-seconds, at least 1)
                                       # must not count as abuse
-                                      ("grpc.http2.min_ping_interval_without_data_ms", 1_000),
+                                      ("grpc.http2.min_ping_interval_without_data_ms", 500),
                                       ("grpc.keepalive_permit_without_calls", 1)])
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -185,6 +185,7 @@ async def serve(settings: ExecutorSettings) -> None:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("executor ready (%d torch threads): %s", torch.get_num_threads(), service.runner.describe())
     await serve_until_sigterm(server, before_stop=lambda: service.drain(health_servicer, settings.drain_seconds))
+    log.info("executor stopped")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -52,5 +52,6 @@ def admit(fleet: Fleet, submit, max_waiting: int) -> str:
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
     fleet.lifecycles.admitted(req, submit.traceparent, link.address)
     fleet.lifecycles.routed(rid, link.address, hit, "new")
+    link.num_routed += 1
     link.wakeup.set()
     return rid

@@ -48,6 +48,7 @@ class ExecutorLink:
     retiring: bool = False                    # membership dropped it: drain, then end the link
     drain_deadline: float = 0.0
     num_migrated_out: int = 0
+    num_routed: int = 0                       # requests the router gave it (new and moved)
     eos_token_ids: tuple[int, ...] = ()
     vocab_size: int = 0
     streams: dict[str, asyncio.Queue] = field(default_factory=dict)   # the fleet's, shared by every link
@@ -78,10 +79,14 @@ class ExecutorLink:
     async def run(self) -> None:
         while True:
             # Keepalive pings find an executor that vanished without closing its connection (a node lost).
+            # grpc also bounds an unanswered ping by http2.ping_timeout_ms (60 s by default), whatever the
+            # keepalive timeout says: without it a frozen executor was found after a minute, not seconds.
             ka = int(self.settings.keepalive_seconds * 1000)
             channel = grpc.aio.insecure_channel(self.address, options=[("grpc.keepalive_time_ms", ka),
                                                                        ("grpc.keepalive_timeout_ms", ka),
-                                                                       ("grpc.keepalive_permit_without_calls", 1)])
+                                                                       ("grpc.http2.ping_timeout_ms", ka),
+                                                                       ("grpc.keepalive_permit_without_calls", 1),
+                                                                       ("grpc.http2.max_pings_without_data", 0)])
             try:
                 stub = executor_pb2_grpc.ExecutorStub(channel)
                 await self._connect(stub)

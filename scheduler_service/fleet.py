@@ -20,6 +20,7 @@ from scheduler_service.executor_link import ExecutorLink
 from scheduler_service.lifecycle import Lifecycles
 from scheduler_service.migration import adopt, take_all
 from scheduler_service.request import Request
+from scheduler_service.routing import pick
 from scheduler_service.settings import SchedulerSettings
 
 log = logging.getLogger("stepwire.scheduler")
@@ -80,13 +81,14 @@ class Fleet:
     def retire(self, link: ExecutorLink) -> None:
         """`link` left the membership: nothing new goes there, its queue moves now, its running requests get
         the drain period, then the link closes its stream and ends."""
-        link.retiring = True
         if not link.connected:               # nothing runs there: its requests moved when it dropped
+            link.retiring = True
             log.info("executor %s left the fleet", link.address)
             self.tasks[link.address].cancel()
             return
         log.info("executor %s left the membership: draining it", link.address)
         link.start_drain()
+        link.retiring = True
         self._changed()
         self.drain_queue(link, everything=False)
         link.wakeup.set()
@@ -114,28 +116,10 @@ class Fleet:
     # ------------------------------------------------------------------ routing
 
     def route(self, req: Request, exclude: ExecutorLink | None = None) -> tuple[ExecutorLink | None, int]:
-        """The live executor with the longest prefix hit for `req` in its block pool, then the least loaded
-        (waiting, then running, then KV usage), and that hit in tokens. None when no executor can take it."""
-        best, best_key = None, None
-        hashes: dict[int, list[bytes]] = {}     # per block size: executors usually share one, so hash once
-        for link in self.live():
-            if link is exclude:
-                continue
-            core = link.core
-            size = core.config.block_size
-            if size not in hashes:
-                req.block_hashes = hashes[size] = []
-                req.update_block_hashes(size)
-            req.block_hashes = hashes[size]
-            hit = core.kv.get_computed_blocks(req)[1] if core.config.enable_prefix_caching else 0
-            key = (-hit, len(core.waiting), len(core.running), core.kv.usage)
-            if best_key is None or key < best_key:
-                best, best_key = link, key
-        if best is None:
-            return None, 0
-        # Left as the chosen core needs them: queuing it there extends them instead of hashing again.
-        req.block_hashes = hashes[best.core.config.block_size]
-        return best, -best_key[0]
+        """The live executor to run `req` (routing.py) and its prefix hit there; None when none can take it."""
+        links = [lk for lk in self.live() if lk is not exclude]
+        i, hit = pick(req, [lk.core for lk in links])
+        return (links[i], hit) if i >= 0 else (None, 0)
 
     def place(self, reqs: list[Request], exclude: ExecutorLink | None = None) -> None:
         """Give each request to the best live executor, or make it an orphan."""
@@ -149,6 +133,7 @@ class Fleet:
             self.lifecycles.routed(req.request_id, link.address, hit, "moved")
         for address, moved in by_link.items():
             link = self.links[address]
+            link.num_routed += len(moved)
             for req in adopt(link.core, moved):
                 self.fail(req.request_id, grpc.StatusCode.UNAVAILABLE,
                           f"{req.num_tokens} tokens do not fit the context of the executors left")

@@ -110,7 +110,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                                    num_steps=link.step, wire_bytes=link.wire_bytes,
                                    wire_request_steps=link.wire_request_steps,
                                    forward_seconds=link.forward_seconds, draining=link.leaving,
-                                   num_migrated_out=link.num_migrated_out)
+                                   num_migrated_out=link.num_migrated_out,
+                                   num_routed=link.num_routed)
             if link.core is not None:
                 s = link.core.stats()
                 e.num_running, e.num_waiting = s.num_running, s.num_waiting

@@ -149,6 +149,24 @@ def test_killing_one_of_two_executors_mid_stream_loses_and_repeats_no_token(two)
     assert not stats.executors[0].connected and stats.num_requests == 0
 
 
+def test_an_executor_that_stops_answering_is_found_by_keepalive_and_its_requests_move(tmp_path):
+    # A frozen process keeps its connections open: only the keepalive pings going unanswered tell.
+    fleet = Fleet(tmp_path, 2, "--keepalive-seconds", "1", "--executor-wait-seconds", "20")
+    try:
+        expected = reference_greedy(fleet.model, PROMPTS, max_tokens=TOKENS, budget=BUDGET)
+        streams = Streams(fleet.stub, PROMPTS)
+        wait_until(streams.started, 30, "every stream's first token")
+        assert fleet.stats().executors[0].num_running > 0
+        fleet.procs["executor-0"].send_signal(signal.SIGSTOP)
+        streams.join()
+        assert streams.errors == [None] * 16 and streams.tokens == expected
+        stats = fleet.stats()
+        assert not stats.executors[0].connected and stats.executors[0].num_migrated_out > 0
+    finally:
+        fleet.procs["executor-0"].send_signal(signal.SIGCONT)
+        fleet.stop()
+
+
 def test_an_executor_that_joins_later_takes_requests_without_a_restart(two):
     two.procs["executor-1"].kill()
     wait_until(lambda: not two.stats().executors[1].connected, 20, "the scheduler to see executor-1 gone",
@@ -246,6 +264,7 @@ def _joins_under_load_then_one_leaves(fleet, add, remove):
     second = Streams(fleet.stub, PROMPTS)
     wait_until(second.started, 30, "the second wave's first tokens")
     assert fleet.steps()[fleet.addresses[2]] > 0        # the newcomer took requests, with no restart
+    assert {e.address: e.num_routed for e in fleet.stats().executors}[fleet.addresses[2]] > 0
     remove()
     wait_until(lambda: fleet.addresses[0] not in fleet.steps(), 30, "executor-0 to leave the fleet")
     third = Streams(fleet.stub, PROMPTS[:4])

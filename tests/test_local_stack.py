@@ -1,0 +1,106 @@
+"""`stepwire serve`: how it lays out its executors, and that it keeps them up."""
+
+import os
+import sys
+import time
+
+from stepwire.contract.settings import load
+from stepwire.local_stack import Child, ServeSettings, children, keep_up
+
+
+def _flag(command, name):
+    return command[command.index(name) + 1]
+
+
+def test_serve_gives_each_executor_its_own_port_and_a_share_of_the_cores():
+    cores = len(os.sched_getaffinity(0))
+    executors, stack = children(load(ServeSettings, ["--executors", "3", "--executor-port", "6000"]))
+    assert [_flag(c.command, "--address") for c in executors] == ["127.0.0.1:6000", "127.0.0.1:6001",
+                                                                  "127.0.0.1:6002"]
+    assert {_flag(c.command, "--threads") for c in executors} == {str(max(1, cores // 3))}
+    assert len({_flag(c.command, "--metrics-address") for c in executors}) == 3
+    scheduler = next(c for c in stack if c.name == "scheduler")
+    assert _flag(scheduler.command, "--executors") == "127.0.0.1:6000,127.0.0.1:6001,127.0.0.1:6002"
+    # One executor keeps torch's own default; an explicit count wins.
+    assert _flag(children(load(ServeSettings, []))[0][0].command, "--threads") == "0"
+    assert _flag(children(load(ServeSettings, ["--executors", "2", "--threads", "5"]))[0][1].command,
+                 "--threads") == "5"
+
+
+def test_an_executor_that_exits_is_started_again_and_one_that_keeps_dying_waits_longer_each_time():
+    c = Child("executor-0", [sys.executable, "-c", "import sys; sys.exit(3)"], pause=0.05)
+    c.start()
+    pauses = []
+    deadline = time.monotonic() + 20
+    while c.restarts < 3 and time.monotonic() < deadline:
+        keep_up(c)
+        if c.died_at is not None and (not pauses or pauses[-1] != c.pause):
+            pauses.append(c.pause)
+        time.sleep(0.05)
+    assert c.restarts == 3
+    assert pauses == sorted(pauses) and pauses[-1] > pauses[0]     # backs off while it dies young
+    c.proc.wait()
+
+
+def _pid_of(*words: str) -> int:
+    """The process whose command line holds every one of `words`."""
+    from pathlib import Path
+
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if all(w.encode() in cmd for w in words):
+            return int(proc.name)
+    raise AssertionError(f"no process with {words}")
+
+
+def test_serve_restarts_a_killed_executor_and_keeps_serving_meanwhile(tmp_path):
+    import signal
+    import subprocess
+    from pathlib import Path
+
+    import httpx
+    import pytest
+
+    grpc = pytest.importorskip("grpc")
+    pytest.importorskip("torch")
+    from helpers import free_ports, wait_http_ready, wait_until
+
+    from stepwire.internal import scheduler_pb2, scheduler_pb2_grpc
+
+    root = Path(__file__).resolve().parent.parent
+    model = root / "models" / "SmolLM2-135M-Instruct"
+    if not (model / "conversion.json").exists():
+        pytest.skip("embedded model not converted (make model)")
+    http, grpc_port, sc, ex, m1, m2 = free_ports(6)
+    log = open(tmp_path / "serve.log", "w")
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "stepwire.cli", "serve", "--model", str(model), "--executors", "2", "--port", str(http),
+         "--grpc-port", str(grpc_port), "--scheduler-port", str(sc), "--executor-port", str(ex),
+         "--kv-cache-memory", str(64 << 20), "--scheduler-metrics-port", str(m1), "--executor-metrics-port", str(m2)],
+        cwd=root, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{http}"
+        wait_http_ready(url, {"serve": serve}, logs=[tmp_path / "serve.log"])
+        stub = scheduler_pb2_grpc.SchedulerStub(grpc.insecure_channel(f"127.0.0.1:{sc}"))
+        connected = lambda: sorted(e.address for e in stub.Stats(scheduler_pb2.StatsRequest()).executors
+                                   if e.connected)
+        both = [f"127.0.0.1:{ex}", f"127.0.0.1:{ex + 1}"]
+        wait_until(lambda: connected() == both, 60, "both executors to connect")
+        body = {"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is", "max_tokens": 8,
+                "temperature": 0}
+        first = httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+
+        os.kill(_pid_of("executor_service.server", f"127.0.0.1:{ex}"), signal.SIGKILL)
+        # The other executor answers meanwhile, the same text; the stack stays up.
+        assert httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"] == first
+        wait_until(lambda: connected() == both, 90, "the killed executor to be started again and rejoin",
+                   procs={"serve": serve}, logs=[tmp_path / "serve.log"])
+        assert serve.poll() is None
+        assert "executor-0 exited with -9; starting it again" in (tmp_path / "serve.log").read_text()
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(timeout=60) == 0
+        log.close()
