@@ -82,11 +82,14 @@ class ExecutorLink:
             # grpc also bounds an unanswered ping by http2.ping_timeout_ms (60 s by default), whatever the
             # keepalive timeout says: without it a frozen executor was found after a minute, not seconds.
             ka = int(self.settings.keepalive_seconds * 1000)
-            channel = grpc.aio.insecure_channel(self.address, options=[("grpc.keepalive_time_ms", ka),
-                                                                       ("grpc.keepalive_timeout_ms", ka),
-                                                                       ("grpc.http2.ping_timeout_ms", ka),
-                                                                       ("grpc.keepalive_permit_without_calls", 1),
-                                                                       ("grpc.http2.max_pings_without_data", 0)])
+            # grpc's own reconnect backoff grows to two minutes: an executor that was down a while would be
+            # picked up that late after it came back. Cap it near our own retry pace.
+            retry = int(self.settings.retry_seconds * 1000)
+            channel = grpc.aio.insecure_channel(self.address, options=[
+                ("grpc.initial_reconnect_backoff_ms", retry), ("grpc.min_reconnect_backoff_ms", retry),
+                ("grpc.max_reconnect_backoff_ms", max(retry, 5000)), ("grpc.keepalive_time_ms", ka),
+                ("grpc.keepalive_timeout_ms", ka), ("grpc.http2.ping_timeout_ms", ka),
+                ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)])
             try:
                 stub = executor_pb2_grpc.ExecutorStub(channel)
                 await self._connect(stub)
@@ -105,13 +108,17 @@ class ExecutorLink:
             await asyncio.sleep(self.settings.retry_seconds)
 
     async def _connect(self, stub) -> None:
+        said = None
         while True:
             try:
                 d = await stub.Describe(executor_pb2.DescribeRequest(), timeout=5)
                 break
             except grpc.RpcError as e:
-                log.info("waiting for executor %s (%s); retrying in %.1fs", self.address, e.code(),
-                         self.settings.retry_seconds)
+                # Said once, then every 30 s: an executor that is down a while must not flood the log.
+                if said is None or time.monotonic() - said >= 30:
+                    said = time.monotonic()
+                    log.info("waiting for executor %s (%s); retrying every %.1fs", self.address, e.code(),
+                             self.settings.retry_seconds)
                 await asyncio.sleep(self.settings.retry_seconds)
         if self.core is None:
             self.core = Scheduler(self.settings.core_config(d.block_size, d.max_model_len), num_blocks=d.num_blocks)

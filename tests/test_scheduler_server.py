@@ -40,10 +40,10 @@ def stack(tmp_path_factory):
                                  cwd=ROOT, stdout=sched_log, stderr=subprocess.STDOUT)
     channel = grpc.insecure_channel(sc_addr)
     logs = [tmp / "scheduler.log", tmp / "executor.log"]
-    # The scheduler starts first and must wait for its executor, not crash: once its log shows a second
-    # attempt to reach the missing executor it has come through a failed one, and it answers health checks
-    # with NOT_SERVING (wait_until fails at once if it exits).
-    wait_until(lambda: logs[0].read_text().count("waiting for executor") >= 2
+    # The scheduler starts first and must wait for its executor, not crash: once its log says it is waiting
+    # it has come through a failed attempt, and it answers health checks with NOT_SERVING (wait_until fails
+    # at once if it exits). That it kept trying shows when the executor comes up below.
+    wait_until(lambda: "waiting for executor" in logs[0].read_text()
                and grpc_health(channel) == health_pb2.HealthCheckResponse.NOT_SERVING, 60,
                "the scheduler to retry its missing executor while reporting NOT_SERVING", procs=scheduler, logs=logs)
     assert scheduler.poll() is None, log_tail(logs[0])
@@ -191,35 +191,3 @@ def test_an_abort_on_a_session_ends_that_request_only(stack):
     assert finish == {"keep": "length", "drop": "abort"}
     assert tokens["keep"] == 12 and tokens["drop"] < 100
     wait_executor_idle(stub)
-
-
-def test_one_scheduler_spreads_requests_over_two_executors_and_each_answers_correctly(tmp_path):
-    model = write_tiny_llama(tmp_path / "llama")
-    ex_addrs = [f"127.0.0.1:{free_port()}" for _ in range(2)]
-    sc_addr = f"127.0.0.1:{free_port()}"
-    log = open(tmp_path / "services.log", "w")
-    procs = [subprocess.Popen([sys.executable, "-m", "executor_service.server", "--model", str(model), "--address", a,
-                               "--block-size", "4", "--kv-cache-memory", str(KV_BYTES), "--max-num-seqs", "8",
-                               "--max-model-len", "128", "--metrics-address", ""], cwd=ROOT, stdout=log,
-                              stderr=subprocess.STDOUT) for a in ex_addrs]
-    procs.append(subprocess.Popen([sys.executable, "-m", "scheduler_service.server", "--executors", ",".join(ex_addrs),
-                                   "--address", sc_addr, "--max-num-batched-tokens", str(BUDGET), "--max-num-seqs",
-                                   "8", "--metrics-address", ""], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
-    watched = {"executor-0": procs[0], "executor-1": procs[1], "scheduler": procs[2]}
-    try:
-        channel = grpc.insecure_channel(sc_addr)
-        wait_grpc_serving(channel, watched, logs=tmp_path / "services.log")
-        stub = scheduler_pb2_grpc.SchedulerStub(channel)
-        wait_until(lambda: all(e.connected for e in stub.Stats(scheduler_pb2.StatsRequest()).executors), 60,
-                   "the scheduler to connect to both executors", procs=watched, logs=tmp_path / "services.log")
-        prompts = [[5 + i, 6, 7, 8 + i] for i in range(6)]
-        expected = reference_greedy(model, prompts, budget=BUDGET)
-        calls = [submit(stub, f"two-{i}", p) for i, p in enumerate(prompts)]   # all queued before any finishes
-        assert [[t for o in c for t in o.token_ids] for c in calls] == expected
-        stats = stub.Stats(scheduler_pb2.StatsRequest()).executors
-        assert {e.address for e in stats} == set(ex_addrs)
-        assert all(e.num_steps > 0 for e in stats)          # both executors ran some of the requests
-        assert all(e.num_free_blocks == e.num_total_blocks for e in stats)
-    finally:
-        stop_processes(procs)
-        log.close()
