@@ -10,7 +10,7 @@ the drain period lasts. A watch that expires (410 Gone) or breaks starts over fr
 from __future__ import annotations
 
 import logging
-import time
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -66,18 +66,21 @@ def executors_of(s, port_name: str) -> set[str]:
     return found
 
 
-def watch_endpoint_slices(settings: SchedulerSettings, publish: Callable[[set[str]], None]) -> None:
-    """Runs for the process's life: every change of the executor set is published, whole."""
+def watch_endpoint_slices(settings: SchedulerSettings, publish: Callable[[set[str]], None],
+                          stop: threading.Event | None = None) -> None:
+    """Runs for the process's life (or until `stop` is set): every change of the executor set is published,
+    whole."""
     api = client.DiscoveryV1Api(api_client(settings.kubeconfig))
     ns, selector, port_name = namespace(settings), settings.kubernetes_label_selector, settings.kubernetes_port_name
     log.info("watching EndpointSlices in namespace %s with selector %r", ns, selector)
-    while True:
+    stop = stop or threading.Event()
+    while not stop.is_set():
         try:
             listed = api.list_namespaced_endpoint_slice(ns, label_selector=selector)
             slices = {s.metadata.name: executors_of(s, port_name) for s in listed.items}
             publish(set().union(*slices.values()))
             version = listed.metadata.resource_version
-            while True:
+            while not stop.is_set():
                 w = watch.Watch()
                 for event in w.stream(api.list_namespaced_endpoint_slice, ns, label_selector=selector,
                                       resource_version=version, allow_watch_bookmarks=True,
@@ -98,4 +101,4 @@ def watch_endpoint_slices(settings: SchedulerSettings, publish: Callable[[set[st
             log.warning("EndpointSlice list/watch failed: %s %s; retrying", e.status, e.reason)
         except Exception as e:  # noqa: BLE001 - a broken connection must not end discovery
             log.warning("EndpointSlice list/watch failed: %s; retrying", e)
-        time.sleep(settings.retry_seconds)
+        stop.wait(settings.retry_seconds)

@@ -33,7 +33,9 @@ def test_endpoint_slices_are_listed_then_watched_from_the_lists_version(kube, tm
     settings = SchedulerSettings(discovery="kubernetes", kubeconfig=str(kube.kubeconfig(tmp_path)),
                                  kubernetes_namespace="ns", retry_seconds=0.1)
     seen: list[set[str]] = []
-    threading.Thread(target=watch_endpoint_slices, args=(settings, seen.append), daemon=True).start()
+    stop = threading.Event()
+    watcher = threading.Thread(target=watch_endpoint_slices, args=(settings, seen.append, stop), daemon=True)
+    watcher.start()
     now = lambda: seen[-1] if seen else None
     wait_until(lambda: now() == {"10.0.0.1:7000", "10.0.0.2:7000"}, 10, "the listed, ready executors")
     wait_until(lambda: any(c[0] == "watch" for c in kube.calls), 10, "a watch")
@@ -53,6 +55,10 @@ def test_endpoint_slices_are_listed_then_watched_from_the_lists_version(kube, tm
     wait_until(lambda: now() == {"10.0.0.2:7000"}, 10, "the deleted slice's executor to leave")
     # Never the not-ready endpoint, nor the other service's.
     assert not any({"10.0.0.9:7000", "10.9.9.9:7000"} & s for s in seen)
+    stop.set()
+    kube.expire()                      # ends the open watch, so the thread sees `stop`
+    watcher.join(10)
+    assert not watcher.is_alive()
 
 
 def test_a_name_resolves_to_one_executor_per_address_and_a_silent_name_server_changes_nothing():
