@@ -52,6 +52,7 @@ class ExecutorLink:
     eos_token_ids: tuple[int, ...] = ()
     vocab_size: int = 0
     streams: dict[str, asyncio.Queue] = field(default_factory=dict)   # the fleet's, shared by every link
+    task: asyncio.Task | None = None          # the one running run(), once the fleet started it
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     lifecycles: Lifecycles | None = None
@@ -64,9 +65,15 @@ class ExecutorLink:
         """Takes nothing new: draining on its own or retired by membership."""
         return self.draining or self.retiring
 
-    def start_drain(self) -> None:
+    def start_drain(self, retiring: bool) -> None:
+        """Begin a drain, because the executor said so or (`retiring`) membership dropped it. A link already
+        leaving for the other reason keeps its earlier deadline."""
         deadline = time.monotonic() + self.settings.drain_seconds
         self.drain_deadline = min(self.drain_deadline, deadline) if self.leaving else deadline
+        if retiring:
+            self.retiring = True
+        else:
+            self.draining = True
 
     def abort(self, request_ids) -> list[Request]:
         """Abort at the core (blocks freed now) and close the requests' lives; the caller tells the streams."""
@@ -192,8 +199,7 @@ class ExecutorLink:
                     self.handles = HandleTable()
                     continue
                 if reply.draining and not self.draining:
-                    self.start_drain()
-                    self.draining = True
+                    self.start_drain(retiring=False)
                     log.info("executor %s is draining: %d requests running there get %.0fs to finish",
                              self.address, len(core.running), self.settings.drain_seconds)
                     self.on_change()

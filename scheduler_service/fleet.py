@@ -44,7 +44,6 @@ class Fleet:
         self.streams: dict[str, object] = {}         # request id -> its stream; shared by every link
         self.orphans: dict[str, tuple[Request, float]] = {}   # request id -> (request, give-up time)
         self.num_migrated = 0
-        self.tasks: dict[str, asyncio.Task] = {}
 
     # ------------------------------------------------------------------ membership
 
@@ -52,10 +51,10 @@ class Fleet:
         """The membership source's current view. New addresses join (in the order given); those that left are
         retired, which drains them (a terminating pod's running requests may still finish there) rather than
         cutting them off."""
-        addresses = list(dict.fromkeys(addresses))
-        for address in addresses:
+        wanted = dict.fromkeys(addresses)
+        for address in wanted:
             link = self.links.get(address)
-            if link is not None and link.retiring and self.tasks[address].done():
+            if link is not None and link.retiring and link.task.done():
                 self._ended(link)            # its task ended a moment ago; the callback has not run yet
                 link = None
             if link is None:
@@ -65,7 +64,7 @@ class Fleet:
                 log.info("executor %s is back in the membership", address)
                 self._changed()
         for address, link in list(self.links.items()):
-            if address not in addresses and not link.retiring:
+            if address not in wanted and not link.retiring:
                 self.retire(link)
 
     def add(self, address: str) -> ExecutorLink:
@@ -73,8 +72,8 @@ class Fleet:
         link = ExecutorLink(address, self.settings, streams=self.streams, lifecycles=self.lifecycles,
                             on_change=self._changed, on_lost=self.evacuate, on_drain=self.drain_queue)
         self.links[address] = link
-        task = self.tasks[address] = asyncio.get_running_loop().create_task(link.run())
-        task.add_done_callback(lambda _: self._ended(link))
+        link.task = asyncio.get_running_loop().create_task(link.run())
+        link.task.add_done_callback(lambda _: self._ended(link))
         log.info("executor %s joined the fleet", address)
         return link
 
@@ -84,11 +83,10 @@ class Fleet:
         if not link.connected:               # nothing runs there: its requests moved when it dropped
             link.retiring = True
             log.info("executor %s left the fleet", link.address)
-            self.tasks[link.address].cancel()
+            link.task.cancel()
             return
         log.info("executor %s left the membership: draining it", link.address)
-        link.start_drain()
-        link.retiring = True
+        link.start_drain(retiring=True)
         self._changed()
         self.drain_queue(link, everything=False)
         link.wakeup.set()
@@ -96,7 +94,6 @@ class Fleet:
     def _ended(self, link: ExecutorLink) -> None:
         if self.links.get(link.address) is link:
             del self.links[link.address]
-            del self.tasks[link.address]
             self._changed()
 
     def model(self) -> ExecutorLink | None:

@@ -68,8 +68,8 @@ async def serve(settings: SchedulerSettings) -> None:
         orphans.cancel()
         if discovery is not None:
             discovery.cancel()
-        for t in fleet.tasks.values():
-            t.cancel()
+        for link in list(fleet.links.values()):
+            link.task.cancel()
 
 
 def main(argv: list[str] | None = None) -> None:
