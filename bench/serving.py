@@ -7,7 +7,7 @@ requests are done. Reports output tokens/s, TTFT and TPOT p50/p99, and the sched
 request per step.
 
 Usage: bench/serving.py [--concurrency 64] [--requests 256] [--tokens 64] [--rounds 2] [--url URL (an already running
-OpenAI-compatible server: measured alone)]
+OpenAI-compatible server: measured alone)] [--mtls (the mTLS stack against a plaintext one: RESULT mtls_ratio=...)]
 """
 
 from __future__ import annotations
@@ -147,22 +147,38 @@ def wait_ready(proc: subprocess.Popen, url: str, what: str, seconds: float = 120
     raise RuntimeError(f"{what} did not start")
 
 
-def start_stack(env: dict | None = None):
+CERTS = ROOT / ".peers" / "bench-certs"     # `stepwire serve` makes them on first use
+
+
+def start_stack(env: dict | None = None, tls: bool = True):
+    """`stepwire serve` on free ports (mTLS inside unless `tls` is off): (process, URL, scheduler port)."""
     port, grpc_port, sc, ex = free_port(), free_port(), free_port(), free_port()
     proc = subprocess.Popen([sys.executable, "-m", "stepwire.cli", "serve", "--model", str(MODEL), "--port", str(port),
                              "--grpc-port", str(grpc_port), "--scheduler-port", str(sc), "--executor-port", str(ex),
-                             "--scheduler-metrics-port", str(free_port()), "--executor-metrics-port", str(free_port())],
+                             "--scheduler-metrics-port", str(free_port()), "--executor-metrics-port", str(free_port()),
+                             *(["--certs-dir", str(CERTS)] if tls else ["--no-tls"])],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     url = f"http://127.0.0.1:{port}"
     wait_ready(proc, url + "/health", "stepwire serve")
     return proc, url, sc
 
 
-def executor_stats(sc_port: int) -> dict:
+def scheduler_channel(sc_port: int, tls: bool = True):
+    """A channel to a `start_stack` scheduler, with the gateway's certificate when the stack uses mTLS."""
     import grpc
 
+    address = f"127.0.0.1:{sc_port}"
+    if not tls:
+        return grpc.insecure_channel(address)
+    me = CERTS / "gateway"
+    creds = grpc.ssl_channel_credentials((me / "ca.crt").read_bytes(), (me / "tls.key").read_bytes(),
+                                         (me / "tls.crt").read_bytes())
+    return grpc.secure_channel(address, creds, options=[("grpc.ssl_target_name_override", "stepwire-scheduler")])
+
+
+def executor_stats(sc_port: int, tls: bool = True) -> dict:
     from stepwire.internal import scheduler_pb2, scheduler_pb2_grpc
-    e = scheduler_pb2_grpc.SchedulerStub(grpc.insecure_channel(f"127.0.0.1:{sc_port}")).Stats(
+    e = scheduler_pb2_grpc.SchedulerStub(scheduler_channel(sc_port, tls)).Stats(
         scheduler_pb2.StatsRequest()).executors[0]
     return {"bytes": e.wire_bytes, "req_steps": e.wire_request_steps, "steps": e.num_steps,
             "forward": e.forward_seconds}
@@ -208,6 +224,32 @@ def compare_llama(args, texts, header) -> None:
               f"llamacpp_tok_s={by['llama.cpp']:.1f} ratio={by['stepwire serve'] / by['llama.cpp']:.2f}")
 
 
+def compare_mtls(args, texts, header) -> None:
+    """Two `stepwire serve` stacks, mTLS and plaintext, both up for the whole run; rounds alternate between
+    them (and which goes first), so a noisy phase of the machine falls on both."""
+    stacks = {"mTLS": start_stack(tls=True), "plaintext": start_stack(tls=False)}
+    runs: dict[str, list[dict]] = {k: [] for k in stacks}
+    try:
+        for _, url, _ in stacks.values():     # warm-up wave, not measured
+            asyncio.run(http_run(url, args.model_name, texts[:args.concurrency], args.tokens, args.concurrency))
+        for i in range(args.rounds):
+            for name in (("mTLS", "plaintext") if i % 2 == 0 else ("plaintext", "mTLS")):
+                url = stacks[name][1]
+                runs[name].append(asyncio.run(http_run(url, args.model_name, texts, args.tokens, args.concurrency)))
+            print(f"round {i + 1}: " + ", ".join(f"{k} {v[-1]['tok_s']:.1f} tok/s" for k, v in runs.items()),
+                  flush=True)
+    finally:
+        for proc, _, _ in stacks.values():
+            proc.terminate()
+        for proc, _, _ in stacks.values():
+            proc.wait(timeout=30)
+    merged = {k: merge(v) for k, v in runs.items()}
+    print(header)
+    for name, r in merged.items():
+        print(row(f"stepwire serve, {name}", r))
+    print(f"RESULT mtls_ratio={merged['mTLS']['tok_s'] / merged['plaintext']['tok_s']:.3f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--concurrency", type=int, default=64)
@@ -216,6 +258,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds of each system, summed")
     ap.add_argument("--url", help="measure this OpenAI-compatible server alone")
     ap.add_argument("--model-name", default="SmolLM2-135M-Instruct")
+    ap.add_argument("--mtls", action="store_true", help="compare the mTLS stack (stepwire serve's default) with a "
+                                                        "plaintext one (--no-tls), side by side")
     ap.add_argument("--llama-venv", help="also run llama.cpp's server (built by ../shared/peers/llama_cpp/setup.sh "
                                          "into this folder) on the same GGUF, at concurrency 1 and 8")
     args = ap.parse_args()
@@ -233,6 +277,8 @@ def main() -> None:
         return
     if args.llama_venv:
         return compare_llama(args, texts, header)
+    if args.mtls:
+        return compare_mtls(args, texts, header)
     # Rounds alternate between the two systems so that a noisy phase of a shared machine falls on both.
     tok = ModelTokenizer(MODEL)
     prompt_ids = [tok.encode_chat([{"role": "user", "content": t}]) for t in texts]

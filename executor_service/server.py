@@ -1,8 +1,11 @@
 """The executor as a gRPC service: Describe, and a bidirectional Step stream of diffs and results.
 
 The executor keeps only a cache of the scheduler's state, so anything it cannot place is answered with
-`resync` and changes nothing: a step from an older epoch, or one naming a handle it does not hold (after
-a restart, say). A step from a newer epoch means the scheduler started over: the cache is dropped first.
+`resync` and changes nothing: a step from an older epoch, one naming a handle it does not hold (after a
+restart, say), or any field that does not fit this executor (`step_checks.py`: block ids, token ids,
+counts, lengths, sampling parameters). A step from a newer epoch means the scheduler started over: the
+cache is dropped first. An error while running a step that the checks let through is logged with its
+traceback and answered with `resync` too (the batch reset): the stream and the process go on.
 
 It serves one Step stream at a time. A new stream drops the cache and ends the older stream at its next
 message, and epochs live and die with their stream: whatever a peer sends on one stream, the next one
@@ -30,10 +33,15 @@ from opentelemetry.trace import SpanKind
 from executor_service.metrics import ExecutorMetrics
 from executor_service.runner import ModelRunner
 from executor_service.settings import ExecutorSettings
+from executor_service.step import BadStep
+from executor_service.step_checks import Limits, check_step
 from executor_service.wire import decode_step, encode_result
 from observability import tracing
+from observability.health_port import serve_health
 from observability.metrics_server import serve_metrics
 from observability.shutdown import serve_until_sigterm
+from security.listen import add_port, describe
+from security.strict_decode import DecodeErrorsAreInvalidArgument
 from stepwire.contract.settings import load
 from stepwire.internal import executor_pb2, executor_pb2_grpc
 
@@ -63,6 +71,7 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
         # that loaded the model measured ~35% slower on CPU (memory arenas and thread pools are per thread).
         self._worker = worker
         self.metrics = ExecutorMetrics(self)
+        self._step_limits: Limits | None = None     # from the runner, once it is loaded
 
     async def _ready(self, context) -> None:
         if self.runner is None:
@@ -102,6 +111,17 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
                 self.streams_closed.set()
 
     def _step(self, msg: executor_pb2.StepRequest, stream: _Stream) -> executor_pb2.StepResponse:
+        try:
+            return self._traced_step(msg, stream)
+        except Exception as e:
+            # The checks should leave nothing that fails here; if something does, the stream must outlive it.
+            # The step may have been half applied, so the batch goes; the scheduler's resync recomputes every
+            # request and forgets its prefix cache, so no KV this step half wrote is read again.
+            log.exception("step %d: unexpected error; batch reset, asking for a resync", msg.step)
+            self.runner.reset_batch()
+            return self._resync(msg, f"internal error ({type(e).__name__}: {str(e)[:200]}); batch reset")
+
+    def _traced_step(self, msg: executor_pb2.StepRequest, stream: _Stream) -> executor_pb2.StepResponse:
         tracer = tracing.tracer()
         if tracer is None or not msg.traceparent:
             return self._run_step(msg, stream)
@@ -121,13 +141,12 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
         if stream.epoch is not None and msg.epoch > stream.epoch:
             self.runner.reset_batch()
         stream.epoch = msg.epoch
-        rows, parked = self.runner.batch.row_of, self.runner.batch.parked
-        new = {n.handle for n in msg.new_requests}
-        unknown = [h for h in (*msg.handles, *msg.preempted, *msg.resumed)
-                   if h not in rows and h not in parked and h not in new]
-        if unknown:
-            return self._resync(msg, f"unknown handles {sorted(set(unknown))[:8]}")
-        step = decode_step(msg)
+        try:
+            step = decode_step(msg)
+            # Checked before the step touches the batch or the KV cache: a refused step changes nothing.
+            check_step(step, self.runner.batch, self._limits())
+        except BadStep as e:
+            return self._resync(msg, str(e))
         t0 = time.perf_counter()
         result = self.runner.execute(step)
         reply = encode_result(result, len(step.handles), msg.epoch, msg.step)
@@ -148,6 +167,11 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
         except TimeoutError:
             log.warning("drain period of %.0fs over with a stream still open; stopping", seconds)
 
+    def _limits(self) -> Limits:
+        if self._step_limits is None:
+            self._step_limits = Limits.of(self.runner)
+        return self._step_limits
+
     def _resync(self, msg, reason: str) -> executor_pb2.StepResponse:
         self.metrics.resyncs.inc()
         log.warning("step %d: resync (%s)", msg.step, reason)
@@ -156,7 +180,9 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
 
 async def serve(settings: ExecutorSettings) -> None:
     tracing.setup("stepwire-executor")
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
+    tls = settings.tls_files()
+    server = grpc.aio.server(interceptors=[DecodeErrorsAreInvalidArgument()],
+                             options=[("grpc.max_receive_message_length", 64 << 20),
                                       ("grpc.max_send_message_length", 64 << 20),
                                       # the scheduler's keepalive pings (--keepalive-seconds, at least 1)
                                       # must not count as abuse
@@ -169,13 +195,15 @@ async def serve(settings: ExecutorSettings) -> None:
     service = ExecutorService(worker)
     executor_pb2_grpc.add_ExecutorServicer_to_server(service, server)
     serve_metrics(settings.metrics_address, service.metrics.registry, "executor")
-    port = server.add_insecure_port(settings.address)
+    port = add_port(server, settings.address, tls, settings.insecure, "the executor")
+    health_port = await serve_health(settings.health_address, health_servicer)
     # Not serving until the weights are in: a readiness probe must not route steps to a loading pod.
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()
     runner_config = settings.runner_config()
-    log.info("executor listening on %s (port %d), loading %s", settings.address, port, runner_config.model)
+    log.info("executor listening on %s (port %d, %s), loading %s", settings.address, port, describe(tls),
+             runner_config.model)
     loop = asyncio.get_running_loop()
     if settings.threads:
         # Several executors on one host each start a thread per core by default and fight over them.
@@ -185,6 +213,8 @@ async def serve(settings: ExecutorSettings) -> None:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("executor ready (%d torch threads): %s", torch.get_num_threads(), service.runner.describe())
     await serve_until_sigterm(server, before_stop=lambda: service.drain(health_servicer, settings.drain_seconds))
+    if health_port is not None:
+        await health_port.stop(0)
     log.info("executor stopped")
 
 

@@ -12,16 +12,18 @@ from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from executor_service.runner import RunnerConfig
-from stepwire.contract.settings import ServiceSettings
+from security.tls import TLSSettings
 
 
-class ExecutorSettings(ServiceSettings):
+class ExecutorSettings(TLSSettings):
     """Run one stepwire executor. Every flag is also STEPWIRE_EXECUTOR_<FLAG> (capitals, underscores)."""
 
     model_config = SettingsConfigDict(env_prefix="STEPWIRE_EXECUTOR_", cli_prog_name="stepwire executor")
 
     address: str = Field("127.0.0.1:50061", description="host:port of the Executor gRPC service")
     metrics_address: str = Field("127.0.0.1:9092", description="host:port for Prometheus /metrics; empty: off")
+    health_address: str = Field("", description="host:port of a plaintext port with only gRPC health, for "
+                                "probes that cannot present a certificate; empty: off")
     threads: int = Field(0, ge=0, description="torch intra-op threads; 0: torch's default (one per core)")
     drain_seconds: float = Field(25.0, ge=0, description="after SIGTERM, how long to wait for the scheduler to "
                                  "finish or move this executor's requests (keep it under Kubernetes' "

@@ -3,6 +3,8 @@
 It mirrors the wire message (`stepwire.internal.StepRequest`) field for field, in the order the
 persistent batch applies them: drop finished and preempted rows, bring back resumed ones, append grown
 blocks, add new rows, then run `handles` with `num_tokens` each.
+
+Nothing in it is trusted: `step_checks.check_step` decides whether a decoded step can be applied at all.
 """
 
 from __future__ import annotations
@@ -12,6 +14,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from stepwire.internal import sampling_pb2
+
+
+class BadStep(ValueError):
+    """A step message the executor cannot apply as sent; the text says why, and goes back in `resync`."""
 
 
 @dataclass(slots=True)
@@ -33,8 +39,9 @@ class Step:
     new: list[NewRow] = field(default_factory=list)
     # Back from preemption: (handle, computed tokens, the whole new block table).
     resumed: list[tuple[int, int, list[int]]] = field(default_factory=list)
-    # Crossed into new blocks: (handle, block ids appended).
+    # Crossed into new blocks: (handle, block ids appended), and each one's index into `handles`.
     grown: list[tuple[int, list[int]]] = field(default_factory=list)
+    grown_at: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)

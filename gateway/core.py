@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 import grpc
@@ -15,12 +16,22 @@ from gateway.session import SchedulerError, SchedulerSession, output_error
 from gateway.stops import StopMatcher
 from gateway.telemetry import Observation
 from gateway.tokenizer import ChatTemplateError, ModelTokenizer
-from stepwire.contract import InvalidRequestError, SamplingParams, check_chat, check_priority, check_prompt
+from stepwire.contract import (
+    InvalidRequestError,
+    SamplingParams,
+    check_chat,
+    check_priority,
+    check_prompt,
+    check_stop,
+)
 from stepwire.contract.limits import UINT64_MAX
+from stepwire.contract.sampling import MAX_LOGPROBS
 from stepwire.internal import scheduler_pb2, scheduler_pb2_grpc
 
-MAX_LOGPROBS = 20
 MAX_N = 16
+# Tokenizing and rendering chat templates run here, off the event loop: one large prompt must not stall
+# every other stream's deltas. Few threads: the work is CPU-bound and the body size limit bounds each job.
+TOKENIZER_THREADS = 2
 
 
 @dataclass
@@ -58,14 +69,21 @@ class Usage:
 class Backend:
     """The gateway's view of the scheduler: validated, tokenized requests in, text deltas out."""
 
-    def __init__(self, scheduler_address: str, tokenizer: ModelTokenizer, model_name: str):
-        self.channel = grpc.aio.insecure_channel(scheduler_address)
-        self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
-        self.session = SchedulerSession(self.stub)
+    def __init__(self, channel: grpc.aio.Channel, tokenizer: ModelTokenizer, model_name: str):
+        self.use_channel(channel)
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = 0   # learned from the scheduler once it is connected
         self.ready = False       # the scheduler is serving (kept by gateway.server.follow_scheduler)
+        self.pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
+
+    def use_channel(self, channel: grpc.aio.Channel) -> grpc.aio.Channel | None:
+        """Talk to the scheduler over `channel` from now on (mTLS or plaintext); returns the one it replaces."""
+        old = getattr(self, "channel", None)
+        self.channel = channel
+        self.stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        self.session = SchedulerSession(self.stub)
+        return old
 
     async def refresh(self) -> bool:
         """True when the scheduler answers and has an executor; learns max_model_len from it."""
@@ -80,25 +98,61 @@ class Backend:
 
     def check_model(self, name: str) -> None:
         if name and name != self.model_name:
-            raise InvalidRequestError("model", f"the model {name!r} does not exist; this server serves "
+            shown = name if len(name) <= 100 else name[:100] + "..."
+            raise InvalidRequestError("model", f"the model {shown!r} does not exist; this server serves "
                                                f"{self.model_name!r}")
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a text prompt; one that cannot fit the context is refused before it is tokenized."""
+        return await self._off_loop(self._encode, text, add_special_tokens, await self._text_limit())
+
+    async def encode_chat(self, messages: list[dict]) -> list[int]:
         check_chat(messages)
+        return await self._off_loop(self._encode_chat, messages, await self._text_limit())
+
+    def _encode(self, text: str, add_special_tokens: bool, limit: int) -> list[int]:
+        self._refuse_oversize(text, limit, "prompt")
+        return self.tokenizer.encode(text, add_special_tokens)
+
+    def _encode_chat(self, messages: list[dict], limit: int) -> list[int]:
         try:
-            return self.tokenizer.encode_chat(messages)
+            text = self.tokenizer.render_chat(messages)
         except ChatTemplateError as e:
             raise InvalidRequestError("messages", str(e)) from None
+        self._refuse_oversize(text, limit, "messages")
+        # The rendered template already holds its special tokens.
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    async def _text_limit(self) -> int:
+        """The most bytes a prompt that can still fit may have; 0 while the context length is unknown (no
+        executor seen yet: then only the body size limit bounds a prompt)."""
+        if not self.max_model_len:
+            await self.refresh()
+        # A prompt must leave room for one output token, so it has at most max_model_len - 1 tokens.
+        return max(self.max_model_len - 1, 0) * self.tokenizer.max_token_bytes
+
+    def _refuse_oversize(self, text: str, limit: int, field: str) -> None:
+        try:
+            size = self.tokenizer.text_bytes(text)
+        except UnicodeEncodeError:
+            raise InvalidRequestError(field, "the text is not valid Unicode (it holds a lone surrogate)") from None
+        if limit and size > limit:
+            raise InvalidRequestError(field, f"this model's maximum context length is {self.max_model_len} tokens; "
+                                             f"a text of {size} bytes cannot fit it (at most {limit} bytes can)")
+
+    async def _off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
     def check(self, prompt_ids: list[int], p: GenerationParams) -> None:
         """Validate before anything reaches the scheduler; raises InvalidRequestError naming the field.
         Every number is checked against the width of the proto field it travels in, so nothing can fail
         later, inside a conversion, where no one would answer the client. Resolves max_tokens."""
-        check_prompt(prompt_ids, self.tokenizer.vocab_size)
         limit = self.max_model_len
+        # The length first: it costs nothing, and a list of a million ids need not be walked to refuse it.
         if limit and len(prompt_ids) >= limit:
             raise InvalidRequestError("prompt", f"this model's maximum context length is {limit} tokens; the "
                                                 f"prompt has {len(prompt_ids)}")
+        check_prompt(prompt_ids, self.tokenizer.vocab_size)
         if p.max_tokens is None:
             p.sampling.max_tokens = max(limit - len(prompt_ids), 1) if limit else 256
         else:
@@ -108,6 +162,11 @@ class Backend:
                                                         f"{len(prompt_ids)} in the prompt plus max_tokens="
                                                         f"{p.max_tokens} exceed it")
         p.sampling.validate()
+        self.check_params(p)
+
+    def check_params(self, p: GenerationParams) -> None:
+        """What can be checked without the prompt: the front ends call it before tokenizing, so a request
+        that will be refused anyway costs no tokenizer time."""
         if not 1 <= p.n <= MAX_N:
             raise InvalidRequestError("n", f"must be in [1, {MAX_N}], got {p.n}")
         lp = p.sampling.logprobs
@@ -116,6 +175,12 @@ class Backend:
         if p.n > 1 and p.sampling.temperature == 0:
             raise InvalidRequestError("n", "n > 1 needs sampling (temperature > 0): greedy copies are identical")
         check_priority(p.priority)
+        check_stop(p.stop)
+        if p.cache_salt is not None:
+            try:
+                p.cache_salt.encode()
+            except UnicodeEncodeError:
+                raise InvalidRequestError("cache_salt", "not valid Unicode (it holds a lone surrogate)") from None
 
     async def generate(self, prompt_ids: list[int], p: GenerationParams, usage: Usage,
                        obs: Observation | None = None) -> AsyncIterator[Chunk]:

@@ -31,16 +31,17 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         b = self.backend
         try:
             b.check_model(request.model)
+            params = _params(request)
+            b.check_params(params)   # before tokenizing: a request refused anyway costs no tokenizer time
             which = request.WhichOneof("prompt")
             if which == "text":
-                prompt = b.tokenizer.encode(request.text)
+                prompt = await b.encode(request.text)
             elif which == "token_ids":
                 prompt = list(request.token_ids.ids)
             elif which == "chat":
-                prompt = b.encode_chat(_messages(request.chat))
+                prompt = await b.encode_chat(_messages(request.chat))
             else:
                 raise InvalidRequestError("prompt", "one of text, token_ids or chat is required")
-            params = _params(request)
             if not b.max_model_len:
                 await b.refresh()
             b.check(prompt, params)
@@ -112,15 +113,15 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
     async def Tokenize(self, request, context):
         b = self.backend
-        if request.model and request.model != b.model_name:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"model: {request.model!r} is not served")
-        if request.WhichOneof("input") == "chat":
-            try:
-                ids = b.encode_chat(_messages(request.chat))
-            except InvalidRequestError as e:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        else:
-            ids = b.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
+        try:
+            b.check_model(request.model)
+            if request.WhichOneof("input") == "chat":
+                ids = await b.encode_chat(_messages(request.chat))
+            else:
+                # A text that could never fit the context is refused here too, before it is tokenized.
+                ids = await b.encode(request.text, add_special_tokens=request.add_special_tokens)
+        except InvalidRequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return generation_pb2.TokenizeResponse(token_ids=ids, max_model_len=b.max_model_len)
 
     async def ModelInfo(self, request, context):

@@ -7,7 +7,6 @@ import inspect
 import json
 import time
 import uuid
-from typing import Any
 
 import grpc
 from fastapi import FastAPI, Request
@@ -15,11 +14,19 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
+from starlette.middleware.authentication import AuthenticationMiddleware
 
+from gateway.auth import ApiKeys, HttpKeys, KeyRefused
+from gateway.body_limit import BodyLimit
 from gateway.core import Backend, GenerationParams, Usage
 from gateway.session import SchedulerError
 from gateway.telemetry import GatewayMetrics, Observation
 from stepwire.contract import InvalidRequestError, SamplingParams
+
+OPEN_PATHS = frozenset({"/health", "/metrics"})   # probes and Prometheus carry no API key
+# After a 413 the server hangs up rather than read (and discard) the rest of an oversized body.
+CLOSE = {"Connection": "close"}
 
 
 class _Strict(BaseModel):
@@ -61,9 +68,16 @@ class CompletionRequest(_Sampling):
     echo: bool = False
 
 
+class ContentPart(BaseModel):
+    # Other part types (image_url, input_audio, ...) carry fields of their own; they are refused by type.
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
 class ChatMessage(_Strict):
     role: str   # checked with the gRPC API's rule, in the backend
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
 
 
@@ -74,39 +88,98 @@ class ChatRequest(_Sampling):
     top_logprobs: int | None = None
 
 
-def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
-    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "param": param,
-                                                                "code": None}})
+def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+           code: str | None = None, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(status_code=status, headers=headers, content={
+        "error": {"message": message, "type": kind, "param": param, "code": code}})
 
 
-def build_app(backend: Backend, metrics: GatewayMetrics) -> FastAPI:
-    # Newer FastAPI releases trace every request themselves once a tracer provider is installed. The
-    # gateway makes its own SERVER span (the same on HTTP and gRPC, with gen_ai attributes, ending when a
-    # stream ends), so theirs would only duplicate it; metrics are Prometheus, below.
-    native = {"telemetry": {"tracing": False, "metrics": False, "logs": False, "operation_spans": False}} \
-        if "telemetry" in inspect.signature(FastAPI).parameters else {}
-    app = FastAPI(title="stepwire", docs_url=None, redoc_url=None, **native)
+def _short(text: str, limit: int = 200) -> str:
+    # Error messages may quote what the client sent (a field's name); never a megabyte of it.
+    return text if len(text) <= limit else text[:limit] + "..."
 
+
+def _add_health_routes(app: FastAPI, backend: Backend, metrics: GatewayMetrics) -> None:
     @app.get("/metrics")
     async def prometheus():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-        metrics.requests.labels("http", request.url.path, "400").inc()
-        return _error(400, f"{loc or 'body'}: {first.get('msg', 'invalid request')}", loc or None)
-
-    @app.exception_handler(InvalidRequestError)
-    async def _bad(request, exc: InvalidRequestError):
-        return _error(400, str(exc), exc.field)
 
     @app.get("/health")
     async def health():
         # The same readiness as the gRPC health service: the scheduler reachable and serving.
         ok = backend.ready
         return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
+
+
+def build_health_app(backend: Backend, metrics: GatewayMetrics) -> FastAPI:
+    """/health and /metrics alone, for a port of their own (--health-port) that needs no API key."""
+    app = FastAPI(title="stepwire health", docs_url=None, redoc_url=None, openapi_url=None, **_native_off())
+    _add_health_routes(app, backend, metrics)
+    return app
+
+
+def _native_off() -> dict:
+    # Newer FastAPI releases trace every request themselves once a tracer provider is installed. The
+    # gateway makes its own SERVER span (the same on HTTP and gRPC, with gen_ai attributes, ending when a
+    # stream ends), so theirs would only duplicate it; metrics are Prometheus, at /metrics.
+    return {"telemetry": {"tracing": False, "metrics": False, "logs": False, "operation_spans": False}} \
+        if "telemetry" in inspect.signature(FastAPI).parameters else {}
+
+
+def _too_large(max_body_bytes: int | None) -> str:
+    return f"the request body is larger than this server's limit of {max_body_bytes} bytes"
+
+
+def _http_error_message(request: Request, exc: HTTPException, max_body_bytes: int | None) -> str:
+    if exc.status_code == 413:
+        return _too_large(max_body_bytes)
+    if exc.status_code == 404:
+        return f"Invalid URL ({request.method} {_short(request.url.path)})"
+    if exc.status_code == 405:
+        return f"Method {request.method} is not allowed on {_short(request.url.path)}"
+    if exc.status_code == 400:
+        # FastAPI's answer to a body it could not parse (invalid UTF-8, JSON nested past the parser's depth).
+        return "the request body could not be parsed as JSON"
+    return str(exc.detail)
+
+
+def build_app(backend: Backend, metrics: GatewayMetrics, api_keys: ApiKeys | None = None,
+              max_body_bytes: int | None = None) -> FastAPI:
+    """The OpenAI-compatible API. With `api_keys` enabled every path but /health and /metrics needs a key;
+    a body over `max_body_bytes` (Content-Length or not, chunked too) is refused once that many bytes are
+    in, without reading on. Every refusal has OpenAI's {"error": {...}} shape, FastAPI's own ones included."""
+    app = FastAPI(title="stepwire", docs_url=None, redoc_url=None, **_native_off())
+    # The middleware added last runs first: the key is checked before any of the body is read.
+    if max_body_bytes is not None:
+        app.add_middleware(BodyLimit, max_bytes=max_body_bytes,
+                           too_large=lambda: _error(413, _too_large(max_body_bytes), headers=CLOSE))
+    if api_keys is not None and api_keys.enabled:
+        app.add_middleware(AuthenticationMiddleware, backend=HttpKeys(api_keys, OPEN_PATHS), on_error=_refused)
+    _add_health_routes(app, backend, metrics)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        metrics.requests.labels("http", request.url.path, "400").inc()
+        if first.get("type") == "json_invalid":
+            return _error(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}")
+        loc = _short(".".join(str(x) for x in first.get("loc", ()) if x != "body"))
+        return _error(400, f"{loc or 'body'}: {first.get('msg', 'invalid request')}", loc or None)
+
+    @app.exception_handler(InvalidRequestError)
+    async def _bad(request, exc: InvalidRequestError):
+        return _error(400, str(exc), exc.field)
+
+    @app.exception_handler(HTTPException)
+    async def _http(request, exc: HTTPException):
+        # FastAPI's 404, 405, 413 and unparseable bodies, in OpenAI's shape instead of {"detail": ...}.
+        headers = CLOSE if exc.status_code == 413 else exc.headers
+        return _error(exc.status_code, _http_error_message(request, exc, max_body_bytes), headers=headers)
+
+    @app.exception_handler(Exception)
+    async def _crash(request, exc: Exception):
+        # A bug, not the client's doing; Starlette re-raises it after this answer, so the server logs it.
+        return _error(500, "the server had an error while processing the request", kind="server_error")
 
     @app.get("/v1/models")
     async def models():
@@ -121,7 +194,7 @@ def build_app(backend: Backend, metrics: GatewayMetrics) -> FastAPI:
             p = _params(backend, req, req.max_tokens, req.logprobs)
             if req.echo:
                 raise InvalidRequestError("echo", "echo is not supported")
-            prompt = req.prompt if isinstance(req.prompt, list) else backend.tokenizer.encode(req.prompt)
+            prompt = req.prompt if isinstance(req.prompt, list) else await backend.encode(req.prompt)
             return await _respond(backend, raw, req, prompt, p, False, obs)
         except InvalidRequestError as e:
             obs.end(400, error=str(e))
@@ -135,7 +208,7 @@ def build_app(backend: Backend, metrics: GatewayMetrics) -> FastAPI:
             if req.top_logprobs is not None and not req.logprobs:
                 raise InvalidRequestError("top_logprobs", "top_logprobs needs logprobs: true")
             p = _params(backend, req, req.max_completion_tokens or req.max_tokens, n_lp)
-            prompt = backend.encode_chat([{"role": m.role, "content": _text(m.content)} for m in req.messages])
+            prompt = await backend.encode_chat([{"role": m.role, "content": _text(m.content)} for m in req.messages])
             return await _respond(backend, raw, req, prompt, p, True, obs)
         except InvalidRequestError as e:
             obs.end(400, error=str(e))
@@ -144,15 +217,20 @@ def build_app(backend: Backend, metrics: GatewayMetrics) -> FastAPI:
     return app
 
 
-def _text(content) -> str:
+def _text(content: str | list[ContentPart] | None) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     parts = []
     for part in content:
-        if part.get("type") != "text":
-            raise InvalidRequestError("messages", f"content parts of type {part.get('type')!r} are not supported")
-        parts.append(part.get("text", ""))
+        if part.type != "text":
+            raise InvalidRequestError("messages", f"content parts of type {_short(part.type, 40)!r} are not "
+                                                  "supported")
+        parts.append(part.text or "")
     return "".join(parts)
+
+
+def _refused(conn, exc: KeyRefused) -> JSONResponse:
+    return _error(401, str(exc), code=exc.code, headers={"WWW-Authenticate": "Bearer"})
 
 
 def _params(backend: Backend, req: _Sampling, max_tokens: int | None, logprobs: int | None) -> GenerationParams:
@@ -164,8 +242,10 @@ def _params(backend: Backend, req: _Sampling, max_tokens: int | None, logprobs: 
     sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
                               seed=req.seed, stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos,
                               min_tokens=req.min_tokens, logprobs=logprobs)
-    return GenerationParams(sampling, max_tokens=max_tokens, stop=stop, n=req.n, priority=req.priority,
-                            cache_salt=req.cache_salt)
+    p = GenerationParams(sampling, max_tokens=max_tokens, stop=stop, n=req.n, priority=req.priority,
+                         cache_salt=req.cache_salt)
+    backend.check_params(p)
+    return p
 
 
 async def _respond(backend: Backend, raw: Request, req, prompt: list[int], p: GenerationParams, chat: bool,
@@ -254,7 +334,7 @@ async def _sse(backend, prompt, p, usage, rid, created, chat, include_usage, obs
         yield "data: [DONE]\n\n"
     except SchedulerError as e:
         error = e.details()
-        yield f"data: {json.dumps({'error': {'message': e.details(), 'type': 'server_error'}})}\n\n"
+        yield f"data: {_rpc_error(e).body.decode()}\n\n"
     finally:
         # Also when the client hangs up mid-stream (the generator is closed): the span still ends.
         obs.end(200, usage, finish, error=error if error is not None else
@@ -283,9 +363,11 @@ def _chat_lp(backend, per_token) -> dict:
                                           for t, v in pairs[1:]]} for pairs in per_token]}
 
 
-def _rpc_error(e: SchedulerError):
+def _rpc_error(e: SchedulerError) -> JSONResponse:
+    # The details are the scheduler's own words for one request, or gateway.session's fixed message when
+    # the link broke: never grpc's transport details.
     if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
         return _error(400, e.details())
     if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return _error(429, e.details(), kind="rate_limit_error")
-    return _error(503, f"scheduler unavailable: {e.details()}", kind="server_error")
+    return _error(503, e.details(), kind="server_error")

@@ -11,23 +11,57 @@ import uvicorn
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from gateway.auth import ApiKeys, GrpcKeys, require_key_beyond_loopback
 from gateway.core import Backend
 from gateway.grpc_api import SERVICE, GenerationService
-from gateway.http_api import build_app
+from gateway.http_api import build_app, build_health_app
 from gateway.settings import GatewaySettings
 from gateway.telemetry import GatewayMetrics
 from gateway.tokenizer import ModelTokenizer
 from observability import tracing
+from security import tls
+from security.strict_decode import DecodeErrorsAreInvalidArgument
 from stepwire.contract.settings import load
 from stepwire.v1 import generation_pb2_grpc
 
 log = logging.getLogger("stepwire.gateway")
 
 
-async def follow_scheduler(backend: Backend, health_servicer, metrics: GatewayMetrics, address: str) -> None:
+def scheduler_channel(s: GatewaySettings) -> grpc.aio.Channel:
+    """To the scheduler: mTLS with this gateway's certificate when TLS is configured (files read now)."""
+    return tls.channel(s.scheduler, s.tls_files(), s.scheduler_server_name)
+
+
+def renewer(s: GatewaySettings, backend: Backend):
+    """A coroutine function that gives the backend a new channel when the certificate files have changed.
+    grpc keeps a channel's credentials for its life, and a certificate only counts at a handshake, so the
+    gateway renews the channel when its link to the scheduler has broken and a new handshake is due anyway."""
+    files = s.tls_files()
+    seen = [files.stamp()] if files is not None else []
+
+    async def renew() -> None:
+        if files is None:
+            return
+        try:
+            stamp = files.stamp()
+            if stamp == seen[0]:
+                return
+            channel = scheduler_channel(s)
+        except (OSError, ValueError) as e:
+            log.warning("TLS files changed but cannot be used yet (%s); keeping the current certificate", e)
+            return
+        seen[0] = stamp
+        log.info("TLS certificate files changed: the next connection to the scheduler uses them")
+        old = backend.use_channel(channel)
+        await old.close(grace=1)
+
+    return renew
+
+
+async def follow_scheduler(backend: Backend, health_servicer, metrics: GatewayMetrics, address: str,
+                           renew=None) -> None:
     """Mirror the scheduler's readiness (its health Watch stream) into ours, for ever: the gateway is
     ready exactly while the scheduler is reachable and has an executor."""
-    stub = health_pb2_grpc.HealthStub(backend.channel)
     serving = health_pb2.HealthCheckResponse.SERVING
     announced = None
 
@@ -46,33 +80,57 @@ async def follow_scheduler(backend: Backend, health_servicer, metrics: GatewayMe
 
     while True:
         try:
-            async for r in stub.Watch(health_pb2.HealthCheckRequest(service="")):
+            async for r in health_pb2_grpc.HealthStub(backend.channel).Watch(health_pb2.HealthCheckRequest()):
                 await set_ready(r.status == serving)
         except grpc.aio.AioRpcError:
             pass
         await set_ready(False)
+        if renew is not None:
+            await renew()
         await asyncio.sleep(1)
 
 
-async def serve(model_dir: str, model_name: str, scheduler: str, host: str, port: int, grpc_address: str) -> None:
+async def serve(s: GatewaySettings, model_name: str, api_keys: ApiKeys) -> None:
     tracing.setup("stepwire-gateway")
-    backend = Backend(scheduler, ModelTokenizer(model_dir), model_name)
+    backend = Backend(scheduler_channel(s), ModelTokenizer(s.model), model_name)
     metrics = GatewayMetrics()
-    server = grpc.aio.server()
+    # The key first, so a caller without one costs no decoding; the health service stays open to probes
+    # that carry none. A message that does not decode is INVALID_ARGUMENT, and the body limit bounds a
+    # message as it bounds an HTTP body.
+    interceptors = [GrpcKeys(api_keys, frozenset({health.SERVICE_NAME}))] if api_keys.enabled else []
+    server = grpc.aio.server(interceptors=[*interceptors, DecodeErrorsAreInvalidArgument()],
+                             options=[("grpc.max_receive_message_length", s.max_body_bytes)])
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationService(backend, metrics), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    server.add_insecure_port(grpc_address)
+    if s.public_tls_cert:
+        key, cert = Path(s.public_tls_key).read_bytes(), Path(s.public_tls_cert).read_bytes()
+        server.add_secure_port(s.grpc_address, grpc.ssl_server_credentials([(key, cert)]))
+    else:
+        server.add_insecure_port(s.grpc_address)
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()
-    follower = asyncio.create_task(follow_scheduler(backend, health_servicer, metrics, scheduler))
-    log.info("gateway for %s on http://%s:%d (metrics at /metrics) and gRPC %s; not ready until the scheduler "
-             "at %s is", model_name, host, port, grpc_address, scheduler)
-    config = uvicorn.Config(build_app(backend, metrics), host=host, port=port, log_level="warning")
+    follower = asyncio.create_task(follow_scheduler(backend, health_servicer, metrics, s.scheduler,
+                                                    renewer(s, backend)))
+    log.info("gateway for %s on http%s://%s:%d (metrics at /metrics) and gRPC %s, %s; not ready until the "
+             "scheduler at %s (%s) is", model_name, "s" if s.public_tls_cert else "", s.host, s.port, s.grpc_address,
+             "API keys required" if api_keys.enabled else "no API key required", s.scheduler,
+             "mTLS" if s.tls_files() else "plaintext")
+    # With TLS, an idle keep-alive client holds uvicorn's shutdown until asyncio's TLS close times out (30 s,
+    # measured: 20 s and more), so the wait for open connections is bounded.
+    public_tls = {"ssl_certfile": s.public_tls_cert, "ssl_keyfile": s.public_tls_key,
+                  "timeout_graceful_shutdown": 10} if s.public_tls_cert else {}
+    http = [uvicorn.Config(build_app(backend, metrics, api_keys, s.max_body_bytes), host=s.host, port=s.port,
+                           log_level="warning", **public_tls)]
+    if s.health_port:
+        log.info("/health and /metrics also on http://%s:%d, without a key", s.host, s.health_port)
+        http.append(uvicorn.Config(build_health_app(backend, metrics), host=s.host, port=s.health_port,
+                                   log_level="warning"))
     try:
-        await uvicorn.Server(config).serve()
+        # On a signal each server stops and hands the signal on to the one that set its handler before it.
+        await asyncio.gather(*(uvicorn.Server(config).serve() for config in http))
     finally:
         follower.cancel()
         await server.stop(grace=2)
@@ -82,8 +140,10 @@ async def serve(model_dir: str, model_name: str, scheduler: str, host: str, port
 def main(argv: list[str] | None = None) -> None:
     s = load(GatewaySettings, argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    api_keys = ApiKeys(s.api_key_file)
+    require_key_beyond_loopback([s.host, s.grpc_address], api_keys, s.insecure)
     name = s.served_model_name or Path(s.model).name
-    asyncio.run(serve(s.model, name, s.scheduler, s.host, s.port, s.grpc_address))
+    asyncio.run(serve(s, name, api_keys))
 
 
 if __name__ == "__main__":

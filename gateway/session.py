@@ -9,12 +9,17 @@ SchedulerError and the next submit opens a fresh stream.
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import grpc
 
 from stepwire.internal import scheduler_pb2
 
+log = logging.getLogger("stepwire.gateway")
 _STATUS = {s.value[0]: s for s in grpc.StatusCode}
+# What a client learns when the link to the scheduler fails. grpc's own details name internal addresses and
+# transport state ("ipv4:10.0.3.7:50051: failed to connect to all addresses"); those go to the log instead.
+UNAVAILABLE = "the scheduler is unavailable; retry"
 
 
 class SchedulerError(Exception):
@@ -45,15 +50,19 @@ class _Stream:
             yield await self.outgoing.get()
 
     async def _read(self) -> None:
-        error = SchedulerError(grpc.StatusCode.UNAVAILABLE, "the scheduler closed the session")
+        error = SchedulerError(grpc.StatusCode.UNAVAILABLE, UNAVAILABLE)
         try:
             async for msg in self.call:
                 for out in msg.outputs:
                     q = self.queues.get(out.request_id)
                     if q is not None:
                         q.put_nowait(out)
+            log.warning("the scheduler closed the session stream; %d requests on it end UNAVAILABLE",
+                        len(self.queues))
         except grpc.aio.AioRpcError as e:
-            error = SchedulerError(e.code(), e.details() or "scheduler unreachable")
+            # Whatever the status, the whole stream is gone: the client can only retry.
+            log.warning("the session stream to the scheduler broke (%s: %s); %d requests on it end UNAVAILABLE",
+                        e.code().name, e.details(), len(self.queues))
         finally:
             self.dead = True
             for q in self.queues.values():

@@ -1,14 +1,15 @@
-"""The gateway process's settings: the model's tokenizer, the scheduler it forwards to, and its two ports."""
+"""The gateway process's settings: the model's tokenizer, the scheduler it forwards to, its ports, API keys
+and request size limits."""
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from stepwire.contract.settings import ServiceSettings
+from security.tls import TLSSettings
 
 
-class GatewaySettings(ServiceSettings):
+class GatewaySettings(TLSSettings):
     """Run the stepwire gateway. Every flag is also STEPWIRE_GATEWAY_<FLAG> (capitals, underscores)."""
 
     model_config = SettingsConfigDict(env_prefix="STEPWIRE_GATEWAY_", cli_prog_name="stepwire gateway")
@@ -19,3 +20,24 @@ class GatewaySettings(ServiceSettings):
     host: str = Field("127.0.0.1", description="HTTP listen address")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port (OpenAI-compatible API, /health, /metrics)")
     grpc_address: str = Field("127.0.0.1:50050", description="host:port of the public gRPC API (stepwire.v1)")
+    api_key_file: str = Field("", description="file of API keys, one a line (blank lines and # comments ignored), "
+                              "re-read when it changes; keys also come from STEPWIRE_API_KEY (comma-separated). "
+                              "No key from either: no authentication")
+    health_port: int = Field(0, ge=0, le=65535, description="also serve /health and /metrics, never needing a key, "
+                             "on this plain HTTP port on --host (for probes and Prometheus); 0: off")
+    max_body_bytes: int = Field(2 << 20, ge=1, description="largest HTTP request body and gRPC request message, in "
+                                "bytes: larger gets 413 or RESOURCE_EXHAUSTED")
+    insecure: bool = Field(False, description="allow listening beyond loopback with no API key configured (anyone "
+                           "who reaches the port can use the API)")
+    # --tls-dir & co. (TLSSettings) are the gateway's identity towards the scheduler; clients see another.
+    scheduler_server_name: str = Field("stepwire-scheduler", description="with TLS: the name the scheduler's "
+                                       "certificate carries")
+    public_tls_cert: str = Field("", description="certificate (PEM) for clients, on the HTTP and gRPC ports; "
+                                 "empty: plaintext to clients (TLS ends at an ingress, say)")
+    public_tls_key: str = Field("", description="its private key (PEM)")
+
+    @model_validator(mode="after")
+    def _public_pair(self):
+        if bool(self.public_tls_cert) != bool(self.public_tls_key):
+            raise ValueError("TLS for clients needs both --public-tls-cert and --public-tls-key")
+        return self

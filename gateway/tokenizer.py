@@ -6,6 +6,7 @@ import json
 from datetime import datetime
 from pathlib import Path
 
+from jinja2 import TemplateError
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
@@ -34,6 +35,7 @@ class ModelTokenizer:
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         self.chat_template = env.from_string(template) if template else None
+        self.max_token_bytes = _longest_token_bytes(self.tokenizer)
 
     @property
     def vocab_size(self) -> int:
@@ -47,11 +49,27 @@ class ModelTokenizer:
                 ids = [bos, *ids]
         return ids
 
+    def text_bytes(self, text: str) -> int:
+        """A lower bound on the bytes of `text` that the model's tokens cover, each at most
+        `max_token_bytes`: a text with more than n * max_token_bytes needs more than n tokens. Raises
+        UnicodeEncodeError for a string that is not valid Unicode (JSON's \\ud800 escapes carry lone
+        surrogates), which nothing downstream could encode."""
+        size = len(text.encode())
+        if self.tokenizer.normalizer is not None:
+            # A normalizer may shrink the text (NFC folds 'e' and a combining accent, 3 bytes, into the
+            # 2-byte 'é'); tokens then cover what it leaves. One that grows it (SentencePiece's ' ' to '▁')
+            # is undone by the decoder the bound was measured with, so the input's own length holds there.
+            size = min(size, len(self.tokenizer.normalizer.normalize_str(text).encode()))
+        return size
+
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if self.chat_template is None:
             raise ChatTemplateError("the model has no chat template; use completions instead")
-        return self.chat_template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        try:
+            return self.chat_template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                             bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except TemplateError as e:   # the sandbox's refusals included
+            raise ChatTemplateError(f"the chat template failed: {e}") from None
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         # The rendered template already holds its special tokens.
@@ -62,6 +80,21 @@ class ModelTokenizer:
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _longest_token_bytes(tokenizer: Tokenizer) -> int:
+    """The most bytes of input text one token stands for, measured once over the whole vocabulary.
+
+    Each token is decoded after an ordinary one, as it would follow it in a text: decoded alone, a
+    SentencePiece token loses its leading space ('▁the' is 'the' first, ' the' later). Decoding never
+    shortens what a token covers (an incomplete UTF-8 sequence becomes the 3-byte U+FFFD), so the bound is
+    safe; for byte-level BPE (GPT-2, Llama 3, SmolLM) it is exact. A pre-tokenizer that drops whitespace
+    (BERT's) would break it, but no generative model's tokenizer does that."""
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    before = tokenizer.encode("a", add_special_tokens=False).ids[-1:]
+    start = len(tokenizer.decode(before, skip_special_tokens=False).encode())
+    decoded = tokenizer.decode_batch([[*before, i] for i in vocab.values()], skip_special_tokens=False)
+    return max(len(s.encode()) for s in decoded) - start
 
 
 def _token_text(value) -> str | None:

@@ -5,6 +5,28 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+@dataclass(frozen=True, slots=True)
+class StepDefaults:
+    """The step's token budget and the long-prefill cap a scheduler uses when no flag sets them."""
+
+    max_num_batched_tokens: int
+    long_prefill_token_threshold: int
+
+
+# vLLM's figures: a GPU step of 8192 tokens takes tens of milliseconds, so one prompt may fill it.
+GPU_STEP_DEFAULTS = StepDefaults(max_num_batched_tokens=8192, long_prefill_token_threshold=0)
+# On a CPU a step costs about a millisecond per prompt token, more late in a long prompt (its attention reads
+# every token before it): 8192 tokens made one step of over 20 s, during which every other stream stood still.
+# These keep a step near a second on a 2-core EPYC (bench/long_prompt.py), at some cost in prefill time.
+CPU_STEP_DEFAULTS = StepDefaults(max_num_batched_tokens=512, long_prefill_token_threshold=128)
+
+
+def step_defaults(device: str) -> StepDefaults:
+    """The defaults for an executor on `device` (as its Describe reports it: "cpu", "cuda", "cuda:1"): the CPU
+    figures for a CPU, vLLM's for anything else, including an executor that does not say."""
+    return CPU_STEP_DEFAULTS if device.partition(":")[0].strip().lower() == "cpu" else GPU_STEP_DEFAULTS
+
+
 @dataclass(slots=True)
 class SchedulerConfig:
     max_num_seqs: int = 256

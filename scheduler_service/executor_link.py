@@ -28,6 +28,7 @@ from scheduler_service.request import Request
 from scheduler_service.scheduler import Scheduler
 from scheduler_service.settings import SchedulerSettings
 from scheduler_service.wire import HandleTable, decode_result, encode_step
+from security import tls
 from stepwire.internal import executor_pb2, executor_pb2_grpc
 
 log = logging.getLogger("stepwire.scheduler")
@@ -92,11 +93,18 @@ class ExecutorLink:
             # grpc's own reconnect backoff grows to two minutes: an executor that was down a while would be
             # picked up that late after it came back. Cap it near our own retry pace.
             retry = int(self.settings.retry_seconds * 1000)
-            channel = grpc.aio.insecure_channel(self.address, options=[
-                ("grpc.initial_reconnect_backoff_ms", retry), ("grpc.min_reconnect_backoff_ms", retry),
-                ("grpc.max_reconnect_backoff_ms", max(retry, 5000)), ("grpc.keepalive_time_ms", ka),
-                ("grpc.keepalive_timeout_ms", ka), ("grpc.http2.ping_timeout_ms", ka),
-                ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)])
+            options = [("grpc.initial_reconnect_backoff_ms", retry), ("grpc.min_reconnect_backoff_ms", retry),
+                       ("grpc.max_reconnect_backoff_ms", max(retry, 5000)), ("grpc.keepalive_time_ms", ka),
+                       ("grpc.keepalive_timeout_ms", ka), ("grpc.http2.ping_timeout_ms", ka),
+                       ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
+            try:
+                # The certificate files are read at each connection: a rotated one is presented from the next.
+                channel = tls.channel(self.address, self.settings.tls_files(), self.settings.executor_server_name,
+                                      options)
+            except (OSError, ValueError) as e:
+                log.warning("executor %s: cannot read the TLS files (%s); retrying", self.address, e)
+                await asyncio.sleep(self.settings.retry_seconds)
+                continue
             try:
                 stub = executor_pb2_grpc.ExecutorStub(channel)
                 await self._connect(stub)
@@ -128,7 +136,8 @@ class ExecutorLink:
                              self.settings.retry_seconds)
                 await asyncio.sleep(self.settings.retry_seconds)
         if self.core is None:
-            self.core = Scheduler(self.settings.core_config(d.block_size, d.max_model_len), num_blocks=d.num_blocks)
+            self.core = Scheduler(self.settings.core_config(d.block_size, d.max_model_len, d.device),
+                                  num_blocks=d.num_blocks)
             self.eos_token_ids = tuple(d.eos_token_ids)
             self.vocab_size = d.vocab_size
             # The executor names its model by directory; the gateway serves it under the directory's name too.

@@ -28,7 +28,10 @@ def take_all(core: Scheduler, only_waiting: bool = False) -> list[Request]:
             req.resend_in_full = True
     if not only_waiting:
         core.finished_req_ids = set()
-        core.kv.reset_prefix_cache()
+        # The executor's KV can no longer be trusted (it restarted empty, or a stranger's stream wrote into it):
+        # no later request may hit a block of it. Every block is free by now, so the reset cannot be refused.
+        if not core.kv.reset_prefix_cache():
+            raise RuntimeError("prefix cache reset refused while moving every request off an executor")
     return moved
 
 

@@ -14,6 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from observability import tracing
+from observability.health_port import serve_health
 from observability.metrics_server import serve_metrics
 from observability.shutdown import serve_until_sigterm
 from scheduler_service import membership
@@ -22,6 +23,8 @@ from scheduler_service.lifecycle import Lifecycles
 from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.service import SchedulerService
 from scheduler_service.settings import SchedulerSettings
+from security.listen import add_port, describe
+from security.strict_decode import DecodeErrorsAreInvalidArgument
 from stepwire.contract.settings import load
 from stepwire.internal import scheduler_pb2, scheduler_pb2_grpc
 
@@ -33,11 +36,12 @@ async def serve(settings: SchedulerSettings) -> None:
     tracing.setup("stepwire-scheduler")
     fleet: Fleet | None = None
     metrics = SchedulerMetrics(lambda: fleet.links.values())
-    server = grpc.aio.server()
+    tls = settings.tls_files()
+    server = grpc.aio.server(interceptors=[DecodeErrorsAreInvalidArgument()])
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    port = server.add_insecure_port(settings.address)
+    port = add_port(server, settings.address, tls, settings.insecure, "the scheduler")
 
     # Ready (for Kubernetes and for the gateway) exactly while at least one executor takes requests.
     async def follow_links() -> None:
@@ -58,8 +62,9 @@ async def serve(settings: SchedulerSettings) -> None:
     await follow_links()
     serve_metrics(settings.metrics_address, metrics.registry, "scheduler")
     await server.start()
-    log.info("scheduler listening on %s (port %d); executors from %s discovery", settings.address, port,
-             settings.discovery)
+    health_port = await serve_health(settings.health_address, health_servicer)
+    log.info("scheduler listening on %s (port %d, %s); executors from %s discovery", settings.address, port,
+             describe(tls), settings.discovery)
     discovery = membership.start(settings, fleet.sync)
     orphans = asyncio.create_task(fleet.watch_orphans())
     try:
@@ -70,6 +75,8 @@ async def serve(settings: SchedulerSettings) -> None:
             discovery.cancel()
         for link in list(fleet.links.values()):
             link.task.cancel()
+        if health_port is not None:
+            await health_port.stop(0)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,4 +1,8 @@
-"""The Scheduler gRPC service: Submit, Session, Abort and Stats, over the executor fleet."""
+"""The Scheduler gRPC service: Submit, Session and Stats, over the executor fleet.
+
+A request belongs to the call that submitted it: a Session aborts only its own requests, a Submit call ends
+its one request by being cancelled, and no method aborts requests by id for anyone else.
+"""
 
 from __future__ import annotations
 
@@ -88,9 +92,6 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         finally:
             session.closed = True
             session.ready.set()
-
-    async def Abort(self, request, context):
-        return scheduler_pb2.AbortResponse(aborted=self._abort(request.request_ids))
 
     def _abort(self, request_ids) -> list[str]:
         aborted = []

@@ -13,11 +13,11 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
 
-from scheduler_service.config import SchedulerConfig
-from stepwire.contract.settings import ServiceSettings
+from scheduler_service.config import CPU_STEP_DEFAULTS, GPU_STEP_DEFAULTS, SchedulerConfig, step_defaults
+from security.tls import TLSSettings
 
 
-class SchedulerSettings(ServiceSettings):
+class SchedulerSettings(TLSSettings):
     """Run the stepwire scheduler. Every flag is also STEPWIRE_SCHEDULER_<FLAG> (capitals, underscores)."""
 
     model_config = SettingsConfigDict(env_prefix="STEPWIRE_SCHEDULER_", cli_prog_name="stepwire scheduler")
@@ -42,6 +42,10 @@ class SchedulerSettings(ServiceSettings):
                                      "that does not answer within as long is lost and its requests move")
     address: str = Field("127.0.0.1:50051", description="host:port of the Scheduler gRPC service")
     metrics_address: str = Field("127.0.0.1:9091", description="host:port for Prometheus /metrics; empty: off")
+    health_address: str = Field("", description="host:port of a plaintext port with only gRPC health, for "
+                                "probes that cannot present a certificate; empty: off")
+    executor_server_name: str = Field("stepwire-executor", description="with TLS: the name executors' "
+                                      "certificates must carry (they are dialled by IP)")
     max_waiting: int = Field(1024, ge=0, description="waiting requests per executor beyond which new ones get "
                                                     "RESOURCE_EXHAUSTED")
     retry_seconds: float = Field(1.0, gt=0, description="pause between attempts to reach an executor")
@@ -52,10 +56,15 @@ class SchedulerSettings(ServiceSettings):
 
     # SchedulerConfig's knobs (block_size always comes from the executor).
     max_num_seqs: int = Field(256, ge=1, description="requests running at once per executor")
-    max_num_batched_tokens: int = Field(8192, ge=1, description="token budget of one step")
+    max_num_batched_tokens: int | None = Field(
+        None, ge=1, description="token budget of one step; default by the executor's device: "
+        f"{CPU_STEP_DEFAULTS.max_num_batched_tokens} on a cpu, {GPU_STEP_DEFAULTS.max_num_batched_tokens} "
+        "otherwise (without chunked prefill, at least the context length)")
     max_model_len: int | None = Field(None, ge=2, description="context cap; default: what the executor reports")
-    long_prefill_token_threshold: int = Field(0, ge=0, description="most tokens one prompt takes from a step "
-                                                                   "while others wait (0: no cap)")
+    long_prefill_token_threshold: int | None = Field(
+        None, ge=0, description="most tokens one prompt takes from a step while others wait or run (0: no cap); "
+        f"default by the executor's device: {CPU_STEP_DEFAULTS.long_prefill_token_threshold} on a cpu, "
+        f"{GPU_STEP_DEFAULTS.long_prefill_token_threshold} otherwise")
     enable_chunked_prefill: bool = Field(True, description="split long prompts over several steps")
     enable_prefix_caching: bool = Field(True, description="reuse KV blocks of shared prompt prefixes")
     policy: Literal["fcfs", "priority"] = Field("fcfs", description="fcfs, or priority (lower value first)")
@@ -71,8 +80,17 @@ class SchedulerSettings(ServiceSettings):
             raise ValueError("--discovery dns takes one name:port in --executors")
         return self
 
-    def core_config(self, block_size: int, executor_max_model_len: int) -> SchedulerConfig:
-        """The config of one executor's core: these knobs, within what that executor can hold."""
+    def core_config(self, block_size: int, executor_max_model_len: int, device: str = "") -> SchedulerConfig:
+        """The config of one executor's core: these knobs, within what that executor can hold. A step knob left
+        unset takes the default for the executor's `device` (from its Describe; see `step_defaults`)."""
         knobs = {f.name: getattr(self, f.name) for f in fields(SchedulerConfig) if f.name in type(self).model_fields}
         knobs["max_model_len"] = min(self.max_model_len or executor_max_model_len, executor_max_model_len)
+        auto = step_defaults(device)
+        if knobs["long_prefill_token_threshold"] is None:
+            knobs["long_prefill_token_threshold"] = auto.long_prefill_token_threshold
+        if knobs["max_num_batched_tokens"] is None:
+            knobs["max_num_batched_tokens"] = auto.max_num_batched_tokens
+            if not self.enable_chunked_prefill:
+                # Unchunked, a prompt must fit one step: a small budget would refuse to start rather than cap it.
+                knobs["max_num_batched_tokens"] = max(auto.max_num_batched_tokens, knobs["max_model_len"])
         return SchedulerConfig(**knobs | {"block_size": block_size})

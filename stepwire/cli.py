@@ -15,7 +15,8 @@ import httpx
 
 USAGE = """stepwire serve [--model DIR] [--executors N]  start executors, scheduler and gateway on localhost
 stepwire executor|scheduler|gateway [...]      start one service (--help for its flags)
-stepwire generate "prompt" [--max-tokens N]    stream a completion from a running gateway"""
+stepwire generate "prompt" [--max-tokens N]    stream a completion from a running gateway
+stepwire certs DIR [--names a,b]               make a development CA and a certificate per service"""
 
 
 def generate(argv: list[str]) -> None:
@@ -38,6 +39,19 @@ def generate(argv: list[str]) -> None:
     print()
 
 
+def certs(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(prog="stepwire certs", description=(
+        "Make a development CA (DIR/ca.crt, DIR/ca.key) and, for each service, DIR/<service>/tls.crt, tls.key "
+        "and ca.crt: the layout of a Kubernetes TLS Secret, for --tls-dir. Not for production."))
+    ap.add_argument("dir")
+    ap.add_argument("--names", default="", help="extra host names or IPs for every certificate, comma-separated")
+    a = ap.parse_args(argv)
+    from security.dev_certs import make_dev_certs
+
+    d = make_dev_certs(a.dir, tuple(n.strip() for n in a.names.split(",") if n.strip()))
+    print(f"development CA and certificates in {d}: pass --tls-dir {d}/<service> to each service")
+
+
 def main() -> None:
     if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
         print(USAGE)
@@ -49,6 +63,8 @@ def main() -> None:
         serve(rest)
     elif cmd == "generate":
         generate(rest)
+    elif cmd == "certs":
+        certs(rest)
     elif cmd == "executor":
         from executor_service.server import main as run
         run(rest)

@@ -11,11 +11,14 @@ per core and they would fight over them.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 from pydantic import Field
@@ -39,6 +42,10 @@ class ServeSettings(ServiceSettings):
     kv_cache_memory: int = Field(1 << 30, ge=1, description="bytes for each executor's KV cache")
     scheduler_metrics_port: int = Field(9091, description="Prometheus /metrics of the scheduler")
     executor_metrics_port: int = Field(9092, description="Prometheus /metrics of the first executor (then +1)")
+    tls: bool = Field(True, description="mTLS between the services, with a development CA (--no-tls: plaintext "
+                      "on loopback)")
+    certs_dir: str = Field("", description="where `stepwire certs` wrote (or will write) the certificates; "
+                           "empty: a fresh CA in a temporary folder, removed on exit")
 
 
 @dataclass
@@ -66,28 +73,50 @@ def threads_per_executor(a: ServeSettings) -> int:
     return 0 if a.executors == 1 else max(1, cores // a.executors)
 
 
-def children(a: ServeSettings) -> tuple[list[Child], list[Child]]:
-    """(executors, the rest) as commands; every service is this Python running its module."""
+def children(a: ServeSettings, certs: Path | None = None) -> tuple[list[Child], list[Child]]:
+    """(executors, the rest) as commands; every service is this Python running its module, with its own
+    certificate from `certs` (a `stepwire certs` folder) when given."""
     py = sys.executable
+
+    def tls(service: str) -> list[str]:
+        return ["--tls-dir", str(certs / service)] if certs is not None else []
+
     addresses = [f"127.0.0.1:{a.executor_port + i}" for i in range(a.executors)]
     sc = f"127.0.0.1:{a.scheduler_port}"
     threads = threads_per_executor(a)
     executors = [Child(f"executor-{i}", [
         py, "-m", "executor_service.server", "--model", a.model, "--address", address,
         "--kv-cache-memory", str(a.kv_cache_memory), "--threads", str(threads),
-        "--metrics-address", f"127.0.0.1:{a.executor_metrics_port + i}"]) for i, address in enumerate(addresses)]
+        "--metrics-address", f"127.0.0.1:{a.executor_metrics_port + i}", *tls("executor")])
+        for i, address in enumerate(addresses)]
     stack = [
         Child("scheduler", [py, "-m", "scheduler_service.server", "--executors", ",".join(addresses), "--address", sc,
-                            "--metrics-address", f"127.0.0.1:{a.scheduler_metrics_port}"]),
+                            "--metrics-address", f"127.0.0.1:{a.scheduler_metrics_port}", *tls("scheduler")]),
         Child("gateway", [py, "-m", "gateway.server", "--model", a.model, "--scheduler", sc, "--port", str(a.port),
-                          "--grpc-address", f"127.0.0.1:{a.grpc_port}"]),
+                          "--grpc-address", f"127.0.0.1:{a.grpc_port}", *tls("gateway")]),
     ]
     return executors, stack
 
 
+def certificates(a: ServeSettings) -> tuple[Path | None, Path | None]:
+    """(the certificates' folder, a temporary folder to remove on exit); the CA is made if there is none."""
+    if not a.tls:
+        return None, None
+    from security.dev_certs import make_dev_certs
+
+    if a.certs_dir:
+        d = Path(a.certs_dir)
+        if not (d / "ca.crt").exists():
+            make_dev_certs(d)
+        return d, None
+    d = Path(tempfile.mkdtemp(prefix="stepwire-certs-"))
+    return make_dev_certs(d), d
+
+
 def serve(argv: list[str]) -> None:
     a = load(ServeSettings, argv)
-    executors, stack = children(a)
+    certs, temporary = certificates(a)
+    executors, stack = children(a, certs)
     everyone = executors + stack
     for c in everyone:
         c.start()
@@ -101,6 +130,8 @@ def serve(argv: list[str]) -> None:
                 c.proc.wait(timeout=30)          # an executor drains first
             except subprocess.TimeoutExpired:
                 c.proc.kill()
+        if temporary is not None:
+            shutil.rmtree(temporary, ignore_errors=True)
         sys.exit(0)
 
     signal.signal(signal.SIGTERM, stop)
@@ -149,6 +180,7 @@ def _announce(a: ServeSettings, url: str) -> None:
     metrics = ", ".join(f"http://127.0.0.1:{a.executor_metrics_port + i}/metrics" for i in range(a.executors))
     print(f"\nstepwire is ready: OpenAI-compatible API at {url}/v1 (model {model!r}); gRPC stepwire.v1 at "
           f"127.0.0.1:{a.grpc_port}; scheduler at 127.0.0.1:{a.scheduler_port}; {a.executors} executor(s) from "
-          f"port {a.executor_port}. Prometheus metrics at {url}/metrics (gateway), "
+          f"port {a.executor_port}, {'mTLS between them' if a.tls else 'plaintext'}. Prometheus metrics at "
+          f"{url}/metrics (gateway), "
           f"http://127.0.0.1:{a.scheduler_metrics_port}/metrics (scheduler) and {metrics} (executors). "
           f"Ctrl-C stops everything.\n", flush=True)

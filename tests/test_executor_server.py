@@ -106,7 +106,7 @@ def test_unknown_handles_and_stale_epochs_get_resync_and_the_stream_goes_on(exec
     r = stream.send(executor_pb2.StepRequest(epoch=epoch - 1, step=1))
     assert r.HasField("resync") and "older" in r.resync.reason
     ok = executor_pb2.NewRequest(handle=0, prompt_token_ids=[3, 4, 5], block_ids=[1],
-                                 params=sampling_pb2.SamplingParams(max_tokens=2))
+                                 params=sampling_pb2.SamplingParams(max_tokens=2, top_p=1.0))
     r = stream.send(executor_pb2.StepRequest(epoch=epoch, step=2, new_requests=[ok], handles=[0], num_tokens=[3]))
     assert not r.HasField("resync") and r.all_sampled and len(r.token_ids) == 1
     stream.close()

@@ -1,4 +1,5 @@
-"""No service imports another: each imports only itself, the contract, the generated protos and observability.
+"""No service imports another: each imports only itself, the contract, the generated protos, observability and
+security.
 
 The services ship as separate images and scale separately; a service that reaches into another's modules
 drags that service's dependencies and assumptions into its own pod. The check reads every import
@@ -11,15 +12,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-FIRST_PARTY = {"scheduler_service", "executor_service", "gateway", "observability", "stepwire", "tools", "bench",
-               "tests", "helpers"}
-SHARED = {"stepwire.contract", "stepwire.v1", "stepwire.internal", "observability"}
+FIRST_PARTY = {"scheduler_service", "executor_service", "gateway", "observability", "security", "stepwire", "tools",
+               "bench", "tests", "helpers"}
+SHARED = {"stepwire.contract", "stepwire.v1", "stepwire.internal", "observability", "security"}
 # Each package (a folder under the repository root) and the first-party modules it may import.
 RULES = {
     "scheduler_service": {"scheduler_service"} | SHARED,
     "executor_service": {"executor_service"} | SHARED,
     "gateway": {"gateway"} | SHARED,
     "observability": {"observability"},
+    "security": {"security", "stepwire.contract"},
     "stepwire/contract": {"stepwire.contract", "stepwire.v1", "stepwire.internal"},
     "stepwire/v1": {"stepwire.v1", "stepwire.internal"},
     "stepwire/internal": {"stepwire.internal"},

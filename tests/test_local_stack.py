@@ -79,12 +79,21 @@ def test_serve_restarts_a_killed_executor_and_keeps_serving_meanwhile(tmp_path):
     serve = subprocess.Popen(
         [sys.executable, "-m", "stepwire.cli", "serve", "--model", str(model), "--executors", "2", "--port", str(http),
          "--grpc-port", str(grpc_port), "--scheduler-port", str(sc), "--executor-port", str(ex),
-         "--kv-cache-memory", str(64 << 20), "--scheduler-metrics-port", str(m1), "--executor-metrics-port", str(m2)],
+         "--kv-cache-memory", str(64 << 20), "--scheduler-metrics-port", str(m1), "--executor-metrics-port", str(m2),
+         "--certs-dir", str(tmp_path / "certs")],
         cwd=root, stdout=log, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{http}"
         wait_http_ready(url, {"serve": serve}, logs=[tmp_path / "serve.log"])
-        stub = scheduler_pb2_grpc.SchedulerStub(grpc.insecure_channel(f"127.0.0.1:{sc}"))
+        # The local stack is mTLS inside: plaintext is refused, the gateway's certificate is taken.
+        with pytest.raises(grpc.RpcError):
+            scheduler_pb2_grpc.SchedulerStub(grpc.insecure_channel(f"127.0.0.1:{sc}")).Stats(
+                scheduler_pb2.StatsRequest(), timeout=5)
+        me = tmp_path / "certs" / "gateway"
+        creds = grpc.ssl_channel_credentials((me / "ca.crt").read_bytes(), (me / "tls.key").read_bytes(),
+                                             (me / "tls.crt").read_bytes())
+        stub = scheduler_pb2_grpc.SchedulerStub(grpc.secure_channel(
+            f"127.0.0.1:{sc}", creds, options=[("grpc.ssl_target_name_override", "stepwire-scheduler")]))
         connected = lambda: sorted(e.address for e in stub.Stats(scheduler_pb2.StatsRequest()).executors
                                    if e.connected)
         both = [f"127.0.0.1:{ex}", f"127.0.0.1:{ex + 1}"]

@@ -4,15 +4,25 @@ The gateway builds a `SamplingParams` from an HTTP body or a gRPC message and va
 to the scheduler as `stepwire.internal.SamplingParams`, and the scheduler hands that very message on to
 the executor. `check_sampling` reads fields by name, so it validates the dataclass and the proto message
 alike: the scheduler re-checks what arrives on its port with the same rules the gateway used.
+Stop strings are matched by the gateway alone, so they are not in `SamplingParams`; `check_stop` is here so
+that the HTTP and gRPC edges refuse the same ones.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from stepwire.contract.errors import InvalidRequestError
 from stepwire.contract.limits import FLOAT32_MAX, INT32_MAX, UINT32_MAX, UINT64_MAX, integer, real
 from stepwire.internal import sampling_pb2
+
+# OpenAI's own cap on stop strings. The length cap keeps the gateway's matcher cheap: it holds back (and
+# searches) as much streamed text as the longest stop string is long.
+MAX_STOP = 4
+MAX_STOP_CHARS = 1024
+# Each id travels to the executor in every new request and is compared against every sampled token.
+MAX_STOP_TOKEN_IDS = 128
 
 
 @dataclass(slots=True)
@@ -47,6 +57,9 @@ class SamplingParams:
         return msg
 
 
+MAX_LOGPROBS = 20   # top-n logprobs per token
+
+
 def check_sampling(sp) -> None:
     """Raise InvalidRequestError naming the first bad field of a SamplingParams or its proto message."""
     integer("max_tokens", sp.max_tokens, 1, UINT32_MAX)
@@ -59,10 +72,29 @@ def check_sampling(sp) -> None:
     integer("min_tokens", sp.min_tokens, 0, UINT32_MAX)
     if sp.min_tokens > sp.max_tokens:
         raise InvalidRequestError("min_tokens", f"must be at most max_tokens ({sp.max_tokens}), got {sp.min_tokens}")
+    if len(sp.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequestError("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(sp.stop_token_ids)}")
     for tok in sp.stop_token_ids:
         integer("stop_token_ids", tok, 0, UINT32_MAX)
     if sp.logprobs is not None:
-        integer("logprobs", sp.logprobs, 0, UINT32_MAX)
+        # A cap, as vLLM's max_logprobs: 256 rows asking for the whole vocabulary would make one step's reply
+        # larger than the message limit and break the executor's stream.
+        integer("logprobs", sp.logprobs, 0, MAX_LOGPROBS)
+
+
+def check_stop(stop: Sequence[str]) -> None:
+    """At most MAX_STOP stop strings, each at most MAX_STOP_CHARS characters of valid Unicode."""
+    if len(stop) > MAX_STOP:
+        raise InvalidRequestError("stop", f"at most {MAX_STOP} stop strings, got {len(stop)}")
+    for s in stop:
+        if not isinstance(s, str):
+            raise InvalidRequestError("stop", f"stop strings must be strings, got {type(s).__name__}")
+        if len(s) > MAX_STOP_CHARS:
+            raise InvalidRequestError("stop", f"a stop string may be at most {MAX_STOP_CHARS} characters, got {len(s)}")
+        try:
+            s.encode()
+        except UnicodeEncodeError:   # a lone surrogate, which JSON's \ud800 escapes can carry
+            raise InvalidRequestError("stop", "a stop string is not valid Unicode") from None
 
 
 def as_proto(sp) -> sampling_pb2.SamplingParams:

@@ -75,12 +75,6 @@ class AbortRequest(_message.Message):
     request_ids: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
-class AbortResponse(_message.Message):
-    __slots__ = ("aborted",)
-    ABORTED_FIELD_NUMBER: _ClassVar[int]
-    aborted: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, aborted: _Optional[_Iterable[str]] = ...) -> None: ...
-
 class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -44,11 +44,6 @@ class SchedulerStub:
                 request_serializer=stepwire_dot_internal_dot_scheduler__pb2.SessionRequest.SerializeToString,
                 response_deserializer=stepwire_dot_internal_dot_scheduler__pb2.SessionOutput.FromString,
                 _registered_method=True)
-        self.Abort = channel.unary_unary(
-                '/stepwire.internal.Scheduler/Abort',
-                request_serializer=stepwire_dot_internal_dot_scheduler__pb2.AbortRequest.SerializeToString,
-                response_deserializer=stepwire_dot_internal_dot_scheduler__pb2.AbortResponse.FromString,
-                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/stepwire.internal.Scheduler/Stats',
                 request_serializer=stepwire_dot_internal_dot_scheduler__pb2.StatsRequest.SerializeToString,
@@ -75,14 +70,10 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Abort(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def Stats(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """There is no Abort method: only the Session or Submit call that submitted a request can end it (an abort
+        on that Session, or cancelling that Submit), so no other client can abort a request it does not own.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -99,11 +90,6 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Session,
                     request_deserializer=stepwire_dot_internal_dot_scheduler__pb2.SessionRequest.FromString,
                     response_serializer=stepwire_dot_internal_dot_scheduler__pb2.SessionOutput.SerializeToString,
-            ),
-            'Abort': grpc.unary_unary_rpc_method_handler(
-                    servicer.Abort,
-                    request_deserializer=stepwire_dot_internal_dot_scheduler__pb2.AbortRequest.FromString,
-                    response_serializer=stepwire_dot_internal_dot_scheduler__pb2.AbortResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -165,33 +151,6 @@ class Scheduler:
             '/stepwire.internal.Scheduler/Session',
             stepwire_dot_internal_dot_scheduler__pb2.SessionRequest.SerializeToString,
             stepwire_dot_internal_dot_scheduler__pb2.SessionOutput.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Abort(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/stepwire.internal.Scheduler/Abort',
-            stepwire_dot_internal_dot_scheduler__pb2.AbortRequest.SerializeToString,
-            stepwire_dot_internal_dot_scheduler__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,

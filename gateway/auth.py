@@ -1,0 +1,171 @@
+"""API keys at the gateway's edge: `Authorization: Bearer <key>` on HTTP, `authorization` metadata on gRPC.
+
+Keys come from a file (one per line; blank lines and # comments ignored), re-read when it changes, so a
+rotated Kubernetes Secret takes effect without a restart, and from STEPWIRE_API_KEY (comma-separated).
+With neither, there is no authentication. Health and metrics stay open: probes and Prometheus carry no key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import time
+from pathlib import Path
+
+import grpc
+from fastapi.security.utils import get_authorization_scheme_param
+from starlette.authentication import AuthCredentials, AuthenticationBackend, AuthenticationError, SimpleUser
+from starlette.requests import HTTPConnection
+
+from security.listen import is_loopback
+
+log = logging.getLogger("stepwire.gateway")
+
+ENV = "STEPWIRE_API_KEY"
+RECHECK_SECONDS = 1.0   # the key file is looked at no more often than this
+MISSING = ("You didn't provide an API key. You need to provide your API key in an Authorization header using "
+           "Bearer auth (i.e. Authorization: Bearer YOUR_KEY).")
+INCORRECT = "Incorrect API key provided."
+
+
+class AuthSetupError(SystemExit):
+    """At start: no usable key where one is needed. The process exits with this message."""
+
+
+def _digest(key: str) -> bytes:
+    # Keys are compared as digests of one length, so the comparison's time says nothing of a key's length.
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+
+
+def parse_keys(text: str) -> list[str]:
+    lines = (line.strip() for line in text.splitlines())
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+class ApiKeys:
+    def __init__(self, key_file: str = "", env_value: str | None = None):
+        env_value = os.environ.get(ENV, "") if env_value is None else env_value
+        self._env = [_digest(k) for k in parse_keys(env_value.replace(",", "\n"))]
+        self._path = Path(key_file) if key_file else None
+        self._file: list[bytes] = []
+        self._stamp = None
+        self._checked = time.monotonic()
+        if self._path is not None:
+            try:
+                self._reload()
+            except OSError as e:
+                raise AuthSetupError(f"stepwire gateway: cannot read --api-key-file {key_file}: {e}") from None
+            if not self._file:
+                raise AuthSetupError(f"stepwire gateway: --api-key-file {key_file} holds no key")
+
+    @property
+    def enabled(self) -> bool:
+        # A key file that later empties refuses everyone rather than opening the gateway.
+        return self._path is not None or bool(self._env)
+
+    def check(self, presented: str | None) -> bool:
+        """True when `presented` is one of the keys; compares with every key, matched or not, in constant
+        time, so neither the timing nor the order of the keys tells which one (or how much of one) matched."""
+        keys = self._current()
+        if not presented:
+            return False
+        given = _digest(presented)
+        ok = False
+        for key in keys:
+            ok |= hmac.compare_digest(given, key)
+        return ok
+
+    def _current(self) -> list[bytes]:
+        now = time.monotonic()
+        if self._path is not None and now - self._checked >= RECHECK_SECONDS:
+            self._checked = now
+            try:
+                self._reload()
+            except OSError as e:   # mid-rotation, or gone: keep the keys we have
+                log.warning("cannot re-read the API key file %s (%s); keeping the keys read before", self._path, e)
+        return self._file + self._env
+
+    def _reload(self) -> None:
+        st = os.stat(self._path)   # follows the symlinks a Kubernetes Secret volume swaps on rotation
+        stamp = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
+        if stamp == self._stamp:
+            return
+        keys = parse_keys(self._path.read_text())
+        if self._stamp is not None:
+            log.info("API key file %s changed: %d keys", self._path, len(keys))
+            if not keys:
+                log.warning("API key file %s holds no key: every request is refused", self._path)
+        self._file, self._stamp = [_digest(k) for k in keys], stamp
+
+
+def require_key_beyond_loopback(addresses: list[str], keys: ApiKeys, insecure: bool) -> None:
+    """At start: an API anyone on the network can reach needs a key, unless the operator says --insecure."""
+    exposed = [a for a in addresses if not is_loopback(a)]
+    if exposed and not keys.enabled and not insecure:
+        raise AuthSetupError(f"stepwire gateway: refusing to serve the API on {', '.join(exposed)} without an API key: "
+                           f"set {ENV} or --api-key-file, or listen on loopback; --insecure allows it anyway")
+
+
+def bearer(value: str | None) -> str | None:
+    scheme, token = get_authorization_scheme_param(value)
+    return token if scheme.lower() == "bearer" and token else None
+
+
+class KeyRefused(AuthenticationError):
+    """HTTP: the 401 to answer. `code` as OpenAI sets it: null for a missing key, invalid_api_key for a wrong one."""
+
+    def __init__(self, message: str, code: str | None):
+        super().__init__(message)
+        self.code = code
+
+
+class HttpKeys(AuthenticationBackend):
+    """For Starlette's AuthenticationMiddleware, which runs before the body is read: a caller without a
+    key is turned away without costing a parse."""
+
+    def __init__(self, keys: ApiKeys, open_paths: frozenset[str]):
+        self.keys = keys
+        self.open_paths = open_paths
+
+    async def authenticate(self, conn: HTTPConnection):
+        if conn.url.path in self.open_paths:
+            return None
+        key = bearer(conn.headers.get("authorization"))
+        if key is None:
+            raise KeyRefused(MISSING, None)
+        if not self.keys.check(key):
+            raise KeyRefused(INCORRECT, "invalid_api_key")
+        return AuthCredentials(["api"]), SimpleUser("api-key")
+
+
+class GrpcKeys(grpc.aio.ServerInterceptor):
+    """Every method but the open ones (the health service) needs `authorization: Bearer <key>` metadata."""
+
+    def __init__(self, keys: ApiKeys, open_services: frozenset[str]):
+        self.keys = keys
+        self.open_services = open_services
+
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        service = details.method.lstrip("/").rsplit("/", 1)[0]
+        if service in self.open_services:
+            return await continuation(details)
+        metadata = dict(details.invocation_metadata or ())
+        key = bearer(metadata.get("authorization"))
+        if key is not None and self.keys.check(key):
+            return await continuation(details)
+        return _refusal(await continuation(details), INCORRECT if key is not None else
+                        "missing API key: send the metadata authorization: Bearer <key>")
+
+
+def _refusal(handler: grpc.RpcMethodHandler | None, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the method's own kind that only refuses (grpc picks how to read the call by the kind)."""
+
+    async def refuse(request_or_iterator, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    streaming = (handler.request_streaming, handler.response_streaming) if handler is not None else (False, False)
+    make = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
+    return make[streaming](refuse)

@@ -1,0 +1,22 @@
+"""A plaintext port with only the gRPC health service, for probes that cannot present a client certificate.
+
+Kubernetes' native gRPC probes speak plaintext; with mTLS on a service's port they could not reach its
+health. This second server shares the service's health servicer and exposes nothing else, so it may listen
+on any address.
+"""
+
+from __future__ import annotations
+
+import grpc
+from grpc_health.v1 import health_pb2_grpc
+
+
+async def serve_health(address: str, health_servicer) -> grpc.aio.Server | None:
+    """Start it on `address` (empty: none); the caller stops it with the main server."""
+    if not address:
+        return None
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    server.add_insecure_port(address)
+    await server.start()
+    return server

@@ -1,0 +1,120 @@
+"""Step-size defaults by executor device: a CPU executor gets a small step budget and a long-prefill cap, so one
+long prompt cannot freeze the other streams for a whole 8,000-token step; CUDA keeps vLLM's figures; flags win.
+
+No timings here: what a CPU step costs is measured by bench/long_prompt.py."""
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+from helpers import req, step
+
+from scheduler_service import Scheduler, SchedulerConfig
+from scheduler_service.config import CPU_STEP_DEFAULTS, GPU_STEP_DEFAULTS, step_defaults
+from scheduler_service.executor_link import ExecutorLink
+from scheduler_service.settings import SchedulerSettings
+from stepwire.contract.settings import load
+from stepwire.internal import executor_pb2
+
+CPU = (CPU_STEP_DEFAULTS.max_num_batched_tokens, CPU_STEP_DEFAULTS.long_prefill_token_threshold)
+GPU = (8192, 0)
+
+
+def step_knobs(cfg: SchedulerConfig) -> tuple[int, int]:
+    return cfg.max_num_batched_tokens, cfg.long_prefill_token_threshold
+
+
+def test_the_defaults_themselves():
+    assert (GPU_STEP_DEFAULTS.max_num_batched_tokens, GPU_STEP_DEFAULTS.long_prefill_token_threshold) == GPU
+    budget, threshold = CPU
+    assert 0 < threshold <= budget < GPU[0]
+    # The core's own defaults stay vLLM's: the traces in bench/scheduler_step.py compare against vLLM with them.
+    assert step_knobs(SchedulerConfig()) == GPU
+    for device in ("cpu", "CPU", "cpu:0"):
+        assert step_defaults(device) == CPU_STEP_DEFAULTS
+    for device in ("cuda", "cuda:1", "", "mps"):
+        assert step_defaults(device) == GPU_STEP_DEFAULTS
+
+
+@pytest.mark.parametrize(("device", "expected"), [("cpu", CPU), ("cuda", GPU), ("cuda:0", GPU)])
+def test_unset_flags_take_the_executors_device_defaults(device, expected):
+    s = load(SchedulerSettings, [])
+    assert (s.max_num_batched_tokens, s.long_prefill_token_threshold) == (None, None)
+    assert step_knobs(s.core_config(16, 8192, device)) == expected
+
+
+def test_a_flag_or_variable_always_wins_and_the_other_knob_stays_automatic(monkeypatch):
+    s = load(SchedulerSettings, ["--max-num-batched-tokens", "8192", "--long-prefill-token-threshold", "0"])
+    assert step_knobs(s.core_config(16, 8192, "cpu")) == (8192, 0)           # the old behaviour, on purpose
+    s = load(SchedulerSettings, ["--long-prefill-token-threshold", "100"])
+    assert step_knobs(s.core_config(16, 8192, "cpu")) == (CPU[0], 100)
+    assert step_knobs(s.core_config(16, 8192, "cuda")) == (8192, 100)
+    monkeypatch.setenv("STEPWIRE_SCHEDULER_MAX_NUM_BATCHED_TOKENS", "300")
+    s = load(SchedulerSettings, [])
+    assert step_knobs(s.core_config(16, 8192, "cpu")) == (300, CPU[1])
+    assert step_knobs(s.core_config(16, 8192, "cuda")) == (300, 0)
+
+
+def test_without_chunked_prefill_the_automatic_budget_holds_a_whole_prompt():
+    s = load(SchedulerSettings, ["--no-enable-chunked-prefill"])
+    assert s.core_config(16, 8192, "cpu").max_num_batched_tokens == 8192
+    assert s.core_config(16, 2048, "cpu").max_num_batched_tokens == max(CPU[0], 2048)
+    # An explicit budget too small for the context is still refused, naming the problem.
+    s = load(SchedulerSettings, ["--no-enable-chunked-prefill", "--max-num-batched-tokens", "512"])
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        s.core_config(16, 8192, "cpu")
+
+
+class _Describes:
+    def __init__(self, device: str):
+        self.device = device
+
+    async def Describe(self, request, timeout=None):  # noqa: N802 (the gRPC method's name)
+        return executor_pb2.DescribeResponse(model="/m/SmolLM2", max_model_len=8192, block_size=16, num_blocks=600,
+                                             device=self.device, eos_token_ids=[2])
+
+
+def test_each_executor_link_builds_its_core_from_its_own_describe():
+    """A mixed fleet: each link's core gets the defaults of the device its executor reports."""
+    settings = load(SchedulerSettings, [])
+
+    async def connect(device):
+        link = ExecutorLink(f"{device}:1", settings, lifecycles=SimpleNamespace(model=""))
+        await link._connect(_Describes(device))
+        return link.core.config
+
+    cpu, gpu = asyncio.run(connect("cpu")), asyncio.run(connect("cuda"))
+    assert (step_knobs(cpu), step_knobs(gpu)) == (CPU, GPU)
+    assert (cpu.block_size, cpu.max_model_len) == (16, 8192)
+
+
+def test_a_long_prompt_beside_four_decodes_is_cut_into_capped_chunks_and_the_decodes_run_every_step():
+    cfg = load(SchedulerSettings, []).core_config(16, 8192, "cpu")
+    sched = Scheduler(cfg, num_blocks=1000)
+    streams = [f"s{i}" for i in range(4)]
+    for i, rid in enumerate(streams):
+        sched.add_request(req(rid, 20, max_tokens=1000, first=100_000 + 100 * i, ignore_eos=True))
+    step(sched)                                      # their prompts; from here on they decode
+    sched.add_request(req("long", 8000, max_tokens=1))
+    chunks = []
+    while "long" in sched.requests:
+        out, deltas = step(sched)
+        assert all(out.num_scheduled_tokens[rid] == 1 for rid in streams), out.num_scheduled_tokens
+        assert {d.req_id for d in deltas} >= set(streams)     # each stream got a token this step
+        assert out.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
+        chunks.append(out.num_scheduled_tokens["long"])
+    threshold = min(cfg.long_prefill_token_threshold, cfg.max_num_batched_tokens - 4)
+    assert sum(chunks) == 8000 and max(chunks) <= threshold
+    assert len(chunks) == -(-8000 // threshold)
+
+
+def test_with_the_old_defaults_the_same_prompt_takes_one_step():
+    """What the CPU defaults fix: 8192/0 schedule the whole 8,000-token prompt in one step."""
+    cfg = load(SchedulerSettings, []).core_config(16, 8192, "cuda")
+    sched = Scheduler(cfg, num_blocks=1000)
+    for i in range(4):
+        sched.add_request(req(f"s{i}", 20, max_tokens=1000, first=100_000 + 100 * i, ignore_eos=True))
+    step(sched)
+    sched.add_request(req("long", 8000, max_tokens=1))
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens["long"] == 8000 and "long" not in sched.requests

@@ -1,0 +1,289 @@
+"""The internal links under mTLS, as real processes: the scheduler and the executor take only clients with a
+certificate from their CA, follow rotated certificate files without a restart, answer undecodable messages
+with INVALID_ARGUMENT, keep a plaintext port on loopback unless told otherwise, and let only the caller that
+submitted a request abort it."""
+
+import os
+import socket
+import ssl
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+grpc = pytest.importorskip("grpc")
+pytest.importorskip("torch")
+pytest.importorskip("cryptography")
+
+from cryptography import x509  # noqa: E402
+from helpers import free_ports, stop_processes, wait_grpc_serving, wait_until  # noqa: E402
+from tiny_model import kv_bytes, reference_greedy, write_tiny_llama  # noqa: E402
+
+from security.dev_certs import issue, load_ca, make_dev_certs, write_secret  # noqa: E402
+from stepwire.internal import executor_pb2, executor_pb2_grpc, sampling_pb2, scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT = [5, 6, 7, 8]
+
+
+def greedy(max_tokens: int, **kw) -> sampling_pb2.SamplingParams:
+    return sampling_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, top_p=1.0, top_k=-1, **kw)
+
+
+def credentials(folder: Path, with_client_certificate: bool = True, ca: Path | None = None):
+    """Client credentials from a `stepwire certs` service folder; `ca` overrides whom the client trusts."""
+    key = (folder / "tls.key").read_bytes() if with_client_certificate else None
+    cert = (folder / "tls.crt").read_bytes() if with_client_certificate else None
+    return grpc.ssl_channel_credentials(root_certificates=(ca or folder / "ca.crt").read_bytes(), private_key=key,
+                                        certificate_chain=cert)
+
+
+def secure_channel(address: str, creds, name: str):
+    return grpc.secure_channel(address, creds, options=[("grpc.ssl_target_name_override", name)])
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("mtls")
+    certs = make_dev_certs(tmp / "certs")
+    model = write_tiny_llama(tmp / "llama")
+    ex_port, sc_port, health_port = free_ports(3)
+    ex, sc = f"127.0.0.1:{ex_port}", f"127.0.0.1:{sc_port}"
+    logs = {n: open(tmp / f"{n}.log", "a") for n in ("executor", "scheduler")}
+    procs = {
+        "executor": subprocess.Popen(
+            [sys.executable, "-m", "executor_service.server", "--model", str(model), "--address", ex,
+             "--block-size", "4", "--kv-cache-memory", str(kv_bytes(64)), "--max-num-seqs", "8",
+             "--max-model-len", "128", "--metrics-address", "", "--threads", "1", "--tls-dir",
+             str(certs / "executor"), "--health-address", f"127.0.0.1:{health_port}"],
+            cwd=ROOT, stdout=logs["executor"], stderr=subprocess.STDOUT),
+        "scheduler": subprocess.Popen(
+            [sys.executable, "-m", "scheduler_service.server", "--address", sc, "--executors", ex,
+             "--metrics-address", "", "--retry-seconds", "0.2", "--tls-dir", str(certs / "scheduler")],
+            cwd=ROOT, stdout=logs["scheduler"], stderr=subprocess.STDOUT)}
+    # The test speaks to the scheduler as the gateway does, with the gateway's certificate.
+    channel = secure_channel(sc, credentials(certs / "gateway"), "stepwire-scheduler")
+    wait_grpc_serving(channel, procs, logs=[tmp / "executor.log", tmp / "scheduler.log"])
+    yield {"expected": reference_greedy(model, [PROMPT], 8)[0], "tmp": tmp, "certs": certs, "model": model,
+           "executor": ex, "scheduler": sc, "procs": procs,
+           "stub": scheduler_pb2_grpc.SchedulerStub(channel), "health_port": health_port}
+    channel.close()
+    stop_processes(procs)
+
+
+def submit(stub, max_tokens: int = 8, rid: str = ""):
+    return stub.Submit(scheduler_pb2.SubmitRequest(
+        request_id=rid, prompt_token_ids=PROMPT, params=greedy(max_tokens, ignore_eos=True)))
+
+
+def test_the_services_with_certificates_from_the_dev_ca_serve_a_request_over_mtls(stack):
+    tokens = [t for out in submit(stack["stub"]) for t in out.token_ids]
+    assert tokens == stack["expected"]
+
+
+@pytest.mark.parametrize("target", ["scheduler", "executor"])
+@pytest.mark.parametrize("client", ["plaintext", "no certificate", "another CA"])
+def test_a_client_without_a_certificate_from_the_ca_is_refused(stack, tmp_path, target, client):
+    certs, address = stack["certs"], stack[target]
+    if client == "plaintext":
+        channel = grpc.insecure_channel(address)
+    elif client == "no certificate":
+        channel = secure_channel(address, credentials(certs / "gateway", with_client_certificate=False),
+                                 f"stepwire-{target}")
+    else:
+        # It trusts the real CA (so only the server's check can refuse it) but holds another CA's certificate.
+        other = make_dev_certs(tmp_path / "other")
+        channel = secure_channel(address, credentials(other / "scheduler", ca=certs / "ca.crt"), f"stepwire-{target}")
+    with channel:
+        with pytest.raises(grpc.RpcError) as e:
+            if target == "scheduler":
+                scheduler_pb2_grpc.SchedulerStub(channel).Stats(scheduler_pb2.StatsRequest(), timeout=5)
+            else:
+                executor_pb2_grpc.ExecutorStub(channel).Describe(executor_pb2.DescribeRequest(), timeout=5)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def presented_names(port: int, certs: Path) -> set[str]:
+    """The DNS names in the certificate the server at `port` presents to a new connection."""
+    ctx = ssl.create_default_context(cafile=certs / "ca.crt")
+    ctx.check_hostname = False
+    ctx.load_cert_chain(certs / "scheduler" / "tls.crt", certs / "scheduler" / "tls.key")
+    ctx.set_alpn_protocols(["h2"])
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as raw, ctx.wrap_socket(raw) as conn:
+        cert = x509.load_der_x509_certificate(conn.getpeercert(binary_form=True))
+    return set(cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+               .get_values_for_type(x509.DNSName))
+
+
+def test_a_rotated_certificate_is_used_without_a_restart(stack):
+    certs, port = stack["certs"], int(stack["executor"].rsplit(":", 1)[1])
+    assert "rotated.stepwire.test" not in presented_names(port, certs)
+    # As the kubelet updates a mounted Secret: the new files appear at once (written aside, then renamed).
+    staging = stack["tmp"] / "rotation"
+    write_secret(staging, *issue(*load_ca(certs), "executor", ("rotated.stepwire.test",)), load_ca(certs)[0])
+    for name in ("tls.key", "tls.crt"):
+        os.replace(staging / name, certs / "executor" / name)
+    assert "rotated.stepwire.test" in presented_names(port, certs)
+    assert stack["procs"]["executor"].poll() is None
+    # Connections already open go on; the service keeps serving.
+    tokens = [t for out in submit(stack["stub"]) for t in out.token_ids]
+    assert tokens == stack["expected"]
+
+
+@pytest.mark.parametrize("target,method", [("scheduler", "/stepwire.internal.Scheduler/Submit"),
+                                           ("scheduler", "/stepwire.internal.Scheduler/Session"),
+                                           ("executor", "/stepwire.internal.Executor/Describe"),
+                                           ("executor", "/stepwire.internal.Executor/Step")])
+def test_a_message_that_does_not_decode_is_invalid_argument(stack, target, method):
+    certs = stack["certs"]
+    me = "gateway" if target == "scheduler" else "scheduler"
+    with secure_channel(stack[target], credentials(certs / me), f"stepwire-{target}") as channel:
+        garbage = b"\xff\xff\xff\xff\x0f"
+        if method.endswith(("Session", "Step")):
+            call = channel.stream_stream(method)(iter([garbage]), timeout=5)
+            with pytest.raises(grpc.RpcError) as e:
+                list(call)
+        elif method.endswith("Submit"):
+            with pytest.raises(grpc.RpcError) as e:
+                list(channel.unary_stream(method)(garbage, timeout=5))
+        else:
+            with pytest.raises(grpc.RpcError) as e:
+                channel.unary_unary(method)(garbage, timeout=5)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "does not decode" in e.value.details()
+    assert stack["procs"][target].poll() is None
+
+
+def test_the_plaintext_health_port_answers_probes_while_the_service_port_needs_a_certificate(stack):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{stack['health_port']}") as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
+        # Health is all it serves.
+        with pytest.raises(grpc.RpcError) as e:
+            executor_pb2_grpc.ExecutorStub(channel).Describe(executor_pb2.DescribeRequest(), timeout=5)
+    assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def drain(outbox: list):
+    """A Session's requests: whatever the test appends to `outbox`, until it appends "end"."""
+    while True:
+        item = outbox.pop(0) if outbox else None
+        if item == "end":
+            return
+        if item is not None:
+            yield item
+        time.sleep(0.01)
+
+
+def test_only_the_session_that_submitted_a_request_can_abort_it(stack):
+    stub = stack["stub"]
+    mine, theirs = [], []
+
+    def session(outbox):
+        return stub.Session(drain(outbox), timeout=60)
+
+    params = greedy(100, ignore_eos=True)
+    mine.append(scheduler_pb2.SessionRequest(submit=scheduler_pb2.SubmitRequest(
+        request_id="owned", prompt_token_ids=PROMPT, params=params)))
+    outputs = session(mine)
+    first = next(outputs)
+    assert first.outputs[0].request_id == "owned" and not first.outputs[0].HasField("error")
+    # Another session names the request: nothing happens to it.
+    other = session(theirs)
+    theirs.append(scheduler_pb2.SessionRequest(abort=scheduler_pb2.AbortRequest(request_ids=["owned"])))
+    time.sleep(0.5)
+    theirs.append("end")
+    assert list(other) == []
+    received = 0
+    for msg in outputs:
+        for out in msg.outputs:
+            assert out.finish_reason in ("", "length")
+            received += len(out.token_ids)
+            if out.finish_reason:
+                break
+        else:
+            continue
+        break
+    assert received + len(first.outputs[0].token_ids) == 100   # it ran to its end: the stranger's abort did nothing
+    mine.append("end")
+    list(outputs)
+
+
+def test_its_own_session_can_abort_it(stack):
+    stub = stack["stub"]
+    outbox = [scheduler_pb2.SessionRequest(submit=scheduler_pb2.SubmitRequest(
+        request_id="mine", prompt_token_ids=PROMPT,
+        params=greedy(100, ignore_eos=True)))]
+
+    outputs = stub.Session(drain(outbox), timeout=60)
+    received = len(next(outputs).outputs[0].token_ids)
+    outbox.append(scheduler_pb2.SessionRequest(abort=scheduler_pb2.AbortRequest(request_ids=["mine"])))
+    reason = ""
+    while not reason:
+        out = next(outputs).outputs[0]
+        received += len(out.token_ids)
+        reason = out.finish_reason
+    assert reason == "abort" and received < 100
+    outbox.append("end")
+    assert list(outputs) == []
+
+
+def test_plaintext_on_a_non_loopback_address_is_refused_unless_insecure(tmp_path):
+    (port,) = free_ports(1)
+    for module in ("executor_service.server", "scheduler_service.server"):
+        done = subprocess.run([sys.executable, "-m", module, "--address", f"0.0.0.0:{port}", "--metrics-address", ""],
+                              cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert done.returncode != 0
+        assert "refusing to serve" in done.stderr and "--insecure" in done.stderr
+
+
+def test_an_explicit_insecure_flag_allows_a_plaintext_wildcard_address():
+    (port,) = free_ports(1)
+    proc = subprocess.Popen([sys.executable, "-m", "scheduler_service.server", "--address", f"0.0.0.0:{port}",
+                             "--metrics-address", "", "--executors", "127.0.0.1:1", "--insecure"], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            from helpers import grpc_health
+            wait_until(lambda: grpc_health(channel) is not None, 30, "the scheduler to answer", procs=proc)
+    finally:
+        stop_processes([proc])
+
+
+def test_the_gateway_can_serve_clients_over_tls_on_both_ports(tmp_path):
+    import httpx
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    model = ROOT / "models" / "SmolLM2-135M-Instruct"
+    if not (model / "tokenizer.json").exists():
+        pytest.skip("embedded model not prepared (make model): the gateway needs its tokenizer")
+    certs = make_dev_certs(tmp_path / "certs")
+    http, gw, sc = free_ports(3)
+    me = certs / "gateway"
+    proc = subprocess.Popen([sys.executable, "-m", "gateway.server", "--model", str(model), "--port", str(http),
+                             "--grpc-address", f"127.0.0.1:{gw}", "--scheduler", f"127.0.0.1:{sc}",
+                             "--public-tls-cert", str(me / "tls.crt"), "--public-tls-key", str(me / "tls.key")],
+                            cwd=ROOT, stdout=open(tmp_path / "gateway.log", "w"), stderr=subprocess.STDOUT)
+    try:
+        client = httpx.Client(verify=ssl.create_default_context(cafile=certs / "ca.crt"), timeout=2)
+
+        def health():
+            try:
+                return client.get(f"https://localhost:{http}/health").status_code
+            except httpx.HTTPError:
+                return None
+        # No scheduler runs: not ready (503), but answered over TLS.
+        assert wait_until(health, 60, "the gateway to answer over https", procs=proc) == 503
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://127.0.0.1:{http}/health", timeout=2)
+        creds = grpc.ssl_channel_credentials((certs / "ca.crt").read_bytes())
+        with grpc.secure_channel(f"localhost:{gw}", creds) as channel:
+            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+        assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+        client.close()
+    finally:
+        stop_processes([proc])
