@@ -15,9 +15,12 @@ class StepDefaults:
 
 # vLLM's figures: a GPU step of 8192 tokens takes tens of milliseconds, so one prompt may fill it.
 GPU_STEP_DEFAULTS = StepDefaults(max_num_batched_tokens=8192, long_prefill_token_threshold=0)
-# On a CPU a step costs about a millisecond per prompt token, more late in a long prompt (its attention reads
-# every token before it): 8192 tokens made one step of over 20 s, during which every other stream stood still.
-# These keep a step near a second on a 2-core EPYC (bench/long_prompt.py), at some cost in prefill time.
+# On a CPU (SmolLM2-135M, 2-core EPYC, float32) a prompt token costs about 2 ms at the start of a prompt and
+# 7 to 9 ms at position 7000, where its attention reads every token before it: an 8,000-token prompt in one
+# step (8192/0) froze the other streams for 22 to 35 s. A cap of 128 tokens per prompt keeps the steps beside
+# running streams near a second even late in a long prompt (bench/long_prompt.py); its prompt then takes
+# about 1.5 times as long to prefill. The budget of 512 bounds a step of several prompts together (about a
+# second at the start of prompts), and a lone prompt is still cut at 512.
 CPU_STEP_DEFAULTS = StepDefaults(max_num_batched_tokens=512, long_prefill_token_threshold=128)
 
 
