@@ -128,6 +128,7 @@ def main() -> None:
         setups[f"explicit {budget}/{cap}"] = {"max_num_batched_tokens": budget, "long_prefill_token_threshold": cap}
     stacks = {}
     results: dict[str, list[dict]] = {name: [] for name in setups}
+    load_before = os.getloadavg()[0]
     try:
         for name, knobs in setups.items():
             stacks[name] = start_stack(knobs)
@@ -151,7 +152,7 @@ def main() -> None:
                 proc.kill()
 
     print(f"\n{args.prompt_tokens}-token prompt beside {args.streams} greedy streams, {args.rounds} rounds each "
-          f"(median); CPU: {cpu_model()}")
+          f"(median); CPU: {cpu_model()}; load average {load_before:.1f} at start, {os.getloadavg()[0]:.1f} at end")
     print(f"{'step defaults (budget/cap)':<28} {'worst gap (s)':>14} {'TTFT (s)':>9} {'steps':>6} {'steady gap':>11}")
     med = {}
     for name, rs in results.items():
