@@ -20,6 +20,7 @@ from gateway.telemetry import GatewayMetrics
 from gateway.tokenizer import ModelTokenizer
 from observability import tracing
 from security import tls
+from security.listen import describe
 from security.strict_decode import DecodeErrorsAreInvalidArgument
 from stepwire.contract.settings import load
 from stepwire.v1 import generation_pb2_grpc
@@ -37,23 +38,13 @@ def renewer(s: GatewaySettings, backend: Backend):
     grpc keeps a channel's credentials for its life, and a certificate only counts at a handshake, so the
     gateway renews the channel when its link to the scheduler has broken and a new handshake is due anyway."""
     files = s.tls_files()
-    seen = [files.stamp()] if files is not None else []
+    changed = tls.on_change(files, lambda: scheduler_channel(s)) if files is not None else lambda: None
 
     async def renew() -> None:
-        if files is None:
-            return
-        try:
-            stamp = files.stamp()
-            if stamp == seen[0]:
-                return
-            channel = scheduler_channel(s)
-        except (OSError, ValueError) as e:
-            log.warning("TLS files changed but cannot be used yet (%s); keeping the current certificate", e)
-            return
-        seen[0] = stamp
-        log.info("TLS certificate files changed: the next connection to the scheduler uses them")
-        old = backend.use_channel(channel)
-        await old.close(grace=1)
+        channel = changed()
+        if channel is not None:
+            log.info("TLS certificate files changed: the next connection to the scheduler uses them")
+            await backend.use_channel(channel).close(grace=1)
 
     return renew
 
@@ -117,7 +108,7 @@ async def serve(s: GatewaySettings, model_name: str, api_keys: ApiKeys) -> None:
     log.info("gateway for %s on http%s://%s:%d (metrics at /metrics) and gRPC %s, %s; not ready until the "
              "scheduler at %s (%s) is", model_name, "s" if s.public_tls_cert else "", s.host, s.port, s.grpc_address,
              "API keys required" if api_keys.enabled else "no API key required", s.scheduler,
-             "mTLS" if s.tls_files() else "plaintext")
+             describe(s.tls_files()))
     # With TLS, an idle keep-alive client holds uvicorn's shutdown until asyncio's TLS close times out (30 s,
     # measured: 20 s and more), so the wait for open connections is bounded.
     public_tls = {"ssl_certfile": s.public_tls_cert, "ssl_keyfile": s.public_tls_key,

@@ -4,7 +4,8 @@ a cluster.
 
 Each certificate serves and authenticates: every service is a server to one peer and a client of another
 (the scheduler listens to gateways and dials executors). Executors and schedulers are dialled by pod IP,
-which no shared certificate can name, so clients check a fixed service name instead (`--tls-server-name`);
+which no shared certificate can name, so clients check a fixed service name instead
+(`--executor-server-name`, `--scheduler-server-name`);
 that name, `localhost` and the loopback addresses are in every certificate's subject alternative names.
 """
 

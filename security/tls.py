@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 from cryptography import x509
@@ -22,6 +24,7 @@ from pydantic import Field, model_validator
 from stepwire.contract.settings import ServiceSettings
 
 log = logging.getLogger("stepwire.tls")
+T = TypeVar("T")
 
 
 class TLSSettings(ServiceSettings):
@@ -73,28 +76,43 @@ class TLSFiles:
         return tuple((s.st_mtime_ns, s.st_size, s.st_ino) for s in map(os.stat, (self.cert, self.key, self.ca)))
 
 
-def server_credentials(files: TLSFiles, require_client_certificate: bool = True) -> grpc.ServerCredentials:
-    """Credentials that follow the files: each handshake after a change uses the new certificate."""
+def on_change(files: TLSFiles, build: Callable[[], T]) -> Callable[[], T | None]:
+    """A poll that returns `build()` once the files have changed since the last poll that used them (or
+    since now), and None otherwise. A change that cannot be used yet (mid-rotation, a key that does not
+    match) is logged and tried again at the next poll, keeping what is in use."""
     seen = [files.stamp()]
 
-    def configuration(cert: bytes, key: bytes, ca: bytes):
-        return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
-
-    def fetch():
+    def poll() -> T | None:
         try:
             stamp = files.stamp()
             if stamp == seen[0]:
                 return None
-            config = configuration(*files.read())
+            built = build()
         except (OSError, ValueError) as e:
-            # Mid-rotation or a bad file: keep serving with what we have and try again at the next handshake.
             log.warning("TLS files changed but cannot be used yet (%s); keeping the current certificate", e)
             return None
         seen[0] = stamp
-        log.info("TLS certificate files changed: new connections use them")
+        return built
+
+    return poll
+
+
+def server_credentials(files: TLSFiles, require_client_certificate: bool = True) -> grpc.ServerCredentials:
+    """Credentials that follow the files: each handshake after a change uses the new certificate."""
+
+    def configuration():
+        cert, key, ca = files.read()
+        return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
+
+    changed = on_change(files, configuration)
+
+    def fetch():
+        config = changed()
+        if config is not None:
+            log.info("TLS certificate files changed: new connections use them")
         return config
 
-    return grpc.dynamic_ssl_server_credentials(configuration(*files.read()), fetch,
+    return grpc.dynamic_ssl_server_credentials(configuration(), fetch,
                                                require_client_authentication=require_client_certificate)
 
 
