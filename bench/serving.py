@@ -8,6 +8,7 @@ request per step.
 
 Usage: bench/serving.py [--concurrency 64] [--requests 256] [--tokens 64] [--rounds 2] [--url URL (an already running
 OpenAI-compatible server: measured alone)] [--mtls (the mTLS stack against a plaintext one: RESULT mtls_ratio=...)]
+[--async-vs-sync (async scheduling against lock-step: RESULT async_scheduling ...)]
 """
 
 from __future__ import annotations
@@ -224,16 +225,15 @@ def compare_llama(args, texts, header) -> None:
               f"llamacpp_tok_s={by['llama.cpp']:.1f} ratio={by['stepwire serve'] / by['llama.cpp']:.2f}")
 
 
-def compare_mtls(args, texts, header) -> None:
-    """Two `stepwire serve` stacks, mTLS and plaintext, both up for the whole run; rounds alternate between
-    them (and which goes first), so a noisy phase of the machine falls on both."""
-    stacks = {"mTLS": start_stack(tls=True), "plaintext": start_stack(tls=False)}
+def compare_stacks(args, texts, header, stacks: dict) -> dict:
+    """Several `stepwire serve` stacks, all up for the whole run; rounds alternate between them (and which goes
+    first), so a noisy phase of the machine falls on each. Returns each stack's merged figures."""
     runs: dict[str, list[dict]] = {k: [] for k in stacks}
     try:
         for _, url, _ in stacks.values():     # warm-up wave, not measured
             asyncio.run(http_run(url, args.model_name, texts[:args.concurrency], args.tokens, args.concurrency))
         for i in range(args.rounds):
-            for name in (("mTLS", "plaintext") if i % 2 == 0 else ("plaintext", "mTLS")):
+            for name in (list(stacks) if i % 2 == 0 else list(stacks)[::-1]):
                 url = stacks[name][1]
                 runs[name].append(asyncio.run(http_run(url, args.model_name, texts, args.tokens, args.concurrency)))
             print(f"round {i + 1}: " + ", ".join(f"{k} {v[-1]['tok_s']:.1f} tok/s" for k, v in runs.items()),
@@ -247,7 +247,23 @@ def compare_mtls(args, texts, header) -> None:
     print(header)
     for name, r in merged.items():
         print(row(f"stepwire serve, {name}", r))
+    return merged
+
+
+def compare_mtls(args, texts, header) -> None:
+    merged = compare_stacks(args, texts, header, {"mTLS": start_stack(tls=True), "plaintext": start_stack(tls=False)})
     print(f"RESULT mtls_ratio={merged['mTLS']['tok_s'] / merged['plaintext']['tok_s']:.3f}")
+
+
+def compare_async(args, texts, header) -> None:
+    """The scheduler with async scheduling (the default) against one that waits for each step's answer."""
+    import os
+    sync_env = os.environ | {"STEPWIRE_SCHEDULER_ASYNC_SCHEDULING": "false"}
+    merged = compare_stacks(args, texts, header, {"async": start_stack(), "sync": start_stack(env=sync_env)})
+    a, b = merged["async"], merged["sync"]
+    print(f"RESULT async_scheduling concurrency={args.concurrency} async_tok_s={a['tok_s']:.1f} "
+          f"sync_tok_s={b['tok_s']:.1f} ratio={a['tok_s'] / b['tok_s']:.3f} "
+          f"tpot_p50_ratio={pct(a['tpot'], .5) / pct(b['tpot'], .5):.3f}")
 
 
 def main() -> None:
@@ -262,6 +278,8 @@ def main() -> None:
                                                         "plaintext one (--no-tls), side by side")
     ap.add_argument("--llama-venv", help="also run llama.cpp's server (built by ../shared/peers/llama_cpp/setup.sh "
                                          "into this folder) on the same GGUF, at concurrency 1 and 8")
+    ap.add_argument("--async-vs-sync", action="store_true", help="compare async scheduling (the default) with "
+                                                                 "--no-async-scheduling, side by side")
     args = ap.parse_args()
     from offline_throughput import prompt_texts
 
@@ -279,6 +297,8 @@ def main() -> None:
         return compare_llama(args, texts, header)
     if args.mtls:
         return compare_mtls(args, texts, header)
+    if args.async_vs_sync:
+        return compare_async(args, texts, header)
     # Rounds alternate between the two systems so that a noisy phase of a shared machine falls on both.
     tok = ModelTokenizer(MODEL)
     prompt_ids = [tok.encode_chat([{"role": "user", "content": t}]) for t in texts]

@@ -33,7 +33,8 @@ class ExecutorSettings(TLSSettings):
     model: str = Field("models/SmolLM2-135M-Instruct", description="Hugging Face model directory (safetensors)")
     device: str = Field("cpu", description="torch device: cpu, cuda, cuda:1, ...")
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
-        None, description="weights and KV dtype; default float32 on CPU, bfloat16 on CUDA")
+        None, description="weights and KV dtype; default bfloat16 on CUDA and on CPUs with "
+        "AMX or AVX512-BF16, float32 on other CPUs")
     kv_cache_memory: int = Field(1 << 30, ge=1, description="bytes for the KV cache of all layers")
     block_size: int = Field(16, ge=1, description="tokens per KV block")
     max_num_seqs: int = Field(256, ge=1, description="rows of the persistent batch")

@@ -1,7 +1,8 @@
 """One executor as the scheduler drives it: a scheduler core with its block pool, and the Step stream.
 
 A link is an asyncio task: connect (retrying, with a log line, until `Describe` answers), size the block
-pool from the answer, then loop schedule -> step -> update while there is work. If the stream breaks (or
+pool from the answer, then loop schedule -> step -> update while there is work, with one step in flight
+beyond the one running (async scheduling; `--no-async-scheduling` waits for each answer). If the stream breaks (or
 keepalive finds the executor gone), `on_lost` moves its requests to other executors; if the executor asks
 for a resync, the link preempts what it ran there (recompute) and opens a new epoch. Either way clients
 see their streams continue. A reply marked `draining` starts a drain: nothing new comes here, queued
@@ -16,6 +17,7 @@ import asyncio
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -24,6 +26,7 @@ from opentelemetry.trace import Link
 
 from observability import tracing
 from scheduler_service.lifecycle import Lifecycles
+from scheduler_service.output import SchedulerOutput
 from scheduler_service.request import Request
 from scheduler_service.scheduler import Scheduler
 from scheduler_service.settings import SchedulerSettings
@@ -32,6 +35,26 @@ from security import tls
 from stepwire.internal import executor_pb2, executor_pb2_grpc
 
 log = logging.getLogger("stepwire.scheduler")
+
+
+@dataclass(slots=True)
+class _Sent:
+    """A step written to the executor and not yet answered."""
+
+    out: SchedulerOutput
+    order: list[str]
+    t0: float
+    span: object | None
+    size: int
+    forward: float | None = None
+    stale: bool = False              # a resync came in after it was sent: its answer is read and dropped
+
+    def end(self) -> None:
+        if self.span is not None:
+            self.span.set_attribute("stepwire.step.wire_bytes", self.size)
+            if self.forward is not None:
+                self.span.set_attribute("stepwire.step.forward_seconds", self.forward)
+            self.span.end()
 
 
 @dataclass
@@ -158,76 +181,99 @@ class ExecutorLink:
         broken = asyncio.Event()
         call.add_done_callback(lambda _: broken.set())
         core = self.core
-        lives = self.lifecycles
-        m = lives.metrics
+        # Async scheduling: step N+1 is scheduled and sent while the executor runs step N, so the hop, the
+        # scheduler's Python and the executor's decoding hide behind the forward pass. The executor runs the
+        # steps in order and holds the tokens N samples, which N+1 feeds back in (the core's placeholders).
+        depth = 2 if self.settings.async_scheduling else 1
+        sent: deque[_Sent] = deque()
         while True:
-            if self.leaving:
-                if time.monotonic() >= self.drain_deadline and core.has_unfinished_requests():
-                    log.warning("executor %s: drain period over; moving %d requests", self.address,
-                                len(core.requests))
-                    self.on_drain(self, True)
-                if not core.has_unfinished_requests():
+            if self.leaving and core.has_unfinished_requests() and time.monotonic() >= self.drain_deadline:
+                log.warning("executor %s: drain period over; moving %d requests", self.address, len(core.requests))
+                self.on_drain(self, True)    # the answers to steps in flight are read and dropped
+            if not sent:
+                if self.leaving and not core.has_unfinished_requests():
                     await call.done_writing()   # nothing left here: the executor may exit now
                     await broken.wait()
                     raise ConnectionError("drained")
-            if not core.has_unfinished_requests() and not core.finished_req_ids:
-                self.wakeup.clear()
-                waits = [asyncio.ensure_future(self.wakeup.wait()), asyncio.ensure_future(broken.wait())]
-                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-                for w in waits:
-                    w.cancel()
-                if broken.is_set():
-                    raise ConnectionError("the step stream ended while idle")
-                continue
-            t0 = time.perf_counter()
-            start_ns = time.time_ns()
-            out = core.schedule()
-            if out.is_empty and not out.finished_req_ids and not out.preempted_req_ids:
-                await asyncio.sleep(0.001)     # nothing can run yet (e.g. waiting on admission)
-                continue
-            lives.scheduled(out)
-            msg, order = encode_step(out, self.handles, self.epoch, self.step)
-            span = self._step_span(out, start_ns) if tracing.tracer() is not None else None
-            if span is not None:
-                msg.traceparent = tracing.traceparent(span)
-            self.step += 1
-            size = msg.ByteSize()
-            self.wire_bytes += size
-            self.wire_request_steps += len(order)
-            m.wire_bytes.observe(size)
-            forward = None
-            try:
-                await call.write(msg)
-                reply = await call.read()
-                if reply is grpc.aio.EOF:
-                    raise ConnectionError("executor closed the step stream")
-                if reply.HasField("resync"):
-                    log.warning("executor %s asked for a resync: %s", self.address, reply.resync.reason)
-                    lives.preempted([r.request_id for r in core.reset_executor_state()])
-                    self.epoch += 1
-                    self.handles = HandleTable()
+                if not core.has_unfinished_requests() and not core.finished_req_ids:
+                    self.wakeup.clear()
+                    waits = [asyncio.ensure_future(self.wakeup.wait()), asyncio.ensure_future(broken.wait())]
+                    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                    for w in waits:
+                        w.cancel()
+                    if broken.is_set():
+                        raise ConnectionError("the step stream ended while idle")
                     continue
-                if reply.draining and not self.draining:
-                    self.start_drain(retiring=False)
-                    log.info("executor %s is draining: %d requests running there get %.0fs to finish",
-                             self.address, len(core.running), self.settings.drain_seconds)
-                    self.on_change()
-                    self.on_drain(self, False)
-                forward = reply.forward_seconds
-                self.forward_seconds += forward
-                deltas = core.update_from_output(out, decode_result(reply, order))
-                lives.delivered(deltas)
-                for d in deltas:
-                    q = self.streams.get(d.req_id)
-                    if q is not None:
-                        q.put_nowait(d)
-            finally:
-                if span is not None:
-                    span.set_attribute("stepwire.step.wire_bytes", size)
-                    if forward is not None:
-                        span.set_attribute("stepwire.step.forward_seconds", forward)
-                    span.end()
-            m.step_duration.observe(time.perf_counter() - t0)
+            if len(sent) < depth:
+                step = await self._send(call, core)
+                if step is not None:
+                    sent.append(step)
+                    continue
+                if not sent:
+                    await asyncio.sleep(0.001)     # nothing can run yet (e.g. waiting on admission)
+                    continue
+            await self._receive(call, core, sent)
+
+    async def _send(self, call, core: Scheduler) -> _Sent | None:
+        """Schedule a step and write it; None when there is nothing to tell the executor."""
+        t0 = time.perf_counter()
+        start_ns = time.time_ns()
+        out = core.schedule()
+        if out.is_empty and not out.finished_req_ids and not out.preempted_req_ids:
+            return None
+        self.lifecycles.scheduled(out)
+        msg, order = encode_step(out, self.handles, self.epoch, self.step)
+        span = self._step_span(out, start_ns) if tracing.tracer() is not None else None
+        if span is not None:
+            msg.traceparent = tracing.traceparent(span)
+        self.step += 1
+        size = msg.ByteSize()
+        self.wire_bytes += size
+        self.wire_request_steps += len(order)
+        self.lifecycles.metrics.wire_bytes.observe(size)
+        step = _Sent(out, order, t0, span, size)
+        try:
+            await call.write(msg)
+        except BaseException:
+            step.end()
+            raise
+        return step
+
+    async def _receive(self, call, core: Scheduler, sent: deque[_Sent]) -> None:
+        """Read the answer to the oldest step in flight and apply it."""
+        step = sent.popleft()
+        lives = self.lifecycles
+        try:
+            reply = await call.read()
+            if reply is grpc.aio.EOF:
+                raise ConnectionError("executor closed the step stream")
+            if step.stale:
+                return        # sent before a resync: its result belongs to the epoch that ended
+            if reply.HasField("resync"):
+                log.warning("executor %s asked for a resync: %s", self.address, reply.resync.reason)
+                lives.preempted([r.request_id for r in core.reset_executor_state()])
+                self.epoch += 1
+                self.handles = HandleTable()
+                for later in sent:
+                    later.stale = True
+                return
+            if reply.draining and not self.draining:
+                self.start_drain(retiring=False)
+                log.info("executor %s is draining: %d requests running there get %.0fs to finish",
+                         self.address, len(core.running), self.settings.drain_seconds)
+                self.on_change()
+                self.on_drain(self, False)
+            step.forward = reply.forward_seconds
+            self.forward_seconds += step.forward
+            deltas = core.update_from_output(step.out, decode_result(reply, step.order))
+            lives.delivered(deltas)
+            for d in deltas:
+                q = self.streams.get(d.req_id)
+                if q is not None:
+                    q.put_nowait(d)
+        finally:
+            step.end()
+        lives.metrics.step_duration.observe(time.perf_counter() - step.t0)
 
     def _step_span(self, out, start_ns: int):
         """`scheduler.step`: the batch's facts, linked to the span of every request it serves."""

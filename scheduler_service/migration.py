@@ -22,6 +22,7 @@ def take_all(core: Scheduler, only_waiting: bool = False) -> list[Request]:
         core.kv.free(req)
         del core.requests[req.request_id]
         req.num_computed_tokens = 0
+        req.num_output_placeholders = 0          # steps in flight there are lost
         if req.status is not RequestStatus.WAITING:
             # The executor that held it may still hold it, or not at all: the next one gets it in full.
             req.status = RequestStatus.PREEMPTED

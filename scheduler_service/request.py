@@ -49,6 +49,9 @@ class Request:
     num_prompt_tokens: int = field(init=False)
     status: RequestStatus = field(init=False, default=RequestStatus.WAITING)
     num_computed_tokens: int = field(init=False, default=0)
+    # Tokens sampled by steps that were sent but not yet answered (async scheduling): the executor already
+    # holds them, so the scheduler may schedule the step after as if they were in all_token_ids.
+    num_output_placeholders: int = field(init=False, default=0)
     num_preemptions: int = field(init=False, default=0)
     # Prompt tokens served from the prefix cache at first admission; -1 until then.
     num_cached_tokens: int = field(init=False, default=-1)

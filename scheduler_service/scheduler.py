@@ -112,6 +112,7 @@ class Scheduler:
         for req in victims:
             self._preempt(req)
         for req in self.requests.values():
+            req.num_output_placeholders = 0       # what was in flight is lost with the batch
             if req.status == _PREEMPTED:
                 req.resend_in_full = True
         # Ids the executor no longer holds need no "finished" notice in the new epoch.
@@ -146,7 +147,11 @@ class Scheduler:
         while i < len(running) and token_budget > 0:
             req = running[i]
             computed = req.num_computed_tokens
-            n = len(req.all_token_ids) - computed
+            known = len(req.all_token_ids) + req.num_output_placeholders
+            if known >= req.length_limit:
+                i += 1          # its last token is in flight: another step could only waste a token
+                continue
+            n = known - computed
             if 0 < threshold < n:
                 n = threshold
             if n > token_budget:
@@ -167,6 +172,8 @@ class Scheduler:
                     restored = num_scheduled.pop(victim.request_id, None)
                     if restored is not None:
                         # Scheduled earlier in this step: withdraw the step, and the block hashes it made.
+                        if victim.num_computed_tokens == victim.num_tokens + victim.num_output_placeholders - 1:
+                            victim.num_output_placeholders -= 1      # and the token it would have sampled
                         kv.uncache_from(victim, victim.num_computed_tokens - restored)
                         token_budget += restored
                         k = c_ids.index(victim.request_id)
@@ -186,6 +193,8 @@ class Scheduler:
                 break
             rid = req.request_id
             req.num_computed_tokens = computed + n
+            if computed + n == known:
+                req.num_output_placeholders += 1     # this step samples
             num_scheduled[rid] = n
             token_budget -= n
             c_ids.append(rid)
@@ -228,6 +237,8 @@ class Scheduler:
                     cached.resumed_req_ids.add(rid)
                 req.status = _RUNNING
                 req.num_computed_tokens = num_hit + n
+                if num_hit + n == len(req.all_token_ids):
+                    req.num_output_placeholders += 1
                 num_scheduled[rid] = n
                 token_budget -= n
 
@@ -256,13 +267,20 @@ class Scheduler:
         logprobs = runner_output.logprobs
         lp_iter = itertools.repeat(None) if logprobs is None else logprobs
 
+        late_preempted = []
         for rid, tokens, lps in zip(runner_output.req_ids, runner_output.sampled_token_ids, lp_iter, strict=False):
             if not tokens:
                 continue  # mid-prefill: nothing for the client yet
             req = requests.get(rid)
-            # Aborted since the step was scheduled, or never part of it: the tokens are dropped.
-            if req is None or req.status is not _RUNNING or rid not in num_scheduled:
+            # Ended since the step was scheduled (aborted, or stopped by the step before: its token in this
+            # step was wasted), or never part of it: the tokens are dropped.
+            if req is None or rid not in num_scheduled or req.num_output_placeholders <= 0:
                 continue
+            req.num_output_placeholders -= 1
+            if req.status is not _RUNNING:
+                # Preempted by a step scheduled while this one ran (async scheduling). The token is real: the
+                # executor parked it with the request's other tokens, and a resume recomputes it all.
+                late_preempted.append(req)
             all_ids = req.all_token_ids
             finish = None
             for k, tok in enumerate(tokens):
@@ -292,6 +310,9 @@ class Scheduler:
                                            req.num_cached_tokens, lps))
         if any_finished:
             self.running = [r for r in self.running if r.status is _RUNNING]
+            ended = [r for r in late_preempted if r.is_finished]
+            if ended:
+                self.waiting.remove_all(ended)
         return deltas
 
     # ------------------------------------------------------------------ introspection

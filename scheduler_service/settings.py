@@ -54,6 +54,9 @@ class SchedulerSettings(TLSSettings):
     drain_seconds: float = Field(20.0, ge=0, description="how long a draining executor's running requests get "
                                  "to finish before they move (keep it under the executor's --drain-seconds)")
 
+    async_scheduling: bool = Field(True, description="schedule and send each executor's next step while it runs "
+                                   "the current one (a request that stops costs one wasted token)")
+
     # SchedulerConfig's knobs (block_size always comes from the executor).
     max_num_seqs: int = Field(256, ge=1, description="requests running at once per executor")
     max_num_batched_tokens: int | None = Field(

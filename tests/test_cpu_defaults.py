@@ -118,3 +118,38 @@ def test_with_the_old_defaults_the_same_prompt_takes_one_step():
     sched.add_request(req("long", 8000, max_tokens=1))
     out, _ = step(sched)
     assert out.num_scheduled_tokens["long"] == 8000 and "long" not in sched.requests
+
+
+@pytest.mark.parametrize("amx, avx512_bf16, expected", [(True, False, "bfloat16"), (False, True, "bfloat16"),
+                                                        (False, False, "float32")])
+def test_cpu_dtype_is_bfloat16_only_where_the_cpu_multiplies_it_natively(monkeypatch, amx, avx512_bf16, expected):
+    import torch
+
+    from executor_service.runner import default_dtype
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.cpu, "_init_amx", lambda: True)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    assert default_dtype("cpu") == expected
+    assert default_dtype("cuda") == default_dtype("cuda:1") == "bfloat16"
+
+
+def test_amx_that_the_kernel_refuses_to_enable_does_not_count(monkeypatch):
+    import torch
+
+    from executor_service.runner import default_dtype
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    monkeypatch.setattr(torch.cpu, "_init_amx", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    assert default_dtype("cpu") == "float32"
+
+
+def test_this_machines_default_dtype_is_what_torch_says_it_supports(tmp_path):
+    import torch
+    from tiny_model import write_tiny_llama
+
+    from executor_service.runner import ModelRunner, RunnerConfig
+    native = (torch.cpu._is_amx_tile_supported() and torch.cpu._init_amx()) or torch.cpu._is_avx512_bf16_supported()
+    runner = ModelRunner(RunnerConfig(write_tiny_llama(tmp_path), kv_cache_memory=1 << 20))
+    assert runner.describe()["dtype"] == ("bfloat16" if native else "float32")
+    assert ModelRunner(RunnerConfig(write_tiny_llama(tmp_path / "b"), dtype="float32",
+                                    kv_cache_memory=1 << 20)).describe()["dtype"] == "float32"

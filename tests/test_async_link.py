@@ -1,0 +1,128 @@
+"""Async scheduling across the hop: the scheduler (a real process) sends step N+1 before step N is answered.
+
+The executor here is a probe that answers a step only once the next one has arrived, or after a pause when
+none comes. With async scheduling the scheduler keeps two steps in flight, so every answer waits on the
+next step and the stream runs without pauses; with `--no-async-scheduling` it never has two in flight.
+A probe rather than the real executor, because the real one answers each step as soon as it is computed,
+which hides whether the next step was already on its way.
+"""
+
+from __future__ import annotations
+
+import queue
+import subprocess
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+from helpers import free_port, stop_processes, wait_grpc_serving
+
+from stepwire.internal import (
+    executor_pb2,
+    executor_pb2_grpc,
+    sampling_pb2,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+PAUSE = 0.3          # how long the probe waits for a next step before answering anyway
+
+
+class ProbeExecutor(executor_pb2_grpc.ExecutorServicer):
+    def __init__(self):
+        self.most_in_flight = 0
+        self.answered_alone = 0      # answers sent after PAUSE with no next step in hand
+        self.steps = 0
+
+    def Describe(self, request, context):
+        return executor_pb2.DescribeResponse(model="probe", architecture="LlamaForCausalLM", vocab_size=100,
+                                             max_model_len=256, block_size=4, num_blocks=256, dtype="float32",
+                                             device="cpu", eos_token_ids=[99], instance_id="probe")
+
+    def Step(self, request_iterator, context):
+        inbox: queue.Queue = queue.Queue()
+
+        def read():
+            try:
+                for msg in request_iterator:
+                    inbox.put(msg)
+            except grpc.RpcError:
+                pass                 # the scheduler went away mid-stream: the run is over
+            finally:
+                inbox.put(None)
+
+        threading.Thread(target=read, daemon=True).start()
+        held: list = []
+        while True:
+            if not held:
+                msg = inbox.get()
+                if msg is None:
+                    return
+                held.append(msg)
+            try:
+                nxt = inbox.get(timeout=PAUSE)
+            except queue.Empty:
+                nxt = False
+                self.answered_alone += 1
+            if nxt is None:
+                yield from map(self.answer, held)
+                return
+            if nxt is not False:
+                held.append(nxt)
+            self.most_in_flight = max(self.most_in_flight, len(held))
+            yield self.answer(held.pop(0))
+
+    def answer(self, msg):
+        # Every scheduled request samples token 7: the prompts below fit one step.
+        self.steps += 1
+        return executor_pb2.StepResponse(epoch=msg.epoch, step=msg.step, all_sampled=True,
+                                         token_ids=[7] * len(msg.handles))
+
+
+@pytest.fixture
+def probe():
+    probe = ProbeExecutor()
+    port = free_port()
+    server = grpc.server(ThreadPoolExecutor(4))
+    executor_pb2_grpc.add_ExecutorServicer_to_server(probe, server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    yield probe, f"127.0.0.1:{port}"
+    server.stop(0)
+
+
+def run_requests(executor: str, *flags: str) -> list[list[int]]:
+    address = f"127.0.0.1:{free_port()}"
+    proc = subprocess.Popen([sys.executable, "-m", "scheduler_service.server", "--executors", executor,
+                             "--address", address, "--metrics-address", "", *flags], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        channel = grpc.insecure_channel(address)
+        wait_grpc_serving(channel, {"scheduler": proc})
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        params = sampling_pb2.SamplingParams(max_tokens=12, temperature=0.0, top_p=1.0, top_k=-1, ignore_eos=True)
+        calls = [stub.Submit(scheduler_pb2.SubmitRequest(request_id=f"r{i}", prompt_token_ids=[1, 2, 3 + i],
+                                                         params=params), timeout=60) for i in range(3)]
+        return [[t for out in call for t in out.token_ids] for call in calls]
+    finally:
+        stop_processes([proc])
+
+
+def test_the_scheduler_sends_the_next_step_before_the_last_one_is_answered(probe):
+    executor, address = probe
+    assert run_requests(address) == [[7] * 12] * 3
+    assert executor.most_in_flight == 2
+    # Only the last step of the run waits out the pause: every other answer had its successor in hand.
+    assert executor.answered_alone <= 2 < executor.steps
+
+
+def test_without_async_scheduling_each_step_waits_for_the_answer_to_the_last(probe):
+    executor, address = probe
+    assert run_requests(address, "--no-async-scheduling") == [[7] * 12] * 3
+    assert executor.most_in_flight == 1
+    # Each answer waited out the pause, but the last, which the scheduler's exit may have hurried.
+    assert executor.answered_alone >= executor.steps - 1

@@ -1,0 +1,178 @@
+"""Async scheduling in the core: step N+1 is scheduled and sent before step N's answer comes back.
+
+The executor here is the real one minus the model: the wire (encode_step / decode_step / encode_result /
+decode_result), `check_step` and the persistent `InputBatch`, with a "model" whose next token is a pure
+function of the row's whole token prefix. Every request's output is then fixed by its prompt alone, so
+a pipelined run must give exactly what a lock-step run gives, whatever the pool size, preemptions, stops
+and aborts, and every step the pipelined scheduler sends must pass the executor's checks.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from invariants import assert_pool_invariants
+
+from executor_service.input_batch import InputBatch
+from executor_service.step import StepResult
+from executor_service.step_checks import Limits, check_step
+from executor_service.wire import decode_step, encode_result
+from scheduler_service import Request, Scheduler, SchedulerConfig
+from scheduler_service.wire import HandleTable, decode_result, encode_step
+from stepwire.contract import SamplingParams
+
+VOCAB = 7
+EOS = 6
+
+
+class PrefixModel:
+    """The executor side: applies each step to a persistent batch and samples f(token prefix)."""
+
+    def __init__(self, cfg: SchedulerConfig, num_blocks: int):
+        self.batch = InputBatch(cfg.max_num_seqs, cfg.max_model_len, cfg.block_size)
+        self.limits = Limits(VOCAB, num_blocks, cfg.block_size, cfg.max_model_len, cfg.max_num_seqs)
+        self.samples = 0
+
+    def run(self, msg):
+        step = decode_step(msg)
+        check_step(step, self.batch, self.limits)       # raises BadStep: a pipelined step must never be refused
+        self.batch.apply(step)
+        if not step.handles:
+            return encode_result(StepResult(np.empty(0, np.int64), np.empty(0, np.int64)), 0, msg.epoch, msg.step)
+        inputs = self.batch.prepare(step.handles, step.num_tokens, step.total_tokens)
+        rows = inputs.rows[inputs.sample_mask]
+        sampled = np.array([self.next_token(self.batch.token_ids[r, :self.batch.num_tokens[r]]) for r in rows],
+                           dtype=np.int64)
+        self.samples += len(sampled)
+        self.batch.append_sampled(inputs, sampled)
+        return encode_result(StepResult(np.flatnonzero(inputs.sample_mask), sampled), len(step.handles),
+                             msg.epoch, msg.step)
+
+    @staticmethod
+    def next_token(prefix: np.ndarray) -> int:
+        h = len(prefix)
+        for t in prefix.tolist():
+            h = (h * 1000003 + t) & 0xFFFFFFFF
+        return (h >> 7) % VOCAB
+
+
+def drive(sched: Scheduler, model: PrefixModel, depth: int, abort_at: dict[int, str] | None = None,
+          max_steps: int = 5000) -> tuple[dict[str, list[int]], dict[str, str]]:
+    """Run to completion with up to `depth` steps sent and unanswered. Returns tokens and finish reasons."""
+    handles = HandleTable()
+    sent: deque = deque()
+    outputs: dict[str, list[int]] = {rid: [] for rid in sched.requests}
+    reasons: dict[str, str] = {}
+    n = 0
+    while sched.has_unfinished_requests() or sent or sched.finished_req_ids:
+        assert n < max_steps, "no progress"
+        if abort_at and n in abort_at:
+            for r in sched.abort_requests(abort_at[n]):
+                reasons[r.request_id] = "abort"
+        if len(sent) < depth:
+            out = sched.schedule()
+            if not (out.is_empty and not out.finished_req_ids and not out.preempted_req_ids):
+                msg, order = encode_step(out, handles, epoch=1, step=n)
+                n += 1
+                sent.append((out, order, model.run(msg)))   # the executor runs steps in the order they come
+                continue
+        assert sent, "nothing in flight and nothing schedulable"
+        out, order, reply = sent.popleft()
+        for d in sched.update_from_output(out, decode_result(reply, order)):
+            assert d.req_id not in reasons, f"{d.req_id} got tokens after it ended"
+            outputs[d.req_id] += d.new_token_ids
+            if d.finish_reason is not None:
+                reasons[d.req_id] = d.finish_reason
+        assert_pool_invariants(sched)
+    return outputs, reasons
+
+
+def make(requests, num_blocks: int, **cfg) -> tuple[Scheduler, PrefixModel]:
+    config = SchedulerConfig(**{"max_num_seqs": 8, "max_num_batched_tokens": 32, "max_model_len": 96,
+                                "block_size": 4, "long_prefill_token_threshold": 8} | cfg)
+    sched = Scheduler(config, num_blocks=num_blocks)
+    for rid, prompt, sp in requests:
+        sched.add_request(Request(rid, list(prompt), sp, eos_token_ids=(EOS,)))
+    return sched, PrefixModel(config, num_blocks)
+
+
+workloads = st.lists(st.tuples(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=30),
+                               st.integers(1, 24), st.booleans(), st.integers(0, 3)),
+                     min_size=1, max_size=8)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(work=workloads, extra_blocks=st.integers(0, 30), caching=st.booleans())
+def test_pipelined_steps_give_what_lock_step_gives_and_waste_at_most_a_token_per_request(work, extra_blocks,
+                                                                                       caching):
+    # A pool from "one request at a time" to roomy: small ones preempt on almost every step.
+    num_blocks = 1 + 130 // 4 + extra_blocks
+    reqs = [(f"r{i}", prompt, SamplingParams(max_tokens=m, ignore_eos=not eos, min_tokens=min(mt, m)))
+            for i, (prompt, m, eos, mt) in enumerate(work)]
+    runs = {}
+    for depth in (1, 2):
+        sched, model = make(reqs, num_blocks, enable_prefix_caching=caching)
+        outputs, reasons = drive(sched, model, depth)
+        delivered = sum(map(len, outputs.values()))
+        runs[depth] = (outputs, reasons, model.samples - delivered, sched.num_preemptions)
+        assert sched.kv.num_free_blocks == num_blocks - 1 and sched.kv.holders() == {}
+        assert model.batch.num_reqs == 0 or not sched.finished_req_ids
+    assert runs[2][:2] == runs[1][:2]
+    assert runs[1][2] == 0, "lock step sampled a token nobody received"
+    # Only a request that stopped on a token found one step late costs a token, and only one.
+    stopped = sum(r == "stop" for r in runs[2][1].values())
+    assert 0 <= runs[2][2] <= stopped
+
+
+def test_a_stop_found_late_costs_one_wasted_token_and_the_request_gets_nothing_after_it():
+    prompt = [1, 2, 3]
+    # Find where the prefix model first says EOS for this prompt, so the request stops there.
+    seq = list(prompt)
+    while PrefixModel.next_token(np.array(seq)) != EOS:
+        seq.append(PrefixModel.next_token(np.array(seq)))
+        assert len(seq) < 60
+    expected = seq[len(prompt):] + [EOS]
+    sched, model = make([("a", prompt, SamplingParams(max_tokens=80))], num_blocks=64)
+    outputs, reasons = drive(sched, model, depth=2)
+    assert outputs["a"] == expected and reasons["a"] == "stop"
+    assert model.samples == len(expected) + 1
+
+
+def test_a_length_cap_is_never_overshot_because_the_last_token_in_flight_is_counted():
+    sched, model = make([("a", [1, 2], SamplingParams(max_tokens=5, ignore_eos=True))], num_blocks=64)
+    outputs, reasons = drive(sched, model, depth=2)
+    assert len(outputs["a"]) == 5 and reasons["a"] == "length"
+    assert model.samples == 5, "a step past max_tokens was scheduled"
+
+
+@pytest.mark.parametrize("when", [2, 3, 6])
+def test_an_abort_while_two_steps_are_in_flight_frees_everything_and_leaves_the_others_unchanged(when):
+    reqs = [(f"r{i}", [i, i + 1, 2], SamplingParams(max_tokens=12, ignore_eos=True)) for i in range(4)]
+    sched, model = make(reqs, num_blocks=64)
+    ref, _ = drive(sched, model, depth=1)
+    sched, model = make(reqs, num_blocks=64)
+    outputs, reasons = drive(sched, model, depth=2, abort_at={when: "r1"})
+    assert reasons["r1"] == "abort" and len(outputs["r1"]) < 12
+    assert outputs["r1"] == ref["r1"][:len(outputs["r1"])]
+    for rid in ("r0", "r2", "r3"):
+        assert outputs[rid] == ref[rid] and reasons[rid] == "length"
+    assert sched.kv.num_free_blocks == 63 and model.batch.num_reqs == 0
+
+
+def test_a_request_preempted_while_its_token_is_in_flight_keeps_that_token():
+    # Two requests that cannot both grow in an 8-block pool: the later one is preempted by the step
+    # scheduled while the earlier step, which sampled for it, is still running.
+    reqs = [("a", [1, 2, 3, 4], SamplingParams(max_tokens=20, ignore_eos=True)),
+            ("b", [5, 4, 3, 2], SamplingParams(max_tokens=20, ignore_eos=True))]
+    sched, model = make(reqs, num_blocks=9, long_prefill_token_threshold=0)
+    ref, _ = drive(sched, model, depth=1)
+    sched, model = make(reqs, num_blocks=9, long_prefill_token_threshold=0)
+    outputs, reasons = drive(sched, model, depth=2)
+    assert sched.num_preemptions > 0
+    assert outputs == ref and set(reasons.values()) == {"length"}
+    assert Counter(map(len, outputs.values())) == Counter({20: 2})
+    assert model.samples == 40, "a token was sampled twice (dropped while preempted, then recomputed)"
