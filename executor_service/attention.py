@@ -1,4 +1,4 @@
-"""Paged attention in plain torch: one code path for CPU and CUDA.
+"""Paged attention in plain torch: the CPU path, and the reference for the Triton kernel (triton_attention.py).
 
 A step's batch is flattened: the tokens of every scheduled request one after another, whether a whole
 prompt, a prefill chunk, a single decode token, or the rest of a prompt whose head came from the prefix
@@ -53,6 +53,9 @@ class AttentionMetadata:
     # mask [q_len, seq_len] offset by the tokens already cached, or None when nothing was).
     chunks: list[tuple[int, int, int, torch.Tensor, torch.Tensor | None]]
     scratch: GatherScratch | None = None
+    # Set when the step runs the Triton kernel (triton_attention.PagedMetadata): every token reads the
+    # blocks in place, and the fields above are left empty.
+    paged: object | None = None
 
 
 class PagedAttention:
@@ -68,6 +71,8 @@ class PagedAttention:
         kvh, d = self.num_kv_heads, self.head_dim
         k_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v)
+        if meta.paged is not None:
+            return meta.paged.attend(q, k_cache, v_cache, self.scale)
         if not meta.chunks:
             # Pure decode, the common step: the decode index is the identity, so no scatter into a copy.
             return self._decode(q, k_cache, v_cache, meta)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from executor_service.attention import GatherScratch, build_attention_metadata
 from executor_service.input_batch import InputBatch, RequestState, StepInputs
@@ -37,6 +40,24 @@ def default_dtype(device: str) -> str:
     return "float32"
 
 
+def attention_backend(choice: str, device: torch.device) -> str:
+    """"torch" (gather, then SDPA) or "triton" (paged in place). auto: triton on CUDA when it is installed.
+    Chosen once at start-up, so no step ever waits on a backend's per-shape planning."""
+    try:
+        import triton  # noqa: F401
+        have_triton = True
+    except ImportError:
+        have_triton = False
+    if choice == "auto":
+        return "triton" if device.type == "cuda" and have_triton else "torch"
+    if choice == "triton":
+        if not have_triton:
+            raise ValueError("--attention-backend triton: triton is not installed (it comes with CUDA builds of torch)")
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"--attention-backend triton runs on CUDA devices, not {device}")
+    return choice
+
+
 @dataclass(frozen=True)
 class RunnerConfig:
     model: str
@@ -46,6 +67,7 @@ class RunnerConfig:
     block_size: int = 16
     max_num_seqs: int = 256
     max_model_len: int | None = None         # None: the model's max_position_embeddings
+    attention_backend: str = "auto"          # auto, torch or triton: see attention_backend()
 
 
 class ModelRunner:
@@ -55,6 +77,13 @@ class ModelRunner:
         if self.device.type == "cpu":
             keep_freed_memory()
         self.dtype = DTYPES[cfg.dtype or default_dtype(cfg.device)]
+        self.attention = attention_backend(cfg.attention_backend, self.device)
+        if self.attention == "triton":
+            from executor_service.triton_attention import paged_metadata
+            self._paged_metadata = paged_metadata
+        # SDPA's own choice on CUDA included cuDNN, which plans each new shape (~40 ms at first sight of it).
+        self._sdpa = (lambda: sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                                           SDPBackend.MATH])) if self.device.type == "cuda" else nullcontext
         self.model_config = ModelConfig.from_dir(cfg.model)
         self.max_model_len = min(cfg.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
@@ -77,7 +106,7 @@ class ModelRunner:
         return {"model": str(mc.path), "architecture": mc.architecture, "vocab_size": mc.vocab_size,
                 "max_model_len": self.max_model_len, "block_size": self.cfg.block_size,
                 "num_blocks": self.num_blocks, "dtype": str(self.dtype).removeprefix("torch."),
-                "device": str(self.device), "eos_token_ids": list(mc.eos_token_ids)}
+                "device": str(self.device), "eos_token_ids": list(mc.eos_token_ids), "attention": self.attention}
 
     def _new_state(self, state: RequestState) -> None:
         state.seed = seed_of(state.sampling_params)
@@ -112,8 +141,12 @@ class ModelRunner:
         """Logits [num sampling requests, vocab] for the requests whose step reaches their last token."""
         dev = self.device
         to = lambda a: torch.from_numpy(a).to(dev, non_blocking=True)  # noqa: E731
-        meta = build_attention_metadata(inputs, self.batch.block_table, self.cfg.block_size, to, self.scratch)
-        hidden = self.model(to(inputs.input_ids), to(inputs.positions), self.kv_caches, meta)
+        if self.attention == "triton":
+            meta = self._paged_metadata(inputs, self.batch.block_table, self.cfg.block_size, to)
+        else:
+            meta = build_attention_metadata(inputs, self.batch.block_table, self.cfg.block_size, to, self.scratch)
+        with self._sdpa():
+            hidden = self.model(to(inputs.input_ids), to(inputs.positions), self.kv_caches, meta)
         last = inputs.query_start + inputs.num_scheduled - 1
         return self.model.compute_logits(hidden[to(last[inputs.sample_mask])])
 

@@ -35,6 +35,9 @@ class ExecutorSettings(TLSSettings):
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
         None, description="weights and KV dtype; default bfloat16 on CUDA and on CPUs with "
         "AMX or AVX512-BF16, float32 on other CPUs")
+    attention_backend: Literal["auto", "torch", "triton"] = Field(
+        "auto", description="attention kernels: torch (gather the blocks, then SDPA), triton (read the blocks in "
+        "place); auto: triton on CUDA when it is installed, else torch")
     kv_cache_memory: int = Field(1 << 30, ge=1, description="bytes for the KV cache of all layers")
     block_size: int = Field(16, ge=1, description="tokens per KV block")
     max_num_seqs: int = Field(256, ge=1, description="rows of the persistent batch")
