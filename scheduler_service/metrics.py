@@ -32,7 +32,9 @@ class SchedulerMetrics:
         self.queue_time = Histogram("stepwire:request_queue_time_seconds", "Arrival to first scheduled.",
                                     buckets=LATENCY, registry=r)
         self.step_duration = Histogram("stepwire:step_duration_seconds", "One engine step: schedule, the round "
-                                       "trip to the executor, update.", buckets=LATENCY, registry=r)
+                                       "trip to the executor, update (with async scheduling a step is sent while "
+                                       "the one before runs, so this includes the wait behind it).",
+                                       buckets=LATENCY, registry=r)
         self.wire_bytes = Histogram("stepwire:step_wire_bytes", "Serialized size of each step message.",
                                     buckets=BYTES, registry=r)
         self.routed = Counter("stepwire:requests_routed", "Requests given to an executor: new ones, and ones "
