@@ -5,6 +5,20 @@ from typing import NamedTuple
 
 import pytest
 
+
+def _interpret_triton_without_a_gpu() -> None:
+    """Triton decides when triton.language is first imported whether its kernels run interpreted, and any test
+    may import it first (through transformers, say): without a GPU the kernel tests run the kernels on the CPU
+    through the interpreter, so it is chosen here, before any test module is collected."""
+    import os
+
+    import torch
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+_interpret_triton_without_a_gpu()
+
 # Tests import the packages from the checkout, installed or not.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))

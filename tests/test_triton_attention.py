@@ -5,14 +5,11 @@ that are not either, block sizes that do not divide the kernel's tile."""
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")      # before triton is imported: it decides at decoration
+# conftest.py sets TRITON_INTERPRET=1 without a GPU, before anything can import triton.
 pytest.importorskip("triton", reason="triton is not installed (the test extra installs it)")
 
 from executor_service.attention import PagedAttention, build_attention_metadata  # noqa: E402
