@@ -68,6 +68,7 @@ class RunnerConfig:
     max_num_seqs: int = 256
     max_model_len: int | None = None         # None: the model's max_position_embeddings
     attention_backend: str = "auto"          # auto, torch or triton: see attention_backend()
+    cuda_graphs: bool = True                 # decode steps as graphs (cuda_graphs.py), with triton attention
 
 
 class ModelRunner:
@@ -92,6 +93,12 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(self.model_config, self.num_blocks, cfg.block_size, self.device,
                                             self.dtype)
         self.reset_batch()
+        self.graphs = None
+        if cfg.cuda_graphs and self.attention == "triton":
+            from executor_service.cuda_graphs import DecodeGraphs
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, cfg.max_num_seqs, self.batch.block_table.shape[1],
+                                       self.device)
+            self.graphs.capture()
         self.sampler = Sampler()
         self.scratch = GatherScratch()
         self.phase_seconds = (0.0, 0.0, 0.0)   # prepare, forward, sample of the last step
@@ -106,7 +113,8 @@ class ModelRunner:
         return {"model": str(mc.path), "architecture": mc.architecture, "vocab_size": mc.vocab_size,
                 "max_model_len": self.max_model_len, "block_size": self.cfg.block_size,
                 "num_blocks": self.num_blocks, "dtype": str(self.dtype).removeprefix("torch."),
-                "device": str(self.device), "eos_token_ids": list(mc.eos_token_ids), "attention": self.attention}
+                "device": str(self.device), "eos_token_ids": list(mc.eos_token_ids), "attention": self.attention,
+                "cuda_graphs": self.graphs is not None}
 
     def _new_state(self, state: RequestState) -> None:
         state.seed = seed_of(state.sampling_params)
@@ -141,12 +149,17 @@ class ModelRunner:
         """Logits [num sampling requests, vocab] for the requests whose step reaches their last token."""
         dev = self.device
         to = lambda a: torch.from_numpy(a).to(dev, non_blocking=True)  # noqa: E731
-        if self.attention == "triton":
-            meta = self._paged_metadata(inputs, self.batch.block_table, self.cfg.block_size, to)
-        else:
-            meta = build_attention_metadata(inputs, self.batch.block_table, self.cfg.block_size, to, self.scratch)
-        with self._sdpa():
-            hidden = self.model(to(inputs.input_ids), to(inputs.positions), self.kv_caches, meta)
+        hidden = None
+        if self.graphs is not None and len(inputs.input_ids) == len(inputs.rows):   # a pure decode step
+            hidden = self.graphs.run(inputs, self.batch.block_table, self.cfg.block_size)
+        if hidden is None:
+            if self.attention == "triton":
+                meta = self._paged_metadata(inputs, self.batch.block_table, self.cfg.block_size, to)
+            else:
+                meta = build_attention_metadata(inputs, self.batch.block_table, self.cfg.block_size, to,
+                                                self.scratch)
+            with self._sdpa():
+                hidden = self.model(to(inputs.input_ids), to(inputs.positions), self.kv_caches, meta)
         last = inputs.query_start + inputs.num_scheduled - 1
         return self.model.compute_logits(hidden[to(last[inputs.sample_mask])])
 

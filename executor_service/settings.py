@@ -38,6 +38,8 @@ class ExecutorSettings(TLSSettings):
     attention_backend: Literal["auto", "torch", "triton"] = Field(
         "auto", description="attention kernels: torch (gather the blocks, then SDPA), triton (read the blocks in "
         "place); auto: triton on CUDA when it is installed, else torch")
+    cuda_graphs: bool = Field(True, description="replay decode steps as CUDA graphs captured at start-up for a "
+                              "ladder of batch sizes (with the triton attention backend; prefill runs eagerly)")
     kv_cache_memory: int = Field(1 << 30, ge=1, description="bytes for the KV cache of all layers")
     block_size: int = Field(16, ge=1, description="tokens per KV block")
     max_num_seqs: int = Field(256, ge=1, description="rows of the persistent batch")
