@@ -137,7 +137,7 @@ def free_port() -> int:
 def wait_ready(proc: subprocess.Popen, url: str, what: str, seconds: float = 120) -> None:
     """Poll `url` until it answers 200; stop the process and raise if it never does."""
     deadline = time.time() + seconds
-    while time.time() < deadline:
+    while time.time() < deadline and proc.poll() is None:
         try:
             if httpx.get(url, timeout=1).status_code == 200:
                 return
@@ -145,22 +145,23 @@ def wait_ready(proc: subprocess.Popen, url: str, what: str, seconds: float = 120
             pass
         time.sleep(0.2)
     proc.terminate()
-    raise RuntimeError(f"{what} did not start")
+    raise RuntimeError(f"{what} did not start" + (f" (exit {proc.returncode})" if proc.poll() is not None else ""))
 
 
 CERTS = ROOT / ".peers" / "bench-certs"     # `stepwire serve` makes them on first use
 
 
-def start_stack(env: dict | None = None, tls: bool = True):
+def start_stack(env: dict | None = None, tls: bool = True, model: Path = MODEL, extra: tuple[str, ...] = ()):
     """`stepwire serve` on free ports (mTLS inside unless `tls` is off): (process, URL, scheduler port)."""
     port, grpc_port, sc, ex = free_port(), free_port(), free_port(), free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "stepwire.cli", "serve", "--model", str(MODEL), "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "stepwire.cli", "serve", "--model", str(model), *extra,
+                             "--port", str(port),
                              "--grpc-port", str(grpc_port), "--scheduler-port", str(sc), "--executor-port", str(ex),
                              "--scheduler-metrics-port", str(free_port()), "--executor-metrics-port", str(free_port()),
                              *(["--certs-dir", str(CERTS)] if tls else ["--no-tls"])],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     url = f"http://127.0.0.1:{port}"
-    wait_ready(proc, url + "/health", "stepwire serve")
+    wait_ready(proc, url + "/health", "stepwire serve", seconds=600)
     return proc, url, sc
 
 

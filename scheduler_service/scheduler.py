@@ -140,6 +140,7 @@ class Scheduler:
         c_blocks = cached.new_block_ids
         c_computed = cached.num_computed_tokens
         preempted: list[Request] = []
+        sampling: set[str] = set()
 
         # Running requests. num_computed_tokens advances as soon as a request is scheduled: nothing later
         # in this step reads it for an already scheduled request, and a preempted one is reset to 0 anyway.
@@ -172,7 +173,7 @@ class Scheduler:
                     restored = num_scheduled.pop(victim.request_id, None)
                     if restored is not None:
                         # Scheduled earlier in this step: withdraw the step, and the block hashes it made.
-                        if victim.num_computed_tokens == victim.num_tokens + victim.num_output_placeholders - 1:
+                        if victim.request_id in sampling:
                             victim.num_output_placeholders -= 1      # and the token it would have sampled
                         kv.uncache_from(victim, victim.num_computed_tokens - restored)
                         token_budget += restored
@@ -195,6 +196,8 @@ class Scheduler:
             req.num_computed_tokens = computed + n
             if computed + n == known:
                 req.num_output_placeholders += 1     # this step samples
+                if by_priority:
+                    sampling.add(rid)                # a later victim's withdrawal must take it back
             num_scheduled[rid] = n
             token_budget -= n
             c_ids.append(rid)
