@@ -4,6 +4,7 @@ stop strings, n completions, usage. The gRPC and HTTP front ends only translate 
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -12,9 +13,10 @@ from dataclasses import dataclass, field, replace
 import grpc
 
 from gateway.detokenizer import IncrementalDetokenizer
-from gateway.session import SchedulerError, SchedulerSession, output_error
+from gateway.journal import Entry, Journal
+from gateway.session import SchedulerError, SchedulerSession, SessionLost, output_error
 from gateway.stops import StopMatcher
-from gateway.telemetry import Observation
+from gateway.telemetry import GatewayMetrics, Observation
 from gateway.tokenizer import ChatTemplateError, ModelTokenizer
 from stepwire.contract import (
     InvalidRequestError,
@@ -32,6 +34,9 @@ MAX_N = 16
 # Tokenizing and rendering chat templates run here, off the event loop: one large prompt must not stall
 # every other stream's deltas. Few threads: the work is CPU-bound and the body size limit bounds each job.
 TOKENIZER_THREADS = 2
+# What a client whose request outlived --scheduler-wait-seconds without a scheduler gets (HTTP 503, or an SSE
+# error event once the stream has started; gRPC UNAVAILABLE).
+SCHEDULER_GONE = "the scheduler did not come back within {:g}s; retry"
 
 
 @dataclass
@@ -69,13 +74,17 @@ class Usage:
 class Backend:
     """The gateway's view of the scheduler: validated, tokenized requests in, text deltas out."""
 
-    def __init__(self, channel: grpc.aio.Channel, tokenizer: ModelTokenizer, model_name: str):
+    def __init__(self, channel: grpc.aio.Channel, tokenizer: ModelTokenizer, model_name: str,
+                 metrics: GatewayMetrics | None = None, scheduler_wait_seconds: float = 60.0):
         self.use_channel(channel)
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = 0   # learned from the scheduler once it is connected
         self.ready = False       # the scheduler is serving (kept by gateway.server.follow_scheduler)
         self.pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
+        self.journal = Journal()
+        self.metrics = metrics
+        self.scheduler_wait_seconds = scheduler_wait_seconds
 
     def use_channel(self, channel: grpc.aio.Channel) -> grpc.aio.Channel | None:
         """Talk to the scheduler over `channel` from now on (mTLS or plaintext); returns the one it replaces."""
@@ -223,41 +232,86 @@ class Backend:
         if sp.seed is not None:
             # n seeded completions must still differ from each other, and stay inside the uint64 field.
             sp = replace(sp, seed=(sp.seed + index) % (UINT64_MAX + 1))
-        detok = IncrementalDetokenizer(self.tokenizer)
-        stops = StopMatcher(p.stop)
-        finished = False
+        entry = self.journal.add(Entry(rid, prompt_ids, sp, p.priority, p.cache_salt or "", traceparent,
+                                       IncrementalDetokenizer(self.tokenizer), StopMatcher(p.stop)))
+        self._journal_size()
+        lost_at: float | None = None      # when the scheduler was lost with this request unfinished
         try:
-            outputs = self.session.submit(scheduler_pb2.SubmitRequest(
-                request_id=rid, prompt_token_ids=prompt_ids, params=sp.to_proto(), priority=p.priority,
-                cache_salt=p.cache_salt or "", traceparent=traceparent))
+            while True:
+                if lost_at is not None:
+                    await self._wait_for_scheduler(lost_at)
+                got_output, done = await self._submission(entry, index, queue, usage, lost_at)
+                if done:
+                    return
+                if got_output or lost_at is None:
+                    lost_at = time.monotonic()
+                else:
+                    await asyncio.sleep(0.2)   # lost again before a word: the scheduler is not really back yet
+        finally:
+            self.journal.remove(entry)
+            self._journal_size()
+
+    async def _submission(self, entry: Entry, index: int, queue, usage, lost_at: float | None) -> tuple[bool, bool]:
+        """Submit the journal entry once and stream what comes back. Returns (any output came, the request is
+        over): it is over when it finished, stopped on a stop string, or failed; not over when the scheduler
+        was lost under it."""
+        session = self.session
+        submit = entry.submit_request()
+        if entry.submissions > 1 and self.metrics is not None:
+            self.metrics.resumed.inc()
+        outputs = session.submit(submit)
+        finished = got_output = False
+        try:
             while True:
                 out = await outputs.get()
+                if isinstance(out, SessionLost):
+                    finished = True          # nothing to abort on a stream that is gone
+                    return got_output, False
                 error = out if isinstance(out, SchedulerError) else output_error(out)
                 if error is not None:
                     finished = True   # refused or cut off: nothing left to abort
                     queue.put_nowait(error)
-                    return
+                    return got_output, True
+                if not got_output and lost_at is not None and self.metrics is not None:
+                    self.metrics.resume_wait.observe(time.monotonic() - lost_at)
+                got_output = True
                 usage.completion_tokens += len(out.token_ids)
-                if index == 0:
+                if index == 0 and entry.submissions == 1:
                     usage.cached_prompt_tokens = out.num_cached_tokens
-                text = stops.push(detok.push(list(out.token_ids)))
+                entry.delivered.extend(out.token_ids)
+                stops = entry.stops
+                text = stops.push(entry.detokenizer.push(list(out.token_ids)))
                 finish = out.finish_reason or None
                 if stops.matched is not None:
                     # Stop string: release the text before it and end the request at the scheduler (finally).
                     queue.put_nowait(Chunk(index, text, list(out.token_ids), "stop", stops.matched, _lp(out)))
-                    return
+                    return got_output, True
                 if finish is not None:
                     finished = True
-                    text += stops.push(detok.flush()) + stops.flush()
+                    text += stops.push(entry.detokenizer.flush()) + stops.flush()
                     stop = None
-                    if finish == "stop" and out.token_ids and out.token_ids[-1] in sp.stop_token_ids:
+                    if finish == "stop" and out.token_ids and out.token_ids[-1] in entry.sampling.stop_token_ids:
                         stop = str(out.token_ids[-1])
                     queue.put_nowait(Chunk(index, text, list(out.token_ids), finish, stop, _lp(out)))
-                    return
+                    return got_output, True
                 queue.put_nowait(Chunk(index, text, list(out.token_ids), None, None, _lp(out)))
         finally:
             # Also on cancellation (client gone, or another of the n completions failed): abort at the scheduler.
-            self.session.done(rid, abort=not finished)
+            session.done(submit.request_id, abort=not finished)
+
+    async def _wait_for_scheduler(self, lost_at: float) -> None:
+        """Hold the request until the scheduler serves again; past --scheduler-wait-seconds, fail it."""
+        deadline = lost_at + self.scheduler_wait_seconds
+        while True:
+            if time.monotonic() >= deadline:
+                raise SchedulerError(grpc.StatusCode.UNAVAILABLE, SCHEDULER_GONE.format(self.scheduler_wait_seconds))
+            if self.ready:
+                return
+            await asyncio.sleep(0.05)
+
+    def _journal_size(self) -> None:
+        if self.metrics is not None:
+            self.metrics.journal.set(len(self.journal))
 
 
 def _lp(out) -> list | None:

@@ -83,8 +83,8 @@ async def follow_scheduler(backend: Backend, health_servicer, metrics: GatewayMe
 
 async def serve(s: GatewaySettings, model_name: str, api_keys: ApiKeys) -> None:
     tracing.setup("stepwire-gateway")
-    backend = Backend(scheduler_channel(s), ModelTokenizer(s.model), model_name)
     metrics = GatewayMetrics()
+    backend = Backend(scheduler_channel(s), ModelTokenizer(s.model), model_name, metrics, s.scheduler_wait_seconds)
     # The key first, so a caller without one costs no decoding; the health service stays open to probes
     # that carry none. A message that does not decode is INVALID_ARGUMENT, and the body limit bounds a
     # message as it bounds an HTTP body.

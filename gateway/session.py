@@ -2,8 +2,9 @@
 
 A stream per request would cost a gRPC message per token on both sides of the hop; over the shared
 stream the scheduler sends one message per engine step carrying every request's delta, and this side
-routes each delta to its request's queue. If the stream breaks, every request on it ends with a
-SchedulerError and the next submit opens a fresh stream.
+routes each delta to its request's queue. If the stream breaks or the scheduler says it is shutting down,
+every request on it gets SessionLost (core.py resubmits it once a scheduler serves again) and the next
+submit opens a fresh stream.
 """
 
 from __future__ import annotations
@@ -37,6 +38,14 @@ class SchedulerError(Exception):
         return self._details
 
 
+class SessionLost(SchedulerError):
+    """The Session stream ended under a request: the scheduler died, restarted or is shutting down. Not the
+    request's fault, and the gateway can resubmit it."""
+
+    def __init__(self):
+        super().__init__(grpc.StatusCode.UNAVAILABLE, UNAVAILABLE)
+
+
 class _Stream:
     def __init__(self, stub):
         self.outgoing: asyncio.Queue = asyncio.Queue()
@@ -50,24 +59,28 @@ class _Stream:
             yield await self.outgoing.get()
 
     async def _read(self) -> None:
-        error = SchedulerError(grpc.StatusCode.UNAVAILABLE, UNAVAILABLE)
         try:
             async for msg in self.call:
                 for out in msg.outputs:
                     q = self.queues.get(out.request_id)
                     if q is not None:
                         q.put_nowait(out)
-            log.warning("the scheduler closed the session stream; %d requests on it end UNAVAILABLE",
+                if msg.shutting_down:
+                    log.warning("the scheduler is shutting down; %d requests on its session wait for the next one",
+                                len(self.queues))
+                    return
+            log.warning("the scheduler closed the session stream; %d requests on it wait for it to come back",
                         len(self.queues))
         except grpc.aio.AioRpcError as e:
-            # Whatever the status, the whole stream is gone: the client can only retry.
-            log.warning("the session stream to the scheduler broke (%s: %s); %d requests on it end UNAVAILABLE",
-                        e.code().name, e.details(), len(self.queues))
+            # Whatever the status, the whole stream is gone.
+            log.warning("the session stream to the scheduler broke (%s: %s); %d requests on it wait for it to come "
+                        "back", e.code().name, e.details(), len(self.queues))
         finally:
             self.dead = True
             for q in self.queues.values():
-                q.put_nowait(error)
+                q.put_nowait(SessionLost())
             self.queues.clear()
+            self.call.cancel()
 
 
 class SchedulerSession:

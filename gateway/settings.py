@@ -27,6 +27,10 @@ class GatewaySettings(TLSSettings):
                              "on this plain HTTP port on --host (for probes and Prometheus); 0: off")
     max_body_bytes: int = Field(2 << 20, ge=1, description="largest HTTP request body and gRPC request message, in "
                                 "bytes: larger gets 413 or RESOURCE_EXHAUSTED")
+    scheduler_wait_seconds: float = Field(60.0, ge=0, description="when the scheduler is lost (a crash, a restart, "
+                                          "SIGTERM), how long requests in flight wait for it to serve again before "
+                                          "they fail UNAVAILABLE; those it serves again in time are resubmitted "
+                                          "from the tokens already delivered")
     insecure: bool = Field(False, description="allow listening beyond loopback with no API key configured (anyone "
                            "who reaches the port can use the API)")
     # --tls-dir & co. (TLSSettings) are the gateway's identity towards the scheduler; clients see another.

@@ -30,6 +30,12 @@ class GatewayMetrics:
                              buckets=LATENCY, registry=r)
         self.scheduler_ready = Gauge("stepwire:gateway_scheduler_ready", "1 while the scheduler reports SERVING.",
                                      registry=r)
+        self.resumed = Counter("stepwire:gateway_requests_resumed", "Requests resubmitted after the scheduler was "
+                               "lost (a crash, a restart, a shutdown), from the tokens already delivered.", registry=r)
+        self.resume_wait = Histogram("stepwire:gateway_resume_wait_seconds", "How long a resumed request's client "
+                                     "waited: the scheduler lost, to the next token.", buckets=LATENCY, registry=r)
+        self.journal = Gauge("stepwire:gateway_journal_requests", "Requests in flight in the gateway's journal (the "
+                             "ones it resubmits if the scheduler is lost).", registry=r)
 
 
 class Observation:

@@ -58,7 +58,8 @@ async def serve(settings: SchedulerSettings) -> None:
         t.add_done_callback(pending.discard)
 
     fleet = Fleet(settings, Lifecycles(metrics), on_change)
-    scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerService(fleet, settings), server)
+    service = SchedulerService(fleet, settings)
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(service, server)
     await follow_links()
     serve_metrics(settings.metrics_address, metrics.registry, "scheduler")
     await server.start()
@@ -67,8 +68,16 @@ async def serve(settings: SchedulerSettings) -> None:
              describe(tls), settings.discovery)
     discovery = membership.start(settings, fleet.sync)
     orphans = asyncio.create_task(fleet.watch_orphans())
+    async def shut_down() -> None:
+        # Not serving first, so probes and the gateways' health watch stop sending here; then the sessions.
+        for name in ("", SERVICE):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        log.info("SIGTERM: telling %d gateway sessions and stopping; their requests go to the next scheduler",
+                 len(service.sessions))
+        await service.shut_down()
+
     try:
-        await serve_until_sigterm(server)
+        await serve_until_sigterm(server, before_stop=shut_down)
     finally:
         orphans.cancel()
         if discovery is not None:

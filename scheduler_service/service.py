@@ -22,11 +22,26 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, fleet: Fleet, settings: SchedulerSettings):
         self.fleet = fleet
         self.settings = settings
+        self.sessions: set[Session] = set()
+        self.shutting_down = False
+
+    async def shut_down(self, seconds: float = 2.0) -> None:
+        """SIGTERM: admit nothing more, tell every gateway on its session and end the session (its requests
+        are aborted here; the gateway resubmits them to this scheduler's successor), waiting at most
+        `seconds` for the sessions to say so."""
+        self.shutting_down = True
+        for session in self.sessions:
+            session.shut_down()
+        deadline = asyncio.get_running_loop().time() + seconds
+        while self.sessions and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
 
     def _admit(self, submit) -> str:
         return admit(self.fleet, submit, self.settings.max_waiting)
 
     async def Submit(self, request, context):
+        if self.shutting_down:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler is shutting down")
         try:
             rid = self._admit(request)
         except Refused as e:
@@ -52,11 +67,17 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     async def Session(self, request_iterator, context):
         session = Session(self.fleet)
+        if self.shutting_down:
+            session.shut_down()
+        self.sessions.add(session)
         reader = asyncio.create_task(self._read_session(request_iterator, session))
         try:
             while True:
                 await session.ready.wait()
                 session.ready.clear()
+                if session.shutting_down:
+                    yield scheduler_pb2.SessionOutput(outputs=session.pending, shutting_down=True)
+                    return
                 if session.pending:
                     batch, session.pending = session.pending, []
                     yield scheduler_pb2.SessionOutput(outputs=batch)
@@ -64,6 +85,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                     break
             reader.result()   # re-raise what ended the reader, if anything did
         finally:
+            self.sessions.discard(session)
             reader.cancel()
             # The gateway went away: nobody is left to read these requests, so free their blocks now.
             for rid in session.live:
@@ -75,6 +97,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         try:
             async for msg in request_iterator:
                 if msg.HasField("submit"):
+                    if session.shutting_down:
+                        continue     # not admitted: the gateway resubmits it to the successor
                     rid = msg.submit.request_id
                     if not rid or rid in session.live:
                         session.refuse(rid, grpc.StatusCode.INVALID_ARGUMENT,

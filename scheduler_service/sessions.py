@@ -30,6 +30,11 @@ class Session:
         self.ready = asyncio.Event()
         self.live: set[str] = set()               # this session's requests not finished yet
         self.closed = False                       # the gateway half-closed: end once live is empty
+        self.shutting_down = False                # the scheduler is stopping: say so and end the stream
+
+    def shut_down(self) -> None:
+        self.shutting_down = True
+        self.ready.set()
 
     def put_nowait(self, d: RequestDelta | Failure) -> None:
         if isinstance(d, Failure):

@@ -19,8 +19,7 @@ pytest.importorskip("torch")
 from gateway_stack import EMBEDDED, MAX_MODEL_LEN, VOCAB, tiny_model_with_tokenizer, tiny_stack  # noqa: E402
 from helpers import free_ports, wait_until  # noqa: E402
 
-from gateway.core import Backend  # noqa: E402
-from gateway.session import UNAVAILABLE  # noqa: E402
+from gateway.core import SCHEDULER_GONE, Backend  # noqa: E402
 from gateway.tokenizer import ModelTokenizer  # noqa: E402
 from stepwire.contract import InvalidRequestError, SamplingParams, check_sampling, check_stop  # noqa: E402
 from stepwire.contract.sampling import MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS  # noqa: E402
@@ -258,9 +257,11 @@ def test_a_client_never_sees_the_schedulers_address_only_a_fixed_message_and_the
     sc, http, gw = free_ports(3)   # nothing listens on the scheduler's port
     log = tmp_path / "gateway.log"
     proc = subprocess.Popen([sys.executable, "-m", "gateway.server", "--model", str(model), "--scheduler",
-                             f"127.0.0.1:{sc}", "--port", str(http), "--grpc-address", f"127.0.0.1:{gw}"],
+                             f"127.0.0.1:{sc}", "--port", str(http), "--grpc-address", f"127.0.0.1:{gw}",
+                             "--scheduler-wait-seconds", "1"],
                             stdout=open(log, "w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{http}"
+    gone = SCHEDULER_GONE.format(1)   # requests wait a second for a scheduler, then get this
     try:
         def up():
             try:
@@ -271,15 +272,15 @@ def test_a_client_never_sees_the_schedulers_address_only_a_fixed_message_and_the
         wait_until(up, 60, "the gateway to answer /health (503: no scheduler)", procs=proc, logs=log)
         leaks = ("127.0.0.1", str(sc), "ipv4", "failed to connect", "addresses")
         r = httpx.post(url + C, json={"model": NAME, "prompt": "Hi", "max_tokens": 2}, timeout=HANG)
-        assert r.status_code == 503 and r.json()["error"]["message"] == UNAVAILABLE, r.text
+        assert r.status_code == 503 and r.json()["error"]["message"] == gone, r.text
         with httpx.stream("POST", url + C, json={"model": NAME, "prompt": "Hi", "max_tokens": 2, "stream": True},
                           timeout=HANG) as s:
             events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
-        assert [e["error"]["message"] for e in events] == [UNAVAILABLE]
+        assert [e["error"]["message"] for e in events] == [gone]
         with grpc.insecure_channel(f"127.0.0.1:{gw}") as channel:
             with pytest.raises(grpc.RpcError) as e:
                 generation_pb2_grpc.GenerationStub(channel).Generate(g.GenerateRequest(text="Hi"), timeout=HANG)
-        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and e.value.details() == UNAVAILABLE
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and e.value.details() == gone
         for text in (r.text, json.dumps(events), e.value.details()):
             assert not any(leak in text for leak in leaks), text
         # The operator still learns what went wrong, from the gateway's log.

@@ -1,0 +1,222 @@
+"""A scheduler restart that clients do not notice: the services as real processes on loopback ports.
+
+16 streams, over HTTP and gRPC, greedy and seeded, run once without a fault for reference; then the scheduler
+is killed (SIGKILL, or SIGTERM) mid-stream and a new one started on the same port. Every stream must finish
+with exactly the reference's text and tokens, no error, nothing repeated: the gateways resubmit each request
+from the tokens they already delivered. With no scheduler coming back, every stream ends with the documented
+error within the deadline, and the gateway's journal is empty afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+from gateway_stack import tiny_model_with_tokenizer
+from helpers import free_ports, log_tail, stop_processes, wait_grpc_serving, wait_http_ready, wait_until
+from tiny_model import kv_bytes
+
+from gateway.core import SCHEDULER_GONE
+from stepwire.v1 import generation_pb2 as g
+from stepwire.v1 import generation_pb2_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+TOKENS = 96
+PY = sys.executable
+PROMPTS = [f"Request {i}: tell me about the number {i * 7}." for i in range(16)]
+
+
+class Cluster:
+    """One executor, a scheduler that can be killed and started again on its port, and gateways."""
+
+    def __init__(self, tmp: Path, gateways: int = 1, wait_seconds: float = 60):
+        self.tmp = tmp
+        self.model = tiny_model_with_tokenizer(tmp / "model")
+        ex, self.sc, *ports = free_ports(2 + 2 * gateways)
+        self.ex = ex
+        self.logs: list[Path] = []
+        self.executor = self._start("executor", [
+            "executor_service.server", "--model", str(self.model), "--address", f"127.0.0.1:{ex}", "--block-size",
+            "4", "--kv-cache-memory", str(kv_bytes(512)), "--max-num-seqs", "16", "--max-model-len", "256",
+            "--metrics-address", ""])
+        self.scheduler = self.start_scheduler()
+        self.gateways = []
+        self.urls, self.grpcs = [], []
+        for i in range(gateways):
+            http, gw = ports[2 * i], ports[2 * i + 1]
+            self.gateways.append(self._start(f"gateway{i}", [
+                "gateway.server", "--model", str(self.model), "--scheduler", f"127.0.0.1:{self.sc}", "--port",
+                str(http), "--grpc-address", f"127.0.0.1:{gw}", "--scheduler-wait-seconds", str(wait_seconds)]))
+            self.urls.append(f"http://127.0.0.1:{http}")
+            self.grpcs.append(f"127.0.0.1:{gw}")
+        for url in self.urls:
+            wait_http_ready(url, self.procs(), logs=self.logs)
+
+    def _start(self, name: str, args: list[str]) -> subprocess.Popen:
+        log = self.tmp / f"{name}-{len(self.logs)}.log"
+        self.logs.append(log)
+        return subprocess.Popen([PY, "-m", *args], cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+
+    def start_scheduler(self) -> subprocess.Popen:
+        proc = self._start("scheduler", ["scheduler_service.server", "--executors", f"127.0.0.1:{self.ex}",
+                                         "--address", f"127.0.0.1:{self.sc}", "--metrics-address", ""])
+        self.scheduler = proc
+        return proc
+
+    def procs(self) -> dict:
+        return {"executor": self.executor, "scheduler": self.scheduler,
+                **{f"gateway{i}": p for i, p in enumerate(self.gateways)}}
+
+    def metric(self, url: str, name: str) -> float:
+        for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+        raise AssertionError(f"{name} not in {url}/metrics")
+
+    def stop(self) -> None:
+        dead = {n: p.returncode for n, p in self.procs().items() if p.poll() is not None}
+        stop_processes(list(self.procs().values()))
+        assert not dead, f"exited: {dead}\n" + "\n".join(log_tail(p) for p in self.logs)
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    c = Cluster(tmp_path)
+    yield c
+    c.stop()
+
+
+def seeded(i: int) -> bool:
+    return i % 2 == 1
+
+
+def http_stream(url: str, i: int, progress: list) -> tuple[str, list[str], str | None]:
+    """One streaming completion: its text, every chunk's text, its finish reason (or the error's message)."""
+    body = {"model": "model", "prompt": PROMPTS[i], "max_tokens": TOKENS, "stream": True, "ignore_eos": True,
+            "temperature": 1.0 if seeded(i) else 0.0, **({"seed": 1000 + i} if seeded(i) else {})}
+    chunks, finish = [], None
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                return "".join(chunks), chunks, "error: " + event["error"]["message"]
+            choice = event["choices"][0]
+            chunks.append(choice["text"])
+            progress[i] += 1
+            finish = choice["finish_reason"] or finish
+    return "".join(chunks), chunks, finish
+
+
+def grpc_stream(address: str, i: int, progress: list) -> tuple[str, list[int], str | None]:
+    params = g.SamplingParameters(max_tokens=TOKENS, ignore_eos=True, temperature=1.0 if seeded(i) else 0.0)
+    if seeded(i):
+        params.seed = 1000 + i
+    text, tokens = [], []
+    with grpc.insecure_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        try:
+            finish = None
+            for msg in stub.GenerateStream(g.GenerateRequest(text=PROMPTS[i], params=params), timeout=120):
+                text.append(msg.text)
+                tokens += msg.token_ids
+                progress[i] += 1
+                finish = g.FinishReason.Name(msg.finish_reason) if msg.finish_reason else finish
+        except grpc.RpcError as e:
+            return "".join(text), tokens, f"error: {e.details()}"
+    return "".join(text), tokens, finish
+
+
+def run_all(cluster: Cluster, fault=None, wait_for: int = 3) -> list:
+    """The 16 streams at once, spread over the gateways: even ones over HTTP, odd ones over gRPC. `fault` runs
+    once every stream has had `wait_for` chunks."""
+    progress = [0] * len(PROMPTS)
+    n = len(cluster.urls)
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        futures = [pool.submit(http_stream, cluster.urls[i % n], i, progress) if i % 4 < 2
+                   else pool.submit(grpc_stream, cluster.grpcs[i % n], i, progress) for i in range(len(PROMPTS))]
+        if fault is not None:
+            wait_until(lambda: min(progress) >= wait_for or any(f.done() for f in futures), 60,
+                       "every stream to have started")
+            assert not any(f.done() for f in futures), "a stream ended before the fault: make them longer"
+            fault()
+        return [f.result() for f in futures]
+
+
+def kill_and_restart(cluster: Cluster, sig: int, pause: float = 2.0):
+    def fault():
+        old = cluster.scheduler
+        old.send_signal(sig)
+        old.wait(timeout=30)
+        time.sleep(pause)
+        cluster.start_scheduler()
+    return fault
+
+
+def check_same(results: list, reference: list) -> None:
+    for i, (got, ref) in enumerate(zip(results, reference, strict=True)):
+        assert got[2] in ("length", "FINISH_REASON_LENGTH"), f"stream {i} ended with {got[2]!r}"
+        assert got[0] == ref[0], f"stream {i}'s text differs from the run without a fault"
+        if i % 4 >= 2:
+            assert got[1] == ref[1] and len(got[1]) == TOKENS, f"stream {i}'s tokens differ or repeat"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["kill-9", "sigterm"])
+def test_a_scheduler_killed_mid_stream_and_restarted_is_invisible_to_clients(cluster, sig):
+    reference = run_all(cluster)
+    assert all(r[2] in ("length", "FINISH_REASON_LENGTH") for r in reference)
+    url = cluster.urls[0]
+    results = run_all(cluster, kill_and_restart(cluster, sig))
+    check_same(results, reference)
+    assert cluster.metric(url, "stepwire:gateway_requests_resumed_total") >= 8   # its half of the 16
+    assert cluster.metric(url, "stepwire:gateway_resume_wait_seconds_count") >= 8
+    assert cluster.metric(url, "stepwire:gateway_journal_requests") == 0
+    if sig == signal.SIGTERM:
+        log = cluster.logs[1].read_text()          # the first scheduler's
+        assert "SIGTERM: telling 1 gateway sessions" in log, log[-2000:]
+
+
+def test_two_gateways_each_resume_their_own_requests_across_a_restart(tmp_path):
+    c = Cluster(tmp_path, gateways=2)
+    try:
+        reference = run_all(c)
+        results = run_all(c, kill_and_restart(c, signal.SIGKILL, pause=1.0))
+        check_same(results, reference)
+        for url in c.urls:
+            assert c.metric(url, "stepwire:gateway_requests_resumed_total") >= 4
+            assert c.metric(url, "stepwire:gateway_journal_requests") == 0
+    finally:
+        c.stop()
+
+
+def test_with_no_scheduler_back_every_stream_ends_with_the_documented_error_within_the_deadline(tmp_path):
+    wait = 3.0
+    c = Cluster(tmp_path, wait_seconds=wait)
+    try:
+        killed = {}
+
+        def fault():
+            c.scheduler.kill()
+            c.scheduler.wait(timeout=30)
+            killed["at"] = time.monotonic()
+
+        results = run_all(c, fault)
+        ended = time.monotonic()
+        assert all(r[2] == "error: " + SCHEDULER_GONE.format(wait) for r in results), [r[2] for r in results]
+        assert ended - killed["at"] <= wait + 1.0 + 1.0     # the deadline, a second, and the clients' own exits
+        assert c.metric(c.urls[0], "stepwire:gateway_journal_requests") == 0
+        c.start_scheduler()                                  # and the stack serves again afterwards
+        wait_grpc_serving(grpc.insecure_channel(c.grpcs[0]), c.procs(), logs=c.logs)
+        assert http_stream(c.urls[0], 0, [0])[2] == "length"
+    finally:
+        c.stop()
