@@ -28,9 +28,17 @@ from stepwire.v1 import generation_pb2_grpc
 log = logging.getLogger("stepwire.gateway")
 
 
+KEEPALIVE_MS = 5000
+
+
 def scheduler_channel(s: GatewaySettings) -> grpc.aio.Channel:
-    """To the scheduler: mTLS with this gateway's certificate when TLS is configured (files read now)."""
-    return tls.channel(s.scheduler, s.tls_files(), s.scheduler_server_name)
+    """To the scheduler: mTLS with this gateway's certificate when TLS is configured (files read now).
+    Keepalive pings find a scheduler that vanished without closing its connections (its node lost, frozen):
+    the Session stream then breaks within about 2 x KEEPALIVE_MS and its requests wait for the next one."""
+    options = [("grpc.keepalive_time_ms", KEEPALIVE_MS), ("grpc.keepalive_timeout_ms", KEEPALIVE_MS),
+               ("grpc.http2.ping_timeout_ms", KEEPALIVE_MS), ("grpc.keepalive_permit_without_calls", 1),
+               ("grpc.http2.max_pings_without_data", 0)]
+    return tls.channel(s.scheduler, s.tls_files(), s.scheduler_server_name, options)
 
 
 def renewer(s: GatewaySettings, backend: Backend):

@@ -37,7 +37,10 @@ async def serve(settings: SchedulerSettings) -> None:
     fleet: Fleet | None = None
     metrics = SchedulerMetrics(lambda: fleet.links.values())
     tls = settings.tls_files()
-    server = grpc.aio.server(interceptors=[DecodeErrorsAreInvalidArgument()])
+    # The gateways' keepalive pings (every 5 s, idle or not) must not count as abuse.
+    server = grpc.aio.server(interceptors=[DecodeErrorsAreInvalidArgument()],
+                             options=[("grpc.http2.min_ping_interval_without_data_ms", 1000),
+                                      ("grpc.keepalive_permit_without_calls", 1)])
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
@@ -77,7 +80,8 @@ async def serve(settings: SchedulerSettings) -> None:
         await service.shut_down()
 
     try:
-        await serve_until_sigterm(server, before_stop=shut_down)
+        # The sessions have ended by now; what is left (health watches, Stats) needs no long grace.
+        await serve_until_sigterm(server, grace=0.5, before_stop=shut_down)
     finally:
         orphans.cancel()
         if discovery is not None:

@@ -220,3 +220,27 @@ def test_with_no_scheduler_back_every_stream_ends_with_the_documented_error_with
         assert http_stream(c.urls[0], 0, [0])[2] == "length"
     finally:
         c.stop()
+
+
+def test_a_frozen_scheduler_is_found_by_keepalive_and_its_streams_end_by_the_deadline(tmp_path):
+    # SIGSTOP: the connection stays open and says nothing. Keepalive (5 s, then 5 s for the answer) must
+    # break the session; without it these streams would hang for ever.
+    wait = 2.0
+    c = Cluster(tmp_path, wait_seconds=wait)
+    try:
+        frozen = {}
+
+        def fault():
+            c.scheduler.send_signal(signal.SIGSTOP)
+            frozen["at"] = time.monotonic()
+
+        results = run_all(c, fault)
+        took = time.monotonic() - frozen["at"]
+        assert all(r[2] == "error: " + SCHEDULER_GONE.format(wait) for r in results), [r[2] for r in results]
+        assert took <= 5 + 5 + wait + 5, f"the frozen scheduler was noticed after {took:.1f}s"
+        assert c.metric(c.urls[0], "stepwire:gateway_journal_requests") == 0
+    finally:
+        c.scheduler.kill()
+        c.scheduler.wait(timeout=30)
+        c.start_scheduler()     # a live one, so that stop() finds every process running
+        c.stop()
