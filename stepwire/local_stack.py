@@ -140,7 +140,9 @@ def serve(argv: list[str]) -> None:
     ready = False
     while True:
         for c in stack:
-            if c.exited() is not None:
+            if c.name == "scheduler":
+                keep_up(c)     # the gateway holds its requests meanwhile and resubmits them to the new one
+            elif c.exited() is not None:
                 print(f"stepwire: the {c.name} exited with {c.proc.returncode}; stopping", file=sys.stderr)
                 stop()
         for c in executors:
@@ -153,7 +155,8 @@ def serve(argv: list[str]) -> None:
 
 
 def keep_up(c: Child) -> None:
-    """Start an executor again once it has exited, after a pause that grows while it dies young."""
+    """Start an executor or the scheduler again once it has exited, after a pause that grows while it dies
+    young."""
     code = c.exited()
     if code is None:
         return

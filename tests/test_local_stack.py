@@ -109,6 +109,12 @@ def test_serve_restarts_a_killed_executor_and_keeps_serving_meanwhile(tmp_path):
                    procs={"serve": serve}, logs=[tmp_path / "serve.log"])
         assert serve.poll() is None
         assert "executor-0 exited with -9; starting it again" in (tmp_path / "serve.log").read_text()
+
+        # The scheduler too: the gateway holds the request until the new one serves, and resubmits it.
+        os.kill(_pid_of("scheduler_service.server", f"127.0.0.1:{sc}"), signal.SIGKILL)
+        assert httpx.post(url + "/v1/completions", json=body, timeout=90).json()["choices"][0]["text"] == first
+        assert serve.poll() is None
+        assert "scheduler exited with -9; starting it again" in (tmp_path / "serve.log").read_text()
     finally:
         serve.send_signal(signal.SIGTERM)
         assert serve.wait(timeout=60) == 0
