@@ -35,9 +35,12 @@ def scheduler_channel(s: GatewaySettings) -> grpc.aio.Channel:
     """To the scheduler: mTLS with this gateway's certificate when TLS is configured (files read now).
     Keepalive pings find a scheduler that vanished without closing its connections (its node lost, frozen):
     the Session stream then breaks within about 2 x KEEPALIVE_MS and its requests wait for the next one."""
+    # grpc's own reconnect backoff grows to two minutes; requests held through a scheduler restart would wait
+    # for it, so it stays near the pace of a restart.
     options = [("grpc.keepalive_time_ms", KEEPALIVE_MS), ("grpc.keepalive_timeout_ms", KEEPALIVE_MS),
                ("grpc.http2.ping_timeout_ms", KEEPALIVE_MS), ("grpc.keepalive_permit_without_calls", 1),
-               ("grpc.http2.max_pings_without_data", 0)]
+               ("grpc.http2.max_pings_without_data", 0), ("grpc.initial_reconnect_backoff_ms", 250),
+               ("grpc.min_reconnect_backoff_ms", 250), ("grpc.max_reconnect_backoff_ms", 2000)]
     return tls.channel(s.scheduler, s.tls_files(), s.scheduler_server_name, options)
 
 
@@ -86,7 +89,7 @@ async def follow_scheduler(backend: Backend, health_servicer, metrics: GatewayMe
         await set_ready(False)
         if renew is not None:
             await renew()
-        await asyncio.sleep(1)
+        await asyncio.sleep(0.25)     # requests held through a scheduler restart wait on this retry
 
 
 async def serve(s: GatewaySettings, model_name: str, api_keys: ApiKeys) -> None:
