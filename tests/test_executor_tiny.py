@@ -120,3 +120,15 @@ def test_logprobs_come_back_for_the_requests_that_ask_and_match_log_softmax(tiny
         assert abs(lp[0][1] - ref[tok].item()) < 1e-5
         top = torch.topk(ref, 2)
         assert [t for t, _ in lp[1:]] == top.indices.tolist()
+
+
+@pytest.mark.parametrize("rows, out_features", [(1, 4096), (1, 576), (3, 4096), (3, 576)])
+def test_the_cpu_linear_equals_torchs_for_one_row_or_many_wide_or_narrow(rows, out_features):
+    import torch.nn.functional as F
+
+    from executor_service.linear import linear
+    g = torch.Generator().manual_seed(rows + out_features)
+    x, w = torch.randn(rows, 576, generator=g), torch.randn(out_features, 576, generator=g)
+    b = torch.randn(out_features, generator=g)
+    torch.testing.assert_close(linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
