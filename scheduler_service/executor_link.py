@@ -136,6 +136,11 @@ class ExecutorLink:
                 log.warning("executor %s: stream lost (%s)", self.address, e.code())
             except ConnectionError as e:
                 log.warning("executor %s: %s", self.address, e)
+            except asyncio.CancelledError:
+                raise
+            except Exception:   # noqa: BLE001 -- a link that died here would strand its requests for ever
+                log.exception("executor %s: unexpected error in the step loop; treating the executor as lost",
+                              self.address)
             finally:
                 self.connected = False
                 self.on_change()
@@ -234,6 +239,11 @@ class ExecutorLink:
         step = _Sent(out, order, t0, span, size)
         try:
             await call.write(msg)
+        except asyncio.InvalidStateError as e:
+            # The executor ended the call while this step was being scheduled (with a step in flight, the
+            # write can come after the end): the stream is lost, like a failed read.
+            step.end()
+            raise ConnectionError(f"the step stream ended ({e})") from None
         except BaseException:
             step.end()
             raise

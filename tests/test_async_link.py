@@ -9,6 +9,7 @@ which hides whether the next step was already on its way.
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import subprocess
 import sys
@@ -126,3 +127,63 @@ def test_without_async_scheduling_each_step_waits_for_the_answer_to_the_last(pro
     assert executor.most_in_flight == 1
     # Each answer waited out the pause, but the last, which the scheduler's exit may have hurried.
     assert executor.answered_alone >= executor.steps - 1
+
+
+def _link_with_a_request():
+    from types import SimpleNamespace
+
+    from scheduler_service import Request, Scheduler
+    from scheduler_service.executor_link import ExecutorLink
+    from scheduler_service.lifecycle import Lifecycles
+    from scheduler_service.metrics import SchedulerMetrics
+    from scheduler_service.settings import SchedulerSettings
+    from scheduler_service.wire import HandleTable
+    from stepwire.contract import SamplingParams
+    from stepwire.contract.settings import load
+
+    settings = load(SchedulerSettings, ["--retry-seconds", "0.01"])
+    link = ExecutorLink("127.0.0.1:1", settings, lifecycles=Lifecycles(SchedulerMetrics(lambda: []), "m"))
+    link.core = Scheduler(settings.core_config(4, 64, "cpu"), num_blocks=32)
+    link.core.add_request(Request("r", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True)))
+    link.handles = HandleTable()
+    return link, SimpleNamespace
+
+
+def test_a_step_written_after_the_executor_ended_the_call_is_a_lost_stream_not_a_crash():
+    # With a step in flight, the executor can end the call (a newer stream replaced it) before the next step
+    # is written; grpc then raises InvalidStateError, which once killed the link's task and stranded its
+    # requests. It must read as a lost stream, which moves them.
+    link, ns = _link_with_a_request()
+
+    async def refused_write(msg):
+        raise asyncio.InvalidStateError("RPC already finished.")
+
+    with pytest.raises(ConnectionError, match="ended"):
+        asyncio.run(link._send(ns(write=refused_write), link.core))
+
+
+def test_an_unexpected_error_in_the_step_loop_moves_the_requests_and_the_link_goes_on():
+    link, _ = _link_with_a_request()
+    lost, attempts = [], []
+
+    async def connect(stub):
+        attempts.append(1)
+
+    async def drive(stub):
+        raise RuntimeError("a bug")
+
+    link._connect, link._drive = connect, drive
+    link.on_lost = lambda lk: lost.append(lk)
+
+    async def run():
+        task = asyncio.ensure_future(link.run())
+        for _ in range(500):
+            if len(attempts) >= 2 or task.done():
+                break
+            await asyncio.sleep(0.01)
+        assert not task.done(), "the link's task ended"
+        assert len(attempts) >= 2, "the link did not try again"
+        task.cancel()
+
+    asyncio.run(run())
+    assert lost and lost[0] is link
