@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from executor_service.runner import ModelRunner, RunnerConfig
 from executor_service.wire import decode_step, encode_result
 from scheduler_service import Request, RequestDelta, Scheduler, SchedulerConfig
+from scheduler_service.config import step_defaults
 from scheduler_service.wire import HandleTable, decode_result, encode_step
 from stepwire.contract import SamplingParams
 
@@ -33,9 +34,14 @@ class LLMEngine:
         self.runner = ModelRunner(runner_config)
         facts = self.runner.describe()
         if scheduler_config is None:
+            # The scheduler service's defaults for this device (a CPU chunks long prompts), so the engine and
+            # the split stack schedule alike.
+            auto = step_defaults(facts["device"])
             scheduler_config = SchedulerConfig(max_num_seqs=runner_config.max_num_seqs,
                                                max_model_len=facts["max_model_len"],
-                                               block_size=facts["block_size"])
+                                               block_size=facts["block_size"],
+                                               max_num_batched_tokens=auto.max_num_batched_tokens,
+                                               long_prefill_token_threshold=auto.long_prefill_token_threshold)
         if scheduler_config.block_size != facts["block_size"]:
             raise ValueError(f"scheduler block_size {scheduler_config.block_size} != executor's "
                              f"{facts['block_size']}")

@@ -153,3 +153,13 @@ def test_this_machines_default_dtype_is_what_torch_says_it_supports(tmp_path):
     assert runner.describe()["dtype"] == ("bfloat16" if native else "float32")
     assert ModelRunner(RunnerConfig(write_tiny_llama(tmp_path / "b"), dtype="float32",
                                     kv_cache_memory=1 << 20)).describe()["dtype"] == "float32"
+
+
+def test_the_in_process_engine_takes_the_same_device_defaults_as_the_scheduler_service(tmp_path):
+    from tiny_model import kv_bytes, write_tiny_llama
+
+    from executor_service.runner import RunnerConfig
+    from stepwire.engine import LLMEngine
+    engine = LLMEngine(RunnerConfig(str(write_tiny_llama(tmp_path)), block_size=4, kv_cache_memory=kv_bytes(64),
+                                    max_model_len=128))
+    assert step_knobs(engine.scheduler.config) == CPU
