@@ -21,8 +21,7 @@ import logging
 import numpy as np
 import torch
 
-from executor_service.attention import AttentionMetadata
-from executor_service.triton_attention import PagedMetadata
+from executor_service.triton_attention import PagedMetadata, paged_only, step_block_table
 
 log = logging.getLogger("stepwire.executor")
 
@@ -58,15 +57,10 @@ class DecodeGraphs:
             ("input_ids", torch.int64), ("positions", torch.int64), ("slot_mapping", torch.int64),
             ("kv_lens", torch.int32))}
 
-    def _meta(self, size: int) -> AttentionMetadata:
-        empty = self.slot_mapping[:0]
-        return AttentionMetadata(slot_mapping=self.slot_mapping[:size], decode_token_idx=empty,
-                                 decode_block_table=empty, decode_seq_lens=empty, decode_mask=empty, chunks=[],
-                                 paged=PagedMetadata(self.block_table[:size], self.token_rows[:size],
-                                                     self.kv_lens[:size]))
-
     def _forward(self, size: int) -> torch.Tensor:
-        return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, self._meta(size))
+        meta = paged_only(self.slot_mapping[:size], PagedMetadata(self.block_table[:size], self.token_rows[:size],
+                                                                  self.kv_lens[:size]))
+        return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, meta)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -106,9 +100,8 @@ class DecodeGraphs:
             buf[:b] = torch.from_numpy(real)
             buf[b:size] = pad
             getattr(self, name)[:size].copy_(buf[:size], non_blocking=True)
-        nb = -(-int(inputs.seq_lens.max()) // block_size)
-        rows = torch.from_numpy(np.ascontiguousarray(block_table[inputs.rows, :nb], dtype=np.int32))
-        self.block_table[:b, :nb].copy_(rows, non_blocking=self.device.type == "cuda")
+        rows = torch.from_numpy(step_block_table(inputs, block_table, block_size))
+        self.block_table[:b, :rows.shape[1]].copy_(rows, non_blocking=self.device.type == "cuda")
         graph = self.graphs.get(size)
         if graph is None:
             return self._forward(size)[:b]      # nothing captured (a CPU): the same buffers, eagerly

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import time
 from contextlib import nullcontext
@@ -43,11 +44,8 @@ def default_dtype(device: str) -> str:
 def attention_backend(choice: str, device: torch.device) -> str:
     """"torch" (gather, then SDPA) or "triton" (paged in place). auto: triton on CUDA when it is installed.
     Chosen once at start-up, so no step ever waits on a backend's per-shape planning."""
-    try:
-        import triton  # noqa: F401
-        have_triton = True
-    except ImportError:
-        have_triton = False
+    # Only looked up, not imported: importing triton costs start-up time that a CPU executor never uses.
+    have_triton = importlib.util.find_spec("triton") is not None
     if choice == "auto":
         return "triton" if device.type == "cuda" and have_triton else "torch"
     if choice == "triton":

@@ -39,17 +39,26 @@ class PagedMetadata:
         return paged_attention(q, k_cache, v_cache, self, scale)
 
 
+def step_block_table(inputs, block_table: np.ndarray, block_size: int) -> np.ndarray:
+    """The step's requests' rows of the persistent block table, as wide as its longest request needs (int32)."""
+    nb = int(-(-inputs.seq_lens.max() // block_size))
+    return np.ascontiguousarray(block_table[inputs.rows, :nb], dtype=np.int32)
+
+
+def paged_only(slot_mapping: torch.Tensor, paged: PagedMetadata) -> AttentionMetadata:
+    """Metadata for a step the kernel runs: the torch path's fields stay empty, since nothing is gathered."""
+    empty = slot_mapping[:0]
+    return AttentionMetadata(slot_mapping=slot_mapping, decode_token_idx=empty, decode_block_table=empty,
+                             decode_seq_lens=empty, decode_mask=empty, chunks=[], paged=paged)
+
+
 def paged_metadata(inputs, block_table: np.ndarray, block_size: int, to) -> AttentionMetadata:
     """A step's attention metadata for the kernel, from the persistent batch's block table; `to` moves a numpy
-    array to the device. The torch path's fields stay empty: nothing is gathered."""
-    nb = int(-(-inputs.seq_lens.max() // block_size))
+    array to the device."""
     req_of_token = np.repeat(np.arange(len(inputs.rows), dtype=np.int32), inputs.num_scheduled)
-    paged = PagedMetadata(block_table=to(np.ascontiguousarray(block_table[inputs.rows, :nb], dtype=np.int32)),
-                          token_rows=to(req_of_token), token_kv_lens=to((inputs.positions + 1).astype(np.int32)))
-    empty = to(np.empty(0, dtype=np.int64))
-    return AttentionMetadata(slot_mapping=to(inputs.slot_mapping), decode_token_idx=empty,
-                             decode_block_table=empty, decode_seq_lens=empty, decode_mask=empty, chunks=[],
-                             paged=paged)
+    return paged_only(to(inputs.slot_mapping), PagedMetadata(
+        block_table=to(step_block_table(inputs, block_table, block_size)), token_rows=to(req_of_token),
+        token_kv_lens=to((inputs.positions + 1).astype(np.int32))))
 
 
 @triton.jit
