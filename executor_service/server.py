@@ -58,7 +58,7 @@ class _Stream:
 
 class ExecutorService(executor_pb2_grpc.ExecutorServicer):
     def __init__(self, worker: ThreadPoolExecutor, runner: ModelRunner | None = None):
-        self.runner = runner                # None while the weights load: calls get UNAVAILABLE
+        self.runner = runner                # None while the weights load: calls get UNAVAILABLE (and sets limits)
         self.instance_id = uuid.uuid4().hex
         self.draining = False
         self._newest: object | None = None      # the stream being served; older ones are ended
@@ -71,7 +71,15 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
         # that loaded the model measured ~35% slower on CPU (memory arenas and thread pools are per thread).
         self._worker = worker
         self.metrics = ExecutorMetrics(self)
-        self._step_limits: Limits | None = None     # from the runner, once it is loaded
+
+    @property
+    def runner(self) -> ModelRunner | None:
+        return self._runner
+
+    @runner.setter
+    def runner(self, runner: ModelRunner | None) -> None:
+        self._runner = runner
+        self.limits = None if runner is None else Limits.of(runner)   # what check_step holds every step to
 
     async def _ready(self, context) -> None:
         if self.runner is None:
@@ -144,7 +152,7 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
         try:
             step = decode_step(msg)
             # Checked before the step touches the batch or the KV cache: a refused step changes nothing.
-            check_step(step, self.runner.batch, self._limits())
+            check_step(step, self.runner.batch, self.limits)
         except BadStep as e:
             return self._resync(msg, str(e))
         t0 = time.perf_counter()
@@ -166,11 +174,6 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
             log.info("drained: the scheduler closed its stream")
         except TimeoutError:
             log.warning("drain period of %.0fs over with a stream still open; stopping", seconds)
-
-    def _limits(self) -> Limits:
-        if self._step_limits is None:
-            self._step_limits = Limits.of(self.runner)
-        return self._step_limits
 
     def _resync(self, msg, reason: str) -> executor_pb2.StepResponse:
         self.metrics.resyncs.inc()
