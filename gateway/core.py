@@ -80,11 +80,25 @@ class Backend:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = 0   # learned from the scheduler once it is connected
-        self.ready = False       # the scheduler is serving (kept by gateway.server.follow_scheduler)
+        self._serving = asyncio.Event()   # set while the scheduler serves (see `ready`)
         self.pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
         self.journal = Journal()
         self.metrics = metrics
+        if metrics is not None:
+            metrics.journal.set_function(lambda: len(self.journal))
         self.scheduler_wait_seconds = scheduler_wait_seconds
+
+    @property
+    def ready(self) -> bool:
+        """The scheduler is serving (kept by gateway.server.follow_scheduler); held requests wait for it."""
+        return self._serving.is_set()
+
+    @ready.setter
+    def ready(self, ok: bool) -> None:
+        if ok:
+            self._serving.set()
+        else:
+            self._serving.clear()
 
     def use_channel(self, channel: grpc.aio.Channel) -> grpc.aio.Channel | None:
         """Talk to the scheduler over `channel` from now on (mTLS or plaintext); returns the one it replaces."""
@@ -234,7 +248,6 @@ class Backend:
             sp = replace(sp, seed=(sp.seed + index) % (UINT64_MAX + 1))
         entry = self.journal.add(Entry(rid, prompt_ids, sp, p.priority, p.cache_salt or "", traceparent,
                                        IncrementalDetokenizer(self.tokenizer), StopMatcher(p.stop)))
-        self._journal_size()
         lost_at: float | None = None      # when the scheduler was lost with this request unfinished
         try:
             while True:
@@ -249,7 +262,6 @@ class Backend:
                     await asyncio.sleep(0.2)   # lost again before a word: the scheduler is not really back yet
         finally:
             self.journal.remove(entry)
-            self._journal_size()
 
     async def _submission(self, entry: Entry, index: int, queue, usage, lost_at: float | None) -> tuple[bool, bool]:
         """Submit the journal entry once and stream what comes back. Returns (any output came, the request is
@@ -301,17 +313,12 @@ class Backend:
 
     async def _wait_for_scheduler(self, lost_at: float) -> None:
         """Hold the request until the scheduler serves again; past --scheduler-wait-seconds, fail it."""
-        deadline = lost_at + self.scheduler_wait_seconds
-        while True:
-            if time.monotonic() >= deadline:
-                raise SchedulerError(grpc.StatusCode.UNAVAILABLE, SCHEDULER_GONE.format(self.scheduler_wait_seconds))
-            if self.ready:
-                return
-            await asyncio.sleep(0.05)
-
-    def _journal_size(self) -> None:
-        if self.metrics is not None:
-            self.metrics.journal.set(len(self.journal))
+        left = lost_at + self.scheduler_wait_seconds - time.monotonic()
+        try:
+            await asyncio.wait_for(self._serving.wait(), max(left, 0))
+        except TimeoutError:
+            raise SchedulerError(grpc.StatusCode.UNAVAILABLE,
+                                 SCHEDULER_GONE.format(self.scheduler_wait_seconds)) from None
 
 
 def _lp(out) -> list | None:
