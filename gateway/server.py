@@ -35,13 +35,8 @@ def scheduler_channel(s: GatewaySettings) -> grpc.aio.Channel:
     """To the scheduler: mTLS with this gateway's certificate when TLS is configured (files read now).
     Keepalive pings find a scheduler that vanished without closing its connections (its node lost, frozen):
     the Session stream then breaks within about 2 x KEEPALIVE_MS and its requests wait for the next one."""
-    # grpc's own reconnect backoff grows to two minutes; requests held through a scheduler restart would wait
-    # for it, so it stays near the pace of a restart.
-    options = [("grpc.keepalive_time_ms", KEEPALIVE_MS), ("grpc.keepalive_timeout_ms", KEEPALIVE_MS),
-               ("grpc.http2.ping_timeout_ms", KEEPALIVE_MS), ("grpc.keepalive_permit_without_calls", 1),
-               ("grpc.http2.max_pings_without_data", 0), ("grpc.initial_reconnect_backoff_ms", 250),
-               ("grpc.min_reconnect_backoff_ms", 250), ("grpc.max_reconnect_backoff_ms", 2000)]
-    return tls.channel(s.scheduler, s.tls_files(), s.scheduler_server_name, options)
+    # Requests held through a scheduler restart wait for the reconnect, so it keeps near the pace of a restart.
+    return tls.channel(s.scheduler, s.tls_files(), s.scheduler_server_name, tls.link_options(KEEPALIVE_MS, 250, 2000))
 
 
 def renewer(s: GatewaySettings, backend: Backend):

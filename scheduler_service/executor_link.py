@@ -109,17 +109,10 @@ class ExecutorLink:
 
     async def run(self) -> None:
         while True:
-            # Keepalive pings find an executor that vanished without closing its connection (a node lost).
-            # grpc also bounds an unanswered ping by http2.ping_timeout_ms (60 s by default), whatever the
-            # keepalive timeout says: without it a frozen executor was found after a minute, not seconds.
-            ka = int(self.settings.keepalive_seconds * 1000)
-            # grpc's own reconnect backoff grows to two minutes: an executor that was down a while would be
-            # picked up that late after it came back. Cap it near our own retry pace.
+            # Without the ping timeout a frozen executor was found after a minute, not seconds; reconnects keep
+            # near our own retry pace.
             retry = int(self.settings.retry_seconds * 1000)
-            options = [("grpc.initial_reconnect_backoff_ms", retry), ("grpc.min_reconnect_backoff_ms", retry),
-                       ("grpc.max_reconnect_backoff_ms", max(retry, 5000)), ("grpc.keepalive_time_ms", ka),
-                       ("grpc.keepalive_timeout_ms", ka), ("grpc.http2.ping_timeout_ms", ka),
-                       ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
+            options = tls.link_options(int(self.settings.keepalive_seconds * 1000), retry, max(retry, 5000))
             try:
                 # The certificate files are read at each connection: a rotated one is presented from the next.
                 channel = tls.channel(self.address, self.settings.tls_files(), self.settings.executor_server_name,

@@ -116,6 +116,18 @@ def server_credentials(files: TLSFiles, require_client_certificate: bool = True)
                                                require_client_authentication=require_client_certificate)
 
 
+def link_options(keepalive_ms: int, reconnect_ms: int, max_reconnect_ms: int) -> list[tuple[str, int]]:
+    """Options of a long-lived channel to another stepwire service. Keepalive pings, sent even while idle, find a
+    peer that vanished without closing its connection (a node lost, a frozen process); grpc also bounds an
+    unanswered ping by http2.ping_timeout_ms (60 s by default), whatever the keepalive timeout says. grpc's own
+    reconnect backoff grows to two minutes, so a peer that was down a while would be picked up that late; it is
+    kept near the pace at which a peer comes back."""
+    return [("grpc.keepalive_time_ms", keepalive_ms), ("grpc.keepalive_timeout_ms", keepalive_ms),
+            ("grpc.http2.ping_timeout_ms", keepalive_ms), ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0), ("grpc.initial_reconnect_backoff_ms", reconnect_ms),
+            ("grpc.min_reconnect_backoff_ms", reconnect_ms), ("grpc.max_reconnect_backoff_ms", max_reconnect_ms)]
+
+
 def channel(address: str, files: TLSFiles | None, server_name: str, options: list | None = None) -> grpc.aio.Channel:
     """A channel to another stepwire service: mTLS when `files` is set (the peer's certificate must name
     `server_name`, since peers are dialled by pod IP), plaintext otherwise."""
