@@ -199,22 +199,32 @@ def test_two_gateways_each_resume_their_own_requests_across_a_restart(tmp_path):
         c.stop()
 
 
+def streams_end_with_the_deadline_error(c: Cluster, wait: float, stop) -> float:
+    """Run the 16 streams and `stop` the scheduler mid-way with no successor: every stream must end with the
+    documented error and the journal must be empty. Returns the seconds from the stop to the last end."""
+    stopped = {}
+
+    def fault():
+        stop()
+        stopped["at"] = time.monotonic()
+
+    results = run_all(c, fault)
+    took = time.monotonic() - stopped["at"]
+    assert all(r[2] == "error: " + SCHEDULER_GONE.format(wait) for r in results), [r[2] for r in results]
+    assert c.metric(c.urls[0], "stepwire:gateway_journal_requests") == 0
+    return took
+
+
 def test_with_no_scheduler_back_every_stream_ends_with_the_documented_error_within_the_deadline(tmp_path):
     wait = 3.0
     c = Cluster(tmp_path, wait_seconds=wait)
     try:
-        killed = {}
-
-        def fault():
+        def kill():
             c.scheduler.kill()
             c.scheduler.wait(timeout=30)
-            killed["at"] = time.monotonic()
 
-        results = run_all(c, fault)
-        ended = time.monotonic()
-        assert all(r[2] == "error: " + SCHEDULER_GONE.format(wait) for r in results), [r[2] for r in results]
-        assert ended - killed["at"] <= wait + 1.0 + 1.0     # the deadline, a second, and the clients' own exits
-        assert c.metric(c.urls[0], "stepwire:gateway_journal_requests") == 0
+        took = streams_end_with_the_deadline_error(c, wait, kill)
+        assert took <= wait + 1.0 + 1.0     # the deadline, a second, and the clients' own exits
         c.start_scheduler()                                  # and the stack serves again afterwards
         wait_grpc_serving(grpc.insecure_channel(c.grpcs[0]), c.procs(), logs=c.logs)
         assert http_stream(c.urls[0], 0, [0])[2] == "length"
@@ -228,17 +238,8 @@ def test_a_frozen_scheduler_is_found_by_keepalive_and_its_streams_end_by_the_dea
     wait = 2.0
     c = Cluster(tmp_path, wait_seconds=wait)
     try:
-        frozen = {}
-
-        def fault():
-            c.scheduler.send_signal(signal.SIGSTOP)
-            frozen["at"] = time.monotonic()
-
-        results = run_all(c, fault)
-        took = time.monotonic() - frozen["at"]
-        assert all(r[2] == "error: " + SCHEDULER_GONE.format(wait) for r in results), [r[2] for r in results]
+        took = streams_end_with_the_deadline_error(c, wait, lambda: c.scheduler.send_signal(signal.SIGSTOP))
         assert took <= 5 + 5 + wait + 5, f"the frozen scheduler was noticed after {took:.1f}s"
-        assert c.metric(c.urls[0], "stepwire:gateway_journal_requests") == 0
     finally:
         c.scheduler.kill()
         c.scheduler.wait(timeout=30)
