@@ -3,6 +3,7 @@ certificate from their CA, follow rotated certificate files without a restart, a
 with INVALID_ARGUMENT, keep a plaintext port on loopback unless told otherwise, and let only the caller that
 submitted a request abort it."""
 
+import itertools
 import os
 import socket
 import ssl
@@ -198,17 +199,16 @@ def test_only_the_session_that_submitted_a_request_can_abort_it(stack):
     time.sleep(0.5)
     theirs.append("end")
     assert list(other) == []
-    received = 0
-    for msg in outputs:
+    # Every delta of every message counts: a message carries all that piled up while the writer waited.
+    received, reason = 0, ""
+    for msg in itertools.chain([first], outputs):
         for out in msg.outputs:
-            assert out.finish_reason in ("", "length")
+            assert out.request_id == "owned" and out.finish_reason in ("", "length")
             received += len(out.token_ids)
-            if out.finish_reason:
-                break
-        else:
-            continue
-        break
-    assert received + len(first.outputs[0].token_ids) == 100   # it ran to its end: the stranger's abort did nothing
+            reason = reason or out.finish_reason
+        if reason:
+            break
+    assert reason == "length" and received == 100   # it ran to its end: the stranger's abort did nothing
     mine.append("end")
     list(outputs)
 
@@ -220,13 +220,16 @@ def test_its_own_session_can_abort_it(stack):
         params=greedy(100, ignore_eos=True)))]
 
     outputs = stub.Session(drain(outbox), timeout=60)
-    received = len(next(outputs).outputs[0].token_ids)
+    # A message carries every delta that piled up while the writer waited, so read them all, not the first.
+    first = next(outputs).outputs
+    received = sum(len(o.token_ids) for o in first)
+    assert not any(o.finish_reason for o in first)
     outbox.append(scheduler_pb2.SessionRequest(abort=scheduler_pb2.AbortRequest(request_ids=["mine"])))
     reason = ""
     while not reason:
-        out = next(outputs).outputs[0]
-        received += len(out.token_ids)
-        reason = out.finish_reason
+        for out in next(outputs).outputs:
+            received += len(out.token_ids)
+            reason = reason or out.finish_reason
     assert reason == "abort" and received < 100
     outbox.append("end")
     assert list(outputs) == []
