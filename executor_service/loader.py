@@ -1,4 +1,8 @@
-"""Build a model from a Hugging Face directory: one safetensors file or shards with an index."""
+"""Build a model from a Hugging Face directory: one safetensors file or shards with an index.
+
+Each tensor is read when it is needed, and only the slice this rank holds (`partition.py`): a rank of a
+tensor-parallel executor never reads the other ranks' heads, MLP columns or vocabulary rows into memory.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +12,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from executor_service.collectives import Collectives
 from executor_service.model import LlamaModel
 from executor_service.model_config import ModelConfig, ModelLoadError
+from executor_service.partition import Partition
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -26,24 +32,48 @@ def weight_files(path: Path) -> list[Path]:
     raise ModelLoadError(f"{path}: no model.safetensors or model.safetensors.index.json")
 
 
-def read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
-    for f in weight_files(path):
-        with safe_open(str(f), framework="pt") as st:
-            for name in st.keys():
-                tensors[name] = st.get_tensor(name)
-    return tensors
+class Checkpoint:
+    """A checkpoint's tensors by name, each read on demand, and only the rows or columns asked for."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._file_of = {}
+        for f in weight_files(path):
+            st = safe_open(str(f), framework="pt")
+            self._file_of.update(dict.fromkeys(st.keys(), st))
+        self.taken: set[str] = set()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._file_of
+
+    def take(self, name: str, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None
+             ) -> torch.Tensor:
+        if name not in self._file_of:
+            raise ModelLoadError(f"{self.path}: checkpoint lacks {name}")
+        self.taken.add(name)
+        view = self._file_of[name].get_slice(name)
+        if rows is None and cols is None:
+            return view[:]
+        if cols is None:
+            return view[rows[0]:rows[1]]
+        lo, hi = rows or (0, view.get_shape()[0])
+        return view[lo:hi, cols[0]:cols[1]]
+
+    def leftovers(self) -> list[str]:
+        # Rotary inverse frequencies that some checkpoints carry are recomputed, not loaded.
+        return sorted(k for k in self._file_of if k not in self.taken and not k.endswith("rotary_emb.inv_freq"))
 
 
 def load_model(path: str | Path, max_positions: int, device: torch.device | str = "cpu",
-               dtype: torch.dtype = torch.float32) -> LlamaModel:
+               dtype: torch.dtype = torch.float32, comm: Collectives | None = None) -> LlamaModel:
     path = Path(path)
     cfg = ModelConfig.from_dir(path)
-    ckpt = read_checkpoint(path)
-    ckpt_names = set(ckpt)
+    comm = comm or Collectives()
+    part = Partition.of(cfg, comm.rank, comm.size)
+    ckpt = Checkpoint(path)
     with torch.device("meta"):
-        model = LlamaModel(cfg)
-    state = _fuse(cfg, ckpt)
+        model = LlamaModel(cfg, part, comm)
+    state = _fuse(cfg, part, ckpt)
     expected = set(model.state_dict())
     missing, unexpected = expected - set(state), set(state) - expected
     if missing:
@@ -54,44 +84,48 @@ def load_model(path: str | Path, max_positions: int, device: torch.device | str 
     # tensor as it copies it in: no float32 model and no converted checkpoint are ever materialized.
     model = model.to(dtype).to_empty(device=device)
     model.load_state_dict(state, strict=True)
-    if "lm_head.weight" not in ckpt_names and cfg.tie_word_embeddings:
+    if "lm_head.weight" not in ckpt and cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight  # one copy of the tied matrix, not two
     model.init_rope(max_positions, device, dtype)
     return model.eval().requires_grad_(False)
 
 
-def _fuse(cfg: ModelConfig, ckpt: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Rename Hugging Face tensors to ours, concatenating q/k/v and gate/up."""
-    out: dict[str, torch.Tensor] = {}
-    take = ckpt.pop
+def _fuse(cfg: ModelConfig, part: Partition, ckpt: Checkpoint) -> dict[str, torch.Tensor]:
+    """Our tensors from Hugging Face's: q/k/v and gate/up concatenated, each cut to this rank's slice.
+    Column-parallel matrices (q/k/v, gate/up) keep their rows, row-parallel ones (o, down) their columns."""
+    d, take = cfg.head_dim, ckpt.take
+    q = (part.q_heads[0] * d, part.q_heads[1] * d)
+    kv = (part.kv_heads[0] * d, part.kv_heads[1] * d)
+    ff = part.intermediate
 
-    def need(name):
-        if name not in ckpt:
-            raise ModelLoadError(f"{cfg.path}: checkpoint lacks {name}")
-        return take(name)
+    def vocab_rows(name):
+        w = take(name, rows=part.vocab)
+        pad = part.vocab_rows - w.shape[0]   # the last rank's slice, short when the vocabulary does not split
+        return w if not pad else torch.cat([w, w.new_zeros(pad, w.shape[1])])
 
-    out["embed_tokens.weight"] = need("model.embed_tokens.weight")
-    out["norm.weight"] = need("model.norm.weight")
+    out: dict[str, torch.Tensor] = {"embed_tokens.weight": vocab_rows("model.embed_tokens.weight"),
+                                    "norm.weight": take("model.norm.weight")}
     if "lm_head.weight" in ckpt:
-        out["lm_head.weight"] = take("lm_head.weight")
+        out["lm_head.weight"] = vocab_rows("lm_head.weight")
     elif cfg.tie_word_embeddings:
         out["lm_head.weight"] = out["embed_tokens.weight"]
     else:
         raise ModelLoadError(f"{cfg.path}: no lm_head.weight and the embeddings are not tied")
     for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        o = f"layers.{i}."
+        p, o = f"model.layers.{i}.", f"layers.{i}."
         attn = p + "self_attn."
-        out[o + "qkv_proj.weight"] = torch.cat([need(attn + f"{x}_proj.weight") for x in "qkv"])
+        out[o + "qkv_proj.weight"] = torch.cat([take(attn + f"{x}_proj.weight", rows=r)
+                                                for x, r in (("q", q), ("k", kv), ("v", kv))])
         if cfg.qkv_bias:
-            out[o + "qkv_proj.bias"] = torch.cat([need(attn + f"{x}_proj.bias") for x in "qkv"])
-        out[o + "o_proj.weight"] = need(attn + "o_proj.weight")
-        out[o + "gate_up_proj.weight"] = torch.cat([need(p + "mlp.gate_proj.weight"), need(p + "mlp.up_proj.weight")])
-        out[o + "down_proj.weight"] = need(p + "mlp.down_proj.weight")
-        out[o + "input_layernorm.weight"] = need(p + "input_layernorm.weight")
-        out[o + "post_attention_layernorm.weight"] = need(p + "post_attention_layernorm.weight")
-    # Rotary inverse frequencies that some checkpoints carry are recomputed, not loaded.
-    leftovers = [k for k in ckpt if not k.endswith("rotary_emb.inv_freq")]
+            out[o + "qkv_proj.bias"] = torch.cat([take(attn + f"{x}_proj.bias", rows=r)
+                                                  for x, r in (("q", q), ("k", kv), ("v", kv))])
+        out[o + "o_proj.weight"] = take(attn + "o_proj.weight", cols=q)
+        out[o + "gate_up_proj.weight"] = torch.cat([take(p + "mlp.gate_proj.weight", rows=ff),
+                                                    take(p + "mlp.up_proj.weight", rows=ff)])
+        out[o + "down_proj.weight"] = take(p + "mlp.down_proj.weight", cols=ff)
+        out[o + "input_layernorm.weight"] = take(p + "input_layernorm.weight")
+        out[o + "post_attention_layernorm.weight"] = take(p + "post_attention_layernorm.weight")
+    leftovers = ckpt.leftovers()
     if leftovers:
-        raise ModelLoadError(f"{cfg.path}: unexpected tensors {sorted(leftovers)[:5]}")
+        raise ModelLoadError(f"{cfg.path}: unexpected tensors {leftovers[:5]}")
     return out

@@ -4,7 +4,7 @@ times as they happen; batch occupancy and KV capacity read from the runner at sc
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from observability.buckets import LATENCY
 
@@ -46,5 +46,10 @@ class _Live:
         rows.add_metric([], len(runner.batch.row_of))
         blocks = GaugeMetricFamily("stepwire:executor_kv_cache_blocks", "KV-cache blocks this executor holds.")
         blocks.add_metric([], runner.num_blocks)
-        yield rows
-        yield blocks
+        tp = GaugeMetricFamily("stepwire:executor_tensor_parallel_size", "Ranks that split the model.")
+        tp.add_metric([], runner.comm.size)
+        collective = CounterMetricFamily("stepwire:executor_collective_seconds", "Rank 0's time inside "
+                                         "tensor-parallel all-reduces and gathers, waiting for the other ranks "
+                                         "included.")
+        collective.add_metric([], runner.comm.seconds)
+        yield from (rows, blocks, tp, collective)

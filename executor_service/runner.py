@@ -13,14 +13,18 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from executor_service.attention import GatherScratch, build_attention_metadata
+from executor_service.collectives import Collectives, join, leave
 from executor_service.input_batch import InputBatch, RequestState, StepInputs
 from executor_service.kv_cache import allocate_kv_caches, num_blocks_for_budget
 from executor_service.loader import load_model
 from executor_service.memory import keep_freed_memory
 from executor_service.model_config import ModelConfig
+from executor_service.partition import Partition
+from executor_service.ranks import Ranks
 from executor_service.sampler import Sampler, SamplingTensors
 from executor_service.step import Step, StepResult, draw_seed, logprobs_of, seed_of
 from observability import tracing
+from stepwire.internal import executor_pb2
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -67,12 +71,53 @@ class RunnerConfig:
     max_model_len: int | None = None         # None: the model's max_position_embeddings
     attention_backend: str = "auto"          # auto, torch or triton: see attention_backend()
     cuda_graphs: bool = True                 # decode steps as graphs (cuda_graphs.py), with triton attention
+    tensor_parallel_size: int = 1            # ranks, one process each, that split every layer (partition.py)
+    tensor_parallel_timeout_seconds: float = 60.0   # longest wait in a collective, or for a rank to start
+
+
+def rank_device(device: str, rank: int) -> str:
+    """Rank r of a CUDA executor uses the r-th GPU from the one named (cuda, cuda:2); CPU ranks share."""
+    if not device.startswith("cuda"):
+        return device
+    base = int(device.partition(":")[2] or 0)
+    return f"cuda:{base + rank}"
+
+
+def threads_per_rank(device: str, size: int) -> int:
+    """torch threads for each of `size` ranks on one CPU: its cores shared out; 0 (torch's choice) on CUDA."""
+    if device.startswith("cuda") or size == 1:
+        return 0
+    return max(1, len(os.sched_getaffinity(0)) // size)
 
 
 class ModelRunner:
-    def __init__(self, cfg: RunnerConfig):
+    """One rank's model, KV cache and persistent batch. Rank 0 (the default) starts the other ranks when the
+    config asks for tensor parallelism, and answers the steps; a rank > 0 only follows (`rank_worker.py`)."""
+
+    def __init__(self, cfg: RunnerConfig, rank: int = 0, store_port: int | None = None):
         self.cfg = cfg
-        self.device = torch.device(cfg.device)
+        self.rank = rank
+        self.device = torch.device(rank_device(cfg.device, rank))
+        self.ranks: Ranks | None = None
+        if cfg.tensor_parallel_size > 1 and rank == 0:
+            Partition.of(ModelConfig.from_dir(cfg.model), 0, cfg.tensor_parallel_size)   # splits? before any spawn
+            self.ranks = Ranks(cfg, torch.get_num_threads())
+        try:
+            self._load(cfg, store_port)
+        except BaseException:
+            if self.ranks is not None:
+                self.ranks.kill()
+            raise
+        if self.ranks is not None:
+            self.ranks.wait_ready(self.num_blocks)
+
+    def _load(self, cfg: RunnerConfig, store_port: int | None) -> None:
+        size = cfg.tensor_parallel_size
+        if size == 1:
+            self.comm = Collectives()
+        else:
+            self.comm = join(self.rank, size, self.ranks.store if self.ranks else store_port, self.device,
+                             cfg.tensor_parallel_timeout_seconds)
         if self.device.type == "cpu":
             keep_freed_memory()
         self.dtype = DTYPES[cfg.dtype or default_dtype(cfg.device)]
@@ -86,13 +131,17 @@ class ModelRunner:
         self.model_config = ModelConfig.from_dir(cfg.model)
         self.max_model_len = min(cfg.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
-        self.model = load_model(cfg.model, self.max_model_len, self.device, self.dtype)
-        self.num_blocks = num_blocks_for_budget(self.model_config, cfg.kv_cache_memory, cfg.block_size, self.dtype)
-        self.kv_caches = allocate_kv_caches(self.model_config, self.num_blocks, cfg.block_size, self.device,
-                                            self.dtype)
-        self.reset_batch()
+        self.model = load_model(cfg.model, self.max_model_len, self.device, self.dtype, self.comm)
+        part = self.model.part
+        # Every rank sizes its cache by the rank with the most KV heads, so all hold the same blocks: one pool.
+        self.num_blocks = num_blocks_for_budget(self.model_config, part.max_kv_heads, cfg.kv_cache_memory,
+                                                cfg.block_size, self.dtype)
+        self.kv_caches = allocate_kv_caches(self.model_config, part.num_kv_heads, self.num_blocks, cfg.block_size,
+                                            self.device, self.dtype)
+        self.batch = self._new_batch()
         self.graphs = None
-        if cfg.cuda_graphs and self.attention == "triton":
+        # Not with tensor parallelism yet: capturing the collectives inside the graphs is untested.
+        if cfg.cuda_graphs and self.attention == "triton" and size == 1:
             from executor_service.cuda_graphs import DecodeGraphs
             self.graphs = DecodeGraphs(self.model, self.kv_caches, cfg.max_num_seqs, self.batch.block_table.shape[1],
                                        self.device)
@@ -101,9 +150,21 @@ class ModelRunner:
         self.scratch = GatherScratch()
         self.phase_seconds = (0.0, 0.0, 0.0)   # prepare, forward, sample of the last step
 
+    def _new_batch(self) -> InputBatch:
+        return InputBatch(self.cfg.max_num_seqs, self.max_model_len, self.cfg.block_size)
+
     def reset_batch(self) -> None:
-        """An empty persistent batch: at start, and when a new epoch means the scheduler forgot the old one."""
-        self.batch = InputBatch(self.cfg.max_num_seqs, self.max_model_len, self.cfg.block_size)
+        """An empty persistent batch, on every rank: when a new epoch means the scheduler forgot the old one."""
+        self.batch = self._new_batch()
+        if self.ranks is not None:
+            self.ranks.reset()
+
+    def close(self) -> None:
+        """Stop the other ranks (rank 0) and leave the group; the runner is unusable afterwards."""
+        if self.ranks is not None:
+            self.ranks.close()
+        if self.comm.size > 1:
+            leave()
 
     def describe(self) -> dict:
         """What the scheduler needs to size this executor's block pool."""
@@ -112,7 +173,7 @@ class ModelRunner:
                 "max_model_len": self.max_model_len, "block_size": self.cfg.block_size,
                 "num_blocks": self.num_blocks, "dtype": str(self.dtype).removeprefix("torch."),
                 "device": str(self.device), "eos_token_ids": list(mc.eos_token_ids), "attention": self.attention,
-                "cuda_graphs": self.graphs is not None}
+                "cuda_graphs": self.graphs is not None, "tensor_parallel_size": self.comm.size}
 
     def _new_state(self, state: RequestState) -> None:
         state.seed = seed_of(state.sampling_params)
@@ -120,18 +181,20 @@ class ModelRunner:
             state.generator = torch.Generator(device=self.device)
 
     @torch.inference_mode()
-    def execute(self, step: Step) -> StepResult:
+    def execute(self, step: Step, msg: executor_pb2.StepRequest | None = None) -> StepResult:
         """One step. Each phase is a child span when tracing is on, and its seconds land in
         `phase_seconds` (prepare, forward, sample) for the metrics. On CUDA the forward phase ends when its
-        kernels are queued; sampling waits for them, so its time includes the rest of the forward."""
+        kernels are queued; sampling waits for them, so its time includes the rest of the forward.
+        With tensor parallelism `msg` is the step as it came off the wire, handed to the other ranks first."""
         clock = time.perf_counter
         t0 = clock()
+        if self.ranks is not None:
+            self.ranks.step(msg.SerializeToString(), tracing.current_traceparent())
         with tracing.phase("prepare_inputs"):
-            self.batch.apply(step, self._new_state)
-            if not step.handles:
+            inputs = self._prepare(step)
+            if inputs is None:
                 self.phase_seconds = (clock() - t0, 0.0, 0.0)
                 return StepResult(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64))
-            inputs = self.batch.prepare(step.handles, step.num_tokens, step.total_tokens)
         t1 = clock()
         with tracing.phase("forward"):
             logits = self.forward(inputs)
@@ -139,12 +202,31 @@ class ModelRunner:
         with tracing.phase("sample"):
             sampled, logprobs = self._sample(inputs, logits)
             self.batch.append_sampled(inputs, sampled)
+            if self.ranks is not None:
+                self.ranks.sampled = sampled
             result = self._result(inputs, sampled, logprobs)
         self.phase_seconds = (t1 - t0, t2 - t1, clock() - t2)
         return result
 
-    def forward(self, inputs: StepInputs) -> torch.Tensor:
-        """Logits [num sampling requests, vocab] for the requests whose step reaches their last token."""
+    @torch.inference_mode()
+    def follow(self, step: Step) -> StepInputs | None:
+        """A rank other than 0: apply the diff and run this rank's shard of the forward; rank 0 samples.
+        Returns the step's inputs, to which rank 0's sampled tokens are appended when they come."""
+        inputs = self._prepare(step)
+        if inputs is not None:
+            with tracing.phase("forward"):
+                self.forward(inputs)
+        return inputs
+
+    def _prepare(self, step: Step) -> StepInputs | None:
+        self.batch.apply(step, self._new_state)
+        if not step.handles:
+            return None
+        return self.batch.prepare(step.handles, step.num_tokens, step.total_tokens)
+
+    def forward(self, inputs: StepInputs) -> torch.Tensor | None:
+        """Logits [num sampling requests, vocab] for the requests whose step reaches their last token (None
+        on ranks other than 0, which hand their columns of them to rank 0)."""
         dev = self.device
         to = lambda a: torch.from_numpy(a).to(dev, non_blocking=True)  # noqa: E731
         hidden = None

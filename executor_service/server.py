@@ -13,12 +13,18 @@ starts clean, so no message can make the executor refuse its scheduler.
 
 SIGTERM starts a drain: health goes NOT_SERVING, every reply says `draining`, and the process exits once
 the scheduler has closed its stream (its requests finished or moved) or the drain period is over.
+
+With `--tensor-parallel-size N` this process is rank 0 of N (`ranks.py`). A rank that dies or stops
+answering is not something a resync can mend: the executor stops at once (no drain), its Step stream ends
+with UNAVAILABLE, the other ranks exit, and the process exits with status 1, so that the scheduler moves
+the requests and Kubernetes restarts the pod.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -30,8 +36,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from opentelemetry.trace import SpanKind
 
+from executor_service.collectives import RankFailure
 from executor_service.metrics import ExecutorMetrics
-from executor_service.runner import ModelRunner
+from executor_service.runner import ModelRunner, threads_per_rank
 from executor_service.settings import ExecutorSettings
 from executor_service.step import BadStep
 from executor_service.step_checks import Limits, check_step
@@ -61,6 +68,8 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
         self.runner = runner                # None while the weights load: calls get UNAVAILABLE (and sets limits)
         self.instance_id = uuid.uuid4().hex
         self.draining = False
+        self.failure: str | None = None          # why this executor cannot go on (a tensor-parallel rank is lost)
+        self.failed = asyncio.Event()
         self._newest: object | None = None      # the stream being served; older ones are ended
         self.streams_open = 0
         self.streams_closed = asyncio.Event()   # set whenever no stream is open
@@ -81,7 +90,16 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
         self._runner = runner
         self.limits = None if runner is None else Limits.of(runner)   # what check_step holds every step to
 
+    def fail(self, why: str) -> None:
+        """The executor cannot serve any more: serve() stops the server at once and exits (event loop only)."""
+        if self.failure is None:
+            log.error("%s; stopping the executor so that the scheduler moves its requests", why)
+            self.failure = why
+        self.failed.set()
+
     async def _ready(self, context) -> None:
+        if self.failure is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"executor is stopping: {self.failure}")
         if self.runner is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "executor is loading its model")
         if self.draining:
@@ -94,7 +112,8 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
         return executor_pb2.DescribeResponse(
             model=d["model"], architecture=d["architecture"], vocab_size=d["vocab_size"],
             max_model_len=d["max_model_len"], block_size=d["block_size"], num_blocks=d["num_blocks"],
-            dtype=d["dtype"], device=d["device"], eos_token_ids=d["eos_token_ids"], instance_id=self.instance_id)
+            dtype=d["dtype"], device=d["device"], eos_token_ids=d["eos_token_ids"], instance_id=self.instance_id,
+            tensor_parallel_size=d["tensor_parallel_size"])
 
     async def Step(self, request_iterator, context):
         await self._ready(context)
@@ -110,7 +129,13 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
                 async with self._lock:
                     if self._newest is not stream:
                         await context.abort(grpc.StatusCode.ABORTED, "a newer Step stream replaced this one")
-                    reply = await loop.run_in_executor(self._worker, self._step, msg, stream)
+                    if self.failure is not None:
+                        await context.abort(grpc.StatusCode.UNAVAILABLE, f"executor is stopping: {self.failure}")
+                    try:
+                        reply = await loop.run_in_executor(self._worker, self._step, msg, stream)
+                    except RankFailure as e:
+                        self.fail(str(e))
+                        await context.abort(grpc.StatusCode.UNAVAILABLE, f"executor is stopping: {e}")
                 reply.draining = self.draining
                 yield reply
         finally:
@@ -121,7 +146,13 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
     def _step(self, msg: executor_pb2.StepRequest, stream: _Stream) -> executor_pb2.StepResponse:
         try:
             return self._traced_step(msg, stream)
+        except RankFailure:
+            raise
         except Exception as e:
+            if self.runner.ranks is not None:
+                # The other ranks may be mid-forward waiting for this one: a reset cannot bring them back in line.
+                raise RankFailure(f"rank 0 failed mid-step ({type(e).__name__}: {str(e)[:200]}); the ranks are "
+                                  "out of step") from e
             # The checks should leave nothing that fails here; if something does, the stream must outlive it.
             # The step may have been half applied, so the batch goes; the scheduler's resync recomputes every
             # request and forgets its prefix cache, so no KV this step half wrote is read again.
@@ -137,7 +168,8 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
         with tracer.start_as_current_span("executor.step", context=tracing.from_traceparent(msg.traceparent),
                                           kind=SpanKind.SERVER, attributes={
                                               "stepwire.step": msg.step, "stepwire.epoch": msg.epoch,
-                                              "stepwire.executor.instance": self.instance_id}) as span:
+                                              "stepwire.executor.instance": self.instance_id,
+                                              "stepwire.tensor_parallel_size": self.runner.comm.size}) as span:
             reply = self._run_step(msg, stream)
             if reply.HasField("resync"):
                 span.set_attribute("stepwire.resync", reply.resync.reason)
@@ -156,7 +188,7 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
         except BadStep as e:
             return self._resync(msg, str(e))
         t0 = time.perf_counter()
-        result = self.runner.execute(step)
+        result = self.runner.execute(step, msg)
         reply = encode_result(result, len(step.handles), msg.epoch, msg.step)
         reply.forward_seconds = time.perf_counter() - t0
         self.metrics.observe_step(reply.forward_seconds, step.total_tokens, self.runner.phase_seconds)
@@ -181,7 +213,8 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
         return executor_pb2.StepResponse(epoch=msg.epoch, step=msg.step, resync=executor_pb2.Resync(reason=reason))
 
 
-async def serve(settings: ExecutorSettings) -> None:
+async def serve(settings: ExecutorSettings) -> int:
+    """Run until SIGTERM (0) or until the executor cannot go on (1)."""
     tracing.setup("stepwire-executor")
     tls = settings.tls_files()
     server = grpc.aio.server(interceptors=[DecodeErrorsAreInvalidArgument()],
@@ -208,26 +241,43 @@ async def serve(settings: ExecutorSettings) -> None:
     log.info("executor listening on %s (port %d, %s), loading %s", settings.address, port, describe(tls),
              runner_config.model)
     loop = asyncio.get_running_loop()
-    if settings.threads:
-        # Several executors on one host each start a thread per core by default and fight over them.
-        await loop.run_in_executor(worker, torch.set_num_threads, settings.threads)
-    service.runner = await loop.run_in_executor(worker, ModelRunner, runner_config)
+    # Several executors (or ranks of one) on one host each start a thread per core by default and fight
+    # over them; the ranks take rank 0's count.
+    threads = settings.threads or threads_per_rank(settings.device, settings.tensor_parallel_size)
+    if threads:
+        await loop.run_in_executor(worker, torch.set_num_threads, threads)
+    service.runner = runner = await loop.run_in_executor(worker, ModelRunner, runner_config)
+    if runner.ranks is not None:
+        runner.ranks.watch(lambda why: loop.call_soon_threadsafe(service.fail, why))
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("executor ready (%d torch threads): %s", torch.get_num_threads(), service.runner.describe())
-    await serve_until_sigterm(server, before_stop=lambda: service.drain(health_servicer, settings.drain_seconds))
+    broken = await serve_until_sigterm(server, failed=service.failed,
+                                       before_stop=lambda: service.drain(health_servicer, settings.drain_seconds))
     if health_port is not None:
         await health_port.stop(0)
+    if broken:
+        if runner.ranks is not None:
+            runner.ranks.kill()
+        log.error("executor stopped: %s", service.failure)
+        return 1
+    await loop.run_in_executor(worker, runner.close)
     log.info("executor stopped")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> None:
     settings = load(ExecutorSettings, argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        asyncio.run(serve(settings))
+        code = asyncio.run(serve(settings))
     except KeyboardInterrupt:
-        pass
+        return
+    if code:
+        # Not a normal exit: the torch thread may still be inside a collective with a dead rank, and
+        # joining it would hang the process that must go away.
+        logging.shutdown()
+        os._exit(code)
 
 
 if __name__ == "__main__":

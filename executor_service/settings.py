@@ -24,7 +24,8 @@ class ExecutorSettings(TLSSettings):
     metrics_address: str = Field("127.0.0.1:9092", description="host:port for Prometheus /metrics; empty: off")
     health_address: str = Field("", description="host:port of a plaintext port with only gRPC health, for "
                                 "probes that cannot present a certificate; empty: off")
-    threads: int = Field(0, ge=0, description="torch intra-op threads; 0: torch's default (one per core)")
+    threads: int = Field(0, ge=0, description="torch intra-op threads per rank; 0: torch's default (one per "
+                         "core), or the cores shared out between the ranks of a tensor-parallel CPU executor")
     drain_seconds: float = Field(25.0, ge=0, description="after SIGTERM, how long to wait for the scheduler to "
                                  "finish or move this executor's requests (keep it under Kubernetes' "
                                  "terminationGracePeriodSeconds)")
@@ -40,10 +41,17 @@ class ExecutorSettings(TLSSettings):
         "place); auto: triton on CUDA when it is installed, else torch")
     cuda_graphs: bool = Field(True, description="replay decode steps as CUDA graphs captured at start-up for a "
                               "ladder of batch sizes (with the triton attention backend; prefill runs eagerly)")
-    kv_cache_memory: int = Field(1 << 30, ge=1, description="bytes for the KV cache of all layers")
+    kv_cache_memory: int = Field(1 << 30, ge=1, description="bytes for the KV cache of all layers, on each rank "
+                                 "(each holds its own KV heads of every block)")
     block_size: int = Field(16, ge=1, description="tokens per KV block")
     max_num_seqs: int = Field(256, ge=1, description="rows of the persistent batch")
     max_model_len: int | None = Field(None, ge=2, description="context cap; default: the model's")
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description="ranks that split every layer of the model, one "
+                                      "process (and on CUDA one GPU) each; the scheduler still sees one "
+                                      "executor. The model's KV heads must number at least this many")
+    tensor_parallel_timeout_seconds: float = Field(60.0, gt=0, description="longest a rank waits in an "
+                                                   "all-reduce, or for the other ranks to start, before the "
+                                                   "executor gives up and exits")
 
     def runner_config(self) -> RunnerConfig:
         return RunnerConfig(**{f.name: getattr(self, f.name) for f in fields(RunnerConfig)})

@@ -69,6 +69,11 @@ def traceparent(span: Span) -> str:
     return carrier.get("traceparent", "")
 
 
+def current_traceparent() -> str:
+    """The traceparent naming the current span, or "" when tracing is off."""
+    return traceparent(trace.get_current_span()) if _tracer is not None else ""
+
+
 def parent_context(carrier) -> object | None:
     """The remote parent in a W3C carrier (HTTP headers, gRPC metadata, or {"traceparent": value})."""
     return _w3c.extract(carrier)

@@ -170,8 +170,8 @@ class ExecutorLink:
         self.draining = False                    # it answered Describe, which a draining executor refuses
         self.ready.set()
         self.on_change()
-        log.info("executor %s connected: %d blocks of %d tokens, epoch %d", self.address, d.num_blocks,
-                 d.block_size, self.epoch)
+        log.info("executor %s connected: %d blocks of %d tokens, tensor parallel %d, epoch %d", self.address,
+                 d.num_blocks, d.block_size, max(d.tensor_parallel_size, 1), self.epoch)
 
     async def _drive(self, stub) -> None:
         call = stub.Step()

@@ -66,7 +66,7 @@ class LLMEngine:
             return []
         msg, order = encode_step(out, self.handles, epoch=1, step=0)
         step = decode_step(msg)
-        reply = encode_result(self.runner.execute(step), len(step.handles), 1, 0)
+        reply = encode_result(self.runner.execute(step, msg), len(step.handles), 1, 0)
         return self.scheduler.update_from_output(out, decode_result(reply, order))
 
     def has_unfinished(self) -> bool:

@@ -35,7 +35,7 @@ def reference_logits(model, tokens: list[int]) -> torch.Tensor:
     """Logits at every position of `tokens`, computed alone, in one causal pass over a fresh cache."""
     n = len(tokens)
     nb = -(-n // BS)
-    caches = allocate_kv_caches(model.config, nb + 1, BS, "cpu", torch.float32)
+    caches = allocate_kv_caches(model.config, model.config.num_kv_heads, nb + 1, BS, "cpu", torch.float32)
     blocks = torch.arange(1, nb + 1)
     meta = AttentionMetadata(slot_mapping=torch.arange(n) + BS, decode_token_idx=torch.empty(0, dtype=torch.long),
                              decode_block_table=torch.empty(0, 0, dtype=torch.long),

@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from tiny_model import write_tiny_llama  # noqa: E402
+from tiny_model import FAMILIES, write_family, write_tiny_llama  # noqa: E402
 
 from executor_service.loader import load_model  # noqa: E402
 from executor_service.model_config import ModelLoadError  # noqa: E402
@@ -16,38 +16,10 @@ from scheduler_service import SchedulerConfig  # noqa: E402
 from stepwire.contract import SamplingParams  # noqa: E402
 from stepwire.engine import LLMEngine  # noqa: E402
 
-TINY = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=1,
-            eos_token_id=2)
-
-FAMILIES = {
-    "llama-tied": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(tie_word_embeddings=True)),
-    "llama3-rope-untied": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(
-        tie_word_embeddings=False, rope_theta=500000.0,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 64})),
-    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(tie_word_embeddings=False,
-                                                                                  sliding_window=None)),
-    "qwen2-qkv-bias": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(tie_word_embeddings=True)),
-}
-
-
-def _save(tmp_path, name, shard: bool):
-    cfg_cls, model_cls, extra = FAMILIES[name]
-    torch.manual_seed(0)
-    hf = model_cls(cfg_cls(**TINY, **extra)).eval()
-    with torch.no_grad():   # make biases and norms non-trivial so a dropped tensor shows up
-        for n, p in hf.named_parameters():
-            if n.endswith("bias") or "norm" in n:
-                p.add_(torch.randn_like(p) * 0.1)
-    path = tmp_path / name
-    hf.save_pretrained(path, max_shard_size="100KB" if shard else "1GB")
-    return hf, path
-
 
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_greedy_tokens_and_logits_match_transformers(tmp_path, name):
-    hf, path = _save(tmp_path, name, shard=name == "mistral")
+    hf, path = write_family(tmp_path, name, shard=name == "mistral")
     if name == "mistral":
         assert (path / "model.safetensors.index.json").exists()     # really sharded
     prompt = [5, 17, 33, 8, 91, 4, 60, 23, 2 + 70, 11, 42, 7]

@@ -58,3 +58,35 @@ def reference_greedy(model: Path, prompts: list[list[int]], max_tokens: int = 10
                        SchedulerConfig(block_size=4, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=budget))
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     return [c.token_ids for c in engine.generate(prompts, params)]
+
+
+# Small Hugging Face checkpoints of every supported family, written by transformers itself.
+FAMILY_SHAPE = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=1,
+                    eos_token_id=2)
+FAMILIES = {
+    "llama-tied": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=True)),
+    "llama3-rope-untied": ("LlamaConfig", "LlamaForCausalLM", dict(
+        tie_word_embeddings=False, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 64})),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(tie_word_embeddings=False, sliding_window=None)),
+    "qwen2-qkv-bias": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
+}
+
+
+def write_family(tmp_path: Path, name: str, shard: bool = False, **shape):
+    """(the transformers model, its directory) for a family of FAMILIES; `shard` splits the safetensors."""
+    import transformers
+
+    cfg_name, model_name, extra = FAMILIES[name]
+    torch.manual_seed(0)
+    config = getattr(transformers, cfg_name)(**(FAMILY_SHAPE | shape), **extra)
+    hf = getattr(transformers, model_name)(config).eval()
+    with torch.no_grad():   # make biases and norms non-trivial so a dropped tensor shows up
+        for n, p in hf.named_parameters():
+            if n.endswith("bias") or "norm" in n:
+                p.add_(torch.randn_like(p) * 0.1)
+    path = tmp_path / name
+    hf.save_pretrained(path, max_shard_size="100KB" if shard else "1GB")
+    return hf, path

@@ -1,0 +1,112 @@
+"""A scheduler and its executors as processes on loopback, and streams read on threads: the fleet tests'
+harness."""
+
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+from helpers import free_ports, stop_processes, wait_grpc_serving, wait_until
+from tiny_model import kv_bytes, write_tiny_llama
+
+from stepwire.internal import sampling_pb2, scheduler_pb2, scheduler_pb2_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+BUDGET = 16
+TOKENS = 60           # long enough that a fault lands mid-stream on the tiny model
+PROMPTS = [[5 + i, 6, 7, 8 + i] for i in range(16)]
+
+
+class Fleet:
+    """Executors and a scheduler as processes. By default the scheduler gets the executors as a static list;
+    `discovery` flags replace that, and `started` says how many executors run from the start."""
+
+    def __init__(self, tmp: Path, num_executors: int, *scheduler_flags: str, executor_flags=(), discovery=(),
+                 started: int | None = None, same_port: bool = False, port: int | None = None,
+                 flags_of: dict[int, tuple[str, ...]] | None = None, env: dict | None = None):
+        self.tmp, self.model = tmp, write_tiny_llama(tmp / "llama")
+        self.flags_of = flags_of or {}     # executor index -> flags for that executor only
+        self.env = env
+        self.procs: dict[str, subprocess.Popen] = {}
+        *ports, sc_port = free_ports(num_executors + 1)
+        # Same port on 127.0.0.1, .2, .3...: one executor per pod IP, as a headless Service has them.
+        self.addresses = ([f"127.0.0.{i + 1}:{port or ports[0]}" for i in range(num_executors)] if same_port
+                          else [f"127.0.0.1:{port}" for port in ports])
+        self.executor_flags = executor_flags
+        started = num_executors if started is None else started
+        for i in range(started):
+            self.start_executor(i)
+        self.sc_addr = f"127.0.0.1:{sc_port}"
+        self.procs["scheduler"] = subprocess.Popen(
+            [sys.executable, "-m", "scheduler_service.server", "--address", self.sc_addr,
+             *(discovery or ("--executors", ",".join(self.addresses))),
+             "--max-num-batched-tokens", str(BUDGET), "--max-num-seqs", "8", "--metrics-address", "",
+             "--retry-seconds", "0.2", *scheduler_flags], cwd=ROOT, env=self.env, stdout=self.log("scheduler"),
+            stderr=subprocess.STDOUT)
+        self.channel = grpc.insecure_channel(self.sc_addr)
+        self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
+        wait_grpc_serving(self.channel, self.procs, logs=self.logs())
+        self.wait_connected(self.addresses[:started])
+
+    def wait_connected(self, addresses) -> None:
+        wait_until(lambda: {e.address for e in self.stats().executors if e.connected} == set(addresses), 60,
+                   f"exactly {sorted(addresses)} to be connected", procs=self.procs, logs=self.logs())
+
+    def steps(self) -> dict[str, int]:
+        return {e.address: e.num_steps for e in self.stats().executors}
+
+    def start_executor(self, i: int) -> None:
+        self.procs[f"executor-{i}"] = subprocess.Popen(
+            [sys.executable, "-m", "executor_service.server", "--model", str(self.model), "--address",
+             self.addresses[i], "--block-size", "4", "--kv-cache-memory", str(kv_bytes(64)), "--max-num-seqs", "8",
+             "--max-model-len", "128", "--metrics-address", "", "--threads", "1", *self.executor_flags,
+             *self.flags_of.get(i, ())], cwd=ROOT, env=self.env, stdout=self.log(f"executor-{i}"),
+            stderr=subprocess.STDOUT)
+
+    def log(self, name: str):
+        return open(self.tmp / f"{name}.log", "a")
+
+    def logs(self) -> list[Path]:
+        return sorted(self.tmp.glob("*.log"))
+
+    def stats(self) -> scheduler_pb2.StatsResponse:
+        return self.stub.Stats(scheduler_pb2.StatsRequest())
+
+    def stop(self) -> None:
+        self.channel.close()
+        stop_processes([p for p in self.procs.values() if p.poll() is None])
+
+
+class Streams:
+    """Requests submitted on the scheduler's port, each read to its end on its own thread."""
+
+    def __init__(self, stub, prompts, **params):
+        self.tokens = [[] for _ in prompts]
+        self.errors: list = [None] * len(prompts)
+        self.ended_at = [0.0] * len(prompts)
+        self.threads = [threading.Thread(target=self._read, args=(stub, i, p, params), daemon=True)
+                        for i, p in enumerate(prompts)]
+        for t in self.threads:
+            t.start()
+
+    def _read(self, stub, i, prompt, params):
+        kw = {"max_tokens": TOKENS, "temperature": 0.0, "top_p": 1.0, "top_k": -1, "ignore_eos": True} | params
+        if isinstance(kw.get("seed"), list):
+            kw["seed"] = kw["seed"][i]
+        try:
+            for out in stub.Submit(scheduler_pb2.SubmitRequest(
+                    request_id=f"r{i}-{id(self)}", prompt_token_ids=prompt, params=sampling_pb2.SamplingParams(**kw))):
+                self.tokens[i] += out.token_ids
+        except grpc.RpcError as e:
+            self.errors[i] = e
+        self.ended_at[i] = time.monotonic()
+
+    def started(self) -> bool:
+        return all(self.tokens)
+
+    def join(self, seconds: float = 60) -> None:
+        for t in self.threads:
+            t.join(seconds)
+        assert not any(t.is_alive() for t in self.threads), "a stream never ended"
