@@ -23,7 +23,8 @@ class RankFailure(RuntimeError):
 class Collectives:
     def __init__(self, rank: int = 0, size: int = 1):
         self.rank, self.size = rank, size
-        self.seconds = 0.0   # wall time spent inside collectives (on CUDA: launching them)
+        # Wall time inside each kind of collective, waiting for slower ranks included (on CUDA: launching them).
+        self.seconds = {"all-reduce": 0.0, "gather": 0.0}
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's `x`, in place."""
@@ -47,7 +48,7 @@ class Collectives:
             collective(*args, **kw)
         except RuntimeError as e:   # gloo and NCCL report a dead or silent peer as RuntimeError subclasses
             raise RankFailure(f"tensor-parallel {what} on rank {self.rank} failed: {str(e)[:300]}") from e
-        self.seconds += time.perf_counter() - t0
+        self.seconds[what] += time.perf_counter() - t0
 
 
 def backend_for(device: torch.device) -> str:

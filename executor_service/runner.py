@@ -212,7 +212,8 @@ class ModelRunner:
     def follow(self, step: Step) -> StepInputs | None:
         """A rank other than 0: apply the diff and run this rank's shard of the forward; rank 0 samples.
         Returns the step's inputs, to which rank 0's sampled tokens are appended when they come."""
-        inputs = self._prepare(step)
+        with tracing.phase("prepare_inputs"):
+            inputs = self._prepare(step)
         if inputs is not None:
             with tracing.phase("forward"):
                 self.forward(inputs)

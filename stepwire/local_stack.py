@@ -38,7 +38,9 @@ class ServeSettings(ServiceSettings):
     scheduler_port: int = Field(50051)
     executors: int = Field(1, ge=1, description="local executors; they take ports from --executor-port up")
     executor_port: int = Field(50061, description="port of the first executor")
-    threads: int = Field(0, ge=0, description="torch threads per executor; 0: the host's cores split evenly")
+    tensor_parallel_size: int = Field(1, ge=1, description="ranks per executor (processes that split the model)")
+    threads: int = Field(0, ge=0, description="torch threads per executor rank; 0: the host's cores split evenly "
+                         "between all ranks of all executors")
     kv_cache_memory: int = Field(1 << 30, ge=1, description="bytes for each executor's KV cache")
     scheduler_metrics_port: int = Field(9091, description="Prometheus /metrics of the scheduler")
     executor_metrics_port: int = Field(9092, description="Prometheus /metrics of the first executor (then +1)")
@@ -70,7 +72,8 @@ def threads_per_executor(a: ServeSettings) -> int:
     if a.threads:
         return a.threads
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return 0 if a.executors == 1 else max(1, cores // a.executors)
+    ranks = a.executors * a.tensor_parallel_size
+    return 0 if ranks == 1 else max(1, cores // ranks)
 
 
 def children(a: ServeSettings, certs: Path | None = None) -> tuple[list[Child], list[Child]]:
@@ -87,6 +90,7 @@ def children(a: ServeSettings, certs: Path | None = None) -> tuple[list[Child], 
     executors = [Child(f"executor-{i}", [
         py, "-m", "executor_service.server", "--model", a.model, "--address", address,
         "--kv-cache-memory", str(a.kv_cache_memory), "--threads", str(threads),
+        "--tensor-parallel-size", str(a.tensor_parallel_size),
         "--metrics-address", f"127.0.0.1:{a.executor_metrics_port + i}", *tls("executor")])
         for i, address in enumerate(addresses)]
     stack = [

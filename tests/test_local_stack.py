@@ -25,6 +25,10 @@ def test_serve_gives_each_executor_its_own_port_and_a_share_of_the_cores():
     assert _flag(children(load(ServeSettings, []))[0][0].command, "--threads") == "0"
     assert _flag(children(load(ServeSettings, ["--executors", "2", "--threads", "5"]))[0][1].command,
                  "--threads") == "5"
+    # Tensor-parallel executors: every rank of every executor gets its share.
+    (one,), _ = children(load(ServeSettings, ["--tensor-parallel-size", "2"]))
+    assert _flag(one.command, "--tensor-parallel-size") == "2"
+    assert _flag(one.command, "--threads") == str(max(1, cores // 2))
 
 
 def test_an_executor_that_exits_is_started_again_and_one_that_keeps_dying_waits_longer_each_time():

@@ -8,6 +8,7 @@ scheduler must finish the requests elsewhere.
 import os
 import signal
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,8 @@ torch = pytest.importorskip("torch")
 grpc = pytest.importorskip("grpc")
 
 from fleet_stack import BUDGET, PROMPTS, TOKENS, Fleet, Streams  # noqa: E402
-from helpers import record_logits, wait_until  # noqa: E402
+from helpers import free_port, record_logits, wait_until  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from tiny_model import FAMILIES, kv_bytes, reference_greedy, write_family, write_tiny_llama  # noqa: E402
 
 from executor_service.model_config import ModelConfig, ModelLoadError  # noqa: E402
@@ -182,7 +184,8 @@ TP2 = ("--tensor-parallel-size", "2", "--tensor-parallel-timeout-seconds", "5")
 
 
 def test_a_two_rank_executor_behind_the_scheduler_gives_the_engines_tokens(tmp_path):
-    fleet = Fleet(tmp_path, 1, flags_of={0: TP2})
+    metrics = free_port()
+    fleet = Fleet(tmp_path, 1, flags_of={0: (*TP2, "--metrics-address", f"127.0.0.1:{metrics}")})
     try:
         with grpc.insecure_channel(fleet.addresses[0]) as channel:
             d = executor_pb2_grpc.ExecutorStub(channel).Describe(executor_pb2.DescribeRequest(), timeout=5)
@@ -194,6 +197,12 @@ def test_a_two_rank_executor_behind_the_scheduler_gives_the_engines_tokens(tmp_p
         streams.join()
         assert streams.errors == [None] * 8
         assert streams.tokens == reference_greedy(fleet.model, PROMPTS[:8], max_tokens=TOKENS, budget=BUDGET)
+        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=5).read().decode()
+        values = {(m.name, tuple(sorted(m.labels.items()))): m.value
+                  for family in text_string_to_metric_families(text) for m in family.samples}
+        assert values[("stepwire:executor_tensor_parallel_size", ())] == 2
+        assert values[("stepwire:executor_collective_seconds_total", (("collective", "all-reduce"),))] > 0
+        assert values[("stepwire:executor_collective_seconds_total", (("collective", "gather"),))] > 0
     finally:
         fleet.stop()
     rank1 = children(fleet.procs["executor-0"].pid)
@@ -235,6 +244,48 @@ def test_a_lost_rank_stops_its_executor_and_its_requests_finish_on_another(tmp_p
         if frozen is not None and alive(frozen):
             os.kill(frozen, signal.SIGCONT)
         fleet.stop()
+
+
+def test_each_step_span_carries_the_rank_count_and_every_rank_shows_its_own_forward(tmp_path):
+    from tools import otlp_receiver
+
+    server, sink, otlp = otlp_receiver.start("127.0.0.1:0")
+    env = dict(os.environ, OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{otlp}", OTEL_EXPORTER_OTLP_INSECURE="true",
+               OTEL_TRACES_SAMPLER="always_on", OTEL_BSP_SCHEDULE_DELAY="100")
+    fleet = Fleet(tmp_path, 1, flags_of={0: TP2}, env=env)
+    try:
+        streams = Streams(fleet.stub, PROMPTS[:2])
+        streams.join()
+        assert streams.errors == [None, None]
+        spans: list = []
+
+        def arrived():
+            with sink.lock:
+                spans[:] = list(sink.spans)
+            ids = {s["span_id"] for s in spans}
+            ranked = [s for s in spans if s["name"] == "executor.rank_step"]
+            return ranked and all(s["parent_id"] in ids for s in ranked) and \
+                any(s["name"] == "forward" and s["parent_id"] == r["span_id"] for s in spans for r in ranked)
+
+        wait_until(arrived, 30, "rank 1's spans and their parents")
+    finally:
+        fleet.stop()
+        server.stop(0)
+    by_id = {s["span_id"]: s for s in spans}
+    steps = [s for s in spans if s["name"] == "executor.step"]
+    assert steps and all(s["attributes"]["stepwire.tensor_parallel_size"] == 2 for s in steps)
+    for r in (s for s in spans if s["name"] == "executor.rank_step"):
+        parent = by_id[r["parent_id"]]     # rank 0's step span, across the socket pair
+        assert parent["name"] == "executor.step" and parent["trace_id"] == r["trace_id"]
+        assert r["attributes"]["stepwire.tp_rank"] == 1
+        assert r["attributes"]["stepwire.step"] == parent["attributes"]["stepwire.step"]
+    ranked = [s for s in spans if s["name"] == "executor.rank_step"]
+    assert any([c["name"] for c in sorted((c for c in spans if c["parent_id"] == r["span_id"]),
+                                          key=lambda c: c["start_ns"])] == ["prepare_inputs", "forward"]
+               for r in ranked)
+    forwards = [s for s in spans if s["name"] == "forward"]
+    owners = {by_id[f["parent_id"]]["name"] for f in forwards if f["parent_id"] in by_id}
+    assert owners == {"executor.step", "executor.rank_step"}   # rank 0's forward and rank 1's, each timed
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
