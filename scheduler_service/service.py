@@ -72,18 +72,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.sessions.add(session)
         reader = asyncio.create_task(self._read_session(request_iterator, session))
         try:
-            while True:
-                await session.ready.wait()
-                session.ready.clear()
-                if session.shutting_down:
-                    yield scheduler_pb2.SessionOutput(outputs=session.pending, shutting_down=True)
-                    return
-                if session.pending:
-                    batch, session.pending = session.pending, []
-                    yield scheduler_pb2.SessionOutput(outputs=batch)
-                if session.closed and not session.live:
-                    break
-            reader.result()   # re-raise what ended the reader, if anything did
+            async for message in session.messages():
+                yield message
+            if reader.done():
+                reader.result()   # re-raise what ended the reader, if anything did
         finally:
             self.sessions.discard(session)
             reader.cancel()

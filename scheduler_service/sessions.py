@@ -51,3 +51,20 @@ class Session:
         self.pending.append(scheduler_pb2.RequestOutput(
             request_id=rid, error=scheduler_pb2.RequestError(code=code.value[0], message=message)))
         self.ready.set()
+
+    async def messages(self):
+        """The stream's messages: every delta that piled up since the last one, until the gateway has
+        half-closed and every request has finished (or the scheduler stops: a last message says so)."""
+        while True:
+            await self.ready.wait()
+            self.ready.clear()
+            if self.shutting_down:
+                yield scheduler_pb2.SessionOutput(outputs=self.pending, shutting_down=True)
+                return
+            if self.pending:
+                batch, self.pending = self.pending, []
+                yield scheduler_pb2.SessionOutput(outputs=batch)
+            # Deltas that came in while the last message was being written go out first: the final ones
+            # empty `live`, and ending on that alone dropped them with their finish reasons.
+            if self.closed and not self.live and not self.pending:
+                return
