@@ -16,15 +16,15 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
-from multiprocessing.connection import Connection
 
 import torch
 
 from executor_service.collectives import RankFailure
-from executor_service.ranks import RESET, STEP, unframe
+from executor_service.ranks import RESET, STEP, recv_message, send_message, unframe
 from executor_service.runner import ModelRunner, RunnerConfig
 from executor_service.wire import decode_step
 from observability import tracing
@@ -33,12 +33,12 @@ from stepwire.internal import executor_pb2
 log = logging.getLogger("stepwire.executor")
 
 
-def follow(runner: ModelRunner, conn: Connection, rank: int) -> int:
+def follow(runner: ModelRunner, sock: socket.socket, rank: int) -> int:
     """Apply rank 0's diffs until it says stop (0) or goes away (1)."""
     last = None     # the inputs of this rank's last step, to which rank 0's next frame brings the tokens
     while True:
         try:
-            kind, sampled, traceparent, wire = unframe(conn.recv_bytes())
+            kind, sampled, traceparent, wire = unframe(recv_message(sock))
         except (EOFError, OSError):
             log.error("rank %d: rank 0 is gone; exiting", rank)
             return 1
@@ -60,8 +60,9 @@ def follow(runner: ModelRunner, conn: Connection, rank: int) -> int:
             return 0
 
 
-def _exit_with_parent() -> None:
-    parent = os.getppid()
+def _exit_with_parent(parent: int) -> None:
+    if os.getppid() != parent:   # rank 0 died while this process was still importing
+        os._exit(1)
 
     def watch():
         while os.getppid() == parent:
@@ -76,8 +77,8 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(name)s[rank {rank}] %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    _exit_with_parent()
-    conn = Connection(spec["fd"])
+    _exit_with_parent(spec["parent"])
+    sock = socket.socket(fileno=spec["fd"])
     tracing.setup("stepwire-executor")
     try:
         if spec["threads"]:
@@ -85,11 +86,11 @@ def main() -> None:
         runner = ModelRunner(RunnerConfig(**spec["config"]), rank=rank, store_port=spec["store_port"])
     except Exception as e:
         log.exception("rank %d failed to start", rank)
-        conn.send(("error", f"{type(e).__name__}: {str(e)[:500]}"))
+        send_message(sock, json.dumps({"error": f"{type(e).__name__}: {str(e)[:500]}"}).encode())
         os._exit(1)
-    conn.send(("ready", runner.num_blocks))
+    send_message(sock, json.dumps({"ready": runner.num_blocks}).encode())
     try:
-        code = follow(runner, conn, rank)
+        code = follow(runner, sock, rank)
     except RankFailure as e:
         log.error("%s; exiting", e)
         code = 1

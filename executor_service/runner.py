@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import time
@@ -13,7 +14,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from executor_service.attention import GatherScratch, build_attention_metadata
-from executor_service.collectives import Collectives, join, leave
+from executor_service.collectives import Collectives, RankFailure, join, leave
 from executor_service.input_batch import InputBatch, RequestState, StepInputs
 from executor_service.kv_cache import allocate_kv_caches, num_blocks_for_budget
 from executor_service.loader import load_model
@@ -95,32 +96,39 @@ class ModelRunner:
     config asks for tensor parallelism, and answers the steps; a rank > 0 only follows (`rank_worker.py`)."""
 
     def __init__(self, cfg: RunnerConfig, rank: int = 0, store_port: int | None = None):
-        self.cfg = cfg
+        # Resolved once, by rank 0, and handed to the other ranks: their all-reduces must agree on it.
+        self.cfg = cfg = dataclasses.replace(cfg, dtype=cfg.dtype or default_dtype(cfg.device))
         self.rank = rank
         self.device = torch.device(rank_device(cfg.device, rank))
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)   # Triton and the default stream follow the current device
         self.ranks: Ranks | None = None
+        self.comm = Collectives()
         if cfg.tensor_parallel_size > 1 and rank == 0:
             Partition.of(ModelConfig.from_dir(cfg.model), 0, cfg.tensor_parallel_size)   # splits? before any spawn
             self.ranks = Ranks(cfg, torch.get_num_threads())
         try:
             self._load(cfg, store_port)
-        except BaseException:
             if self.ranks is not None:
+                self.ranks.wait_ready(self.num_blocks)
+        except BaseException as e:
+            if self.ranks is not None:
+                said = self.ranks.start_errors()
                 self.ranks.kill()
+                if said and isinstance(e, RankFailure):
+                    raise RankFailure(f"{e} ({said})") from e
+            if self.comm.size > 1:
+                leave()   # a later runner in this process can join a group again
             raise
-        if self.ranks is not None:
-            self.ranks.wait_ready(self.num_blocks)
 
     def _load(self, cfg: RunnerConfig, store_port: int | None) -> None:
         size = cfg.tensor_parallel_size
-        if size == 1:
-            self.comm = Collectives()
-        else:
+        if size > 1:
             self.comm = join(self.rank, size, self.ranks.store if self.ranks else store_port, self.device,
                              cfg.tensor_parallel_timeout_seconds)
         if self.device.type == "cpu":
             keep_freed_memory()
-        self.dtype = DTYPES[cfg.dtype or default_dtype(cfg.device)]
+        self.dtype = DTYPES[cfg.dtype]
         self.attention = attention_backend(cfg.attention_backend, self.device)
         if self.attention == "triton":
             from executor_service.triton_attention import paged_metadata
@@ -193,6 +201,8 @@ class ModelRunner:
         with tracing.phase("prepare_inputs"):
             inputs = self._prepare(step)
             if inputs is None:
+                if self.ranks is not None:
+                    self.ranks.done()
                 self.phase_seconds = (clock() - t0, 0.0, 0.0)
                 return StepResult(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64))
         t1 = clock()
@@ -203,7 +213,7 @@ class ModelRunner:
             sampled, logprobs = self._sample(inputs, logits)
             self.batch.append_sampled(inputs, sampled)
             if self.ranks is not None:
-                self.ranks.sampled = sampled
+                self.ranks.done(sampled)
             result = self._result(inputs, sampled, logprobs)
         self.phase_seconds = (t1 - t0, t2 - t1, clock() - t2)
         return result

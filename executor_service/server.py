@@ -121,21 +121,14 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
         self._newest = stream
         self.streams_open += 1
         self.streams_closed.clear()
-        loop = asyncio.get_running_loop()
         try:
             async with self._lock:
-                await loop.run_in_executor(self._worker, self.runner.reset_batch)
+                await self._on_worker(context, self.runner.reset_batch)
             async for msg in request_iterator:
                 async with self._lock:
                     if self._newest is not stream:
                         await context.abort(grpc.StatusCode.ABORTED, "a newer Step stream replaced this one")
-                    if self.failure is not None:
-                        await context.abort(grpc.StatusCode.UNAVAILABLE, f"executor is stopping: {self.failure}")
-                    try:
-                        reply = await loop.run_in_executor(self._worker, self._step, msg, stream)
-                    except RankFailure as e:
-                        self.fail(str(e))
-                        await context.abort(grpc.StatusCode.UNAVAILABLE, f"executor is stopping: {e}")
+                    reply = await self._on_worker(context, self._step, msg, stream)
                 reply.draining = self.draining
                 yield reply
         finally:
@@ -143,14 +136,26 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
             if not self.streams_open:
                 self.streams_closed.set()
 
+    async def _on_worker(self, context, fn, *args):
+        """`fn(*args)` on the torch thread. A lost tensor-parallel rank ends the stream, and the executor."""
+        if self.failure is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"executor is stopping: {self.failure}")
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
+        except RankFailure as e:
+            self.fail(str(e))
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"executor is stopping: {e}")
+
     def _step(self, msg: executor_pb2.StepRequest, stream: _Stream) -> executor_pb2.StepResponse:
         try:
             return self._traced_step(msg, stream)
         except RankFailure:
             raise
         except Exception as e:
-            if self.runner.ranks is not None:
-                # The other ranks may be mid-forward waiting for this one: a reset cannot bring them back in line.
+            ranks = self.runner.ranks
+            if ranks is not None and ranks.mid_step:
+                # The other ranks took this diff and may wait for this one inside the forward: a reset
+                # cannot bring them back in line.
                 raise RankFailure(f"rank 0 failed mid-step ({type(e).__name__}: {str(e)[:200]}); the ranks are "
                                   "out of step") from e
             # The checks should leave nothing that fails here; if something does, the stream must outlive it.
@@ -252,11 +257,11 @@ async def serve(settings: ExecutorSettings) -> int:
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("executor ready (%d torch threads): %s", torch.get_num_threads(), service.runner.describe())
-    broken = await serve_until_sigterm(server, failed=service.failed,
-                                       before_stop=lambda: service.drain(health_servicer, settings.drain_seconds))
+    await serve_until_sigterm(server, failed=service.failed,
+                              before_stop=lambda: service.drain(health_servicer, settings.drain_seconds))
     if health_port is not None:
         await health_port.stop(0)
-    if broken:
+    if service.failure is not None:   # before SIGTERM, or during the drain it started
         if runner.ranks is not None:
             runner.ranks.kill()
         log.error("executor stopped: %s", service.failure)

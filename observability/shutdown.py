@@ -9,11 +9,10 @@ from observability import tracing
 
 
 async def serve_until_sigterm(server, grace: float = 2.0, before_stop=None, failed: asyncio.Event | None = None
-                              ) -> bool:
+                              ) -> None:
     """Wait for SIGTERM (Ctrl-C cancels the wait the same way), await `before_stop()` if given (a drain),
     then stop `server`, letting calls in flight finish for `grace` seconds, and flush the spans still
-    batched for export. If `failed` is set first, the service cannot go on: no drain, no grace, and the
-    result is True."""
+    batched for export. If `failed` is set first, the service cannot go on: no drain and no grace."""
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     waits = [asyncio.ensure_future(e.wait()) for e in (stop, failed) if e is not None]
@@ -28,4 +27,3 @@ async def serve_until_sigterm(server, grace: float = 2.0, before_stop=None, fail
             w.cancel()
         await server.stop(grace=0 if broken else grace)
         tracing.shutdown()
-    return broken

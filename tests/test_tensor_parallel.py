@@ -7,12 +7,14 @@ scheduler must finish the requests elsewhere.
 
 import os
 import signal
+import socket
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
+np = pytest.importorskip("numpy")
 torch = pytest.importorskip("torch")
 grpc = pytest.importorskip("grpc")
 
@@ -21,9 +23,10 @@ from helpers import free_port, record_logits, wait_until  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from tiny_model import FAMILIES, kv_bytes, reference_greedy, write_family, write_tiny_llama  # noqa: E402
 
+from executor_service.collectives import RankFailure  # noqa: E402
 from executor_service.model_config import ModelConfig, ModelLoadError  # noqa: E402
 from executor_service.partition import Partition  # noqa: E402
-from executor_service.ranks import STEP, frame, unframe  # noqa: E402
+from executor_service.ranks import STEP, Ranks, frame, unframe  # noqa: E402
 from executor_service.runner import RunnerConfig  # noqa: E402
 from scheduler_service import SchedulerConfig  # noqa: E402
 from stepwire.contract import SamplingParams  # noqa: E402
@@ -148,6 +151,36 @@ def test_the_embedded_model_on_two_ranks_generates_what_one_rank_does(engines):
     assert_same_tokens_and_logits(one, two, prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
 
 
+def rank_processes() -> list[int]:
+    return [p for p in children(os.getpid()) if "executor_service.rank_worker" in
+            Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")]
+
+
+def test_a_failed_start_stops_the_started_ranks_and_leaves_the_group_for_the_next_runner(tmp_path, engines):
+    path = write_tiny_llama(tmp_path / "m")
+    with pytest.raises(ValueError, match="KV budget of 100 bytes"):
+        LLMEngine(RunnerConfig(str(path), block_size=4, kv_cache_memory=100, tensor_parallel_size=2))
+    wait_until(lambda: not any(alive(p) for p in rank_processes()), 10, "the started rank to be gone")
+    one, two = engines(path)     # this process can join a new group at once
+    assert_same_tokens_and_logits(one, two, [[5, 6, 7]])
+
+
+def test_a_rank_that_stops_reading_diffs_fails_the_step_within_the_timeout():
+    # A frozen rank stops reading its socket; a diff larger than the socket's buffer (a step of long
+    # prompts) would block rank 0's write for ever without the timeout.
+    mine, theirs = socket.socketpair()
+    ranks = Ranks.__new__(Ranks)
+    ranks.timeout, ranks.socks, ranks.sampled = 0.5, [mine], np.empty(0, dtype=np.int64)
+    mine.settimeout(ranks.timeout)
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure, match="rank 1 took no step for 0.5s"):
+        ranks.step(b"x" * (16 << 20), "")
+    assert time.monotonic() - t0 < 5
+    theirs.close()
+    with pytest.raises(RankFailure, match="rank 1 is gone"):
+        ranks.reset()
+
+
 def test_a_model_whose_kv_heads_cannot_be_split_is_refused_before_any_rank_starts(tmp_path):
     path = write_tiny_llama(tmp_path / "m")   # 2 KV heads
     t0 = time.monotonic()
@@ -209,7 +242,7 @@ def test_a_two_rank_executor_behind_the_scheduler_gives_the_engines_tokens(tmp_p
     assert fleet.procs["executor-0"].wait(20) == 0 and not any(alive(p) for p in rank1)   # SIGTERM: all go
 
 
-@pytest.mark.parametrize("fault", ["kill rank 1", "kill rank 0", "freeze rank 1"])
+@pytest.mark.parametrize("fault", ["kill rank 1", "kill rank 0", "freeze rank 1", "kill rank 1 while draining"])
 def test_a_lost_rank_stops_its_executor_and_its_requests_finish_on_another(tmp_path, fault):
     # executor-0 runs two ranks, executor-1 one; the fault hits executor-0 mid-stream.
     fleet = Fleet(tmp_path, 2, "--executor-wait-seconds", "30", flags_of={0: TP2})
@@ -226,6 +259,10 @@ def test_a_lost_rank_stops_its_executor_and_its_requests_finish_on_another(tmp_p
             os.kill(rank1, signal.SIGKILL)
         elif fault == "kill rank 0":
             rank0.kill()
+        elif fault == "kill rank 1 while draining":
+            rank0.send_signal(signal.SIGTERM)      # the drain lets running requests go on here...
+            time.sleep(0.5)
+            os.kill(rank1, signal.SIGKILL)         # ...until the executor cannot: then it fails, not drains
         else:
             frozen = rank1
             os.kill(rank1, signal.SIGSTOP)   # alive but silent: only the collective timeout (5 s) finds it
