@@ -23,6 +23,12 @@ $(DEV_STAMP): pyproject.toml | $(PY)
 	$(PY) -m uv pip install -q --python $(PY) -e '.[scheduler,executor,gateway,dev]'
 	touch $@
 
+# checkov (the chart's and the Dockerfile's policy checks) in a venv of its own: its pins clash with ours.
+CHECKOV := $(VENV)/checkov/bin/checkov
+$(CHECKOV): | $(DEV_STAMP)
+	$(PY) -m uv venv -q --python $(PY) $(VENV)/checkov
+	$(PY) -m uv pip install -q --python $(VENV)/checkov/bin/python 'checkov==3.3.30'
+
 lint: $(DEV_STAMP)
 	$(VENV)/bin/ruff check .
 
@@ -36,7 +42,7 @@ $(MODEL_DIR)/conversion.json: | $(DEV_STAMP)
 
 # Bytecode is written as modules are first imported: with PYTHONDONTWRITEBYTECODE set (as on CI), each of the
 # dozens of executor processes the tests start would compile torch from source again.
-test: lint model
+test: lint model $(CHECKOV)
 	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q
 
 bench: $(DEV_STAMP)

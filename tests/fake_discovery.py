@@ -1,7 +1,9 @@
 """Stand-ins for what the scheduler discovers executors through, run by the tests on loopback:
 
 - `FakeKubeAPI`: the two EndpointSlice calls of a Kubernetes API server (list, and watch from a
-  resourceVersion), with a history that can be compacted so that old watches get 410 Gone;
+  resourceVersion), with a history that can be compacted so that old watches get 410 Gone. Given RBAC
+  rules (a Role's), it authorizes every request as the API server would for a namespaced Role: anything
+  they do not allow is 403 Forbidden, and recorded in `denied`;
 - `FakeDNS`: a UDP name server answering A queries for names the test sets.
 
 Both speak the real protocols, so the scheduler drives them with the real `kubernetes` client and the real
@@ -24,11 +26,12 @@ import dns.rdatatype
 import dns.rrset
 
 
-def endpoint_slice(name: str, service: str, port: int, endpoints: list[dict], version: int) -> dict:
+def endpoint_slice(name: str, service: str, port: int, endpoints: list[dict], version: int,
+                   namespace: str = "ns") -> dict:
     """An EndpointSlice as the API serves it; each endpoint: {"ip", "ready", "serving", "terminating"}."""
     return {
         "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "addressType": "IPv4",
-        "metadata": {"name": name, "namespace": "ns", "resourceVersion": str(version),
+        "metadata": {"name": name, "namespace": namespace, "resourceVersion": str(version),
                      "labels": {"kubernetes.io/service-name": service}},
         "ports": [{"name": "grpc", "port": port, "protocol": "TCP"}, {"name": "metrics", "port": 9, "protocol": "TCP"}],
         "endpoints": [{"addresses": [e["ip"]], "conditions": {k: e[k] for k in ("ready", "serving", "terminating")
@@ -36,8 +39,45 @@ def endpoint_slice(name: str, service: str, port: int, endpoints: list[dict], ve
     }
 
 
+def request_attributes(method: str, path: str, query: dict) -> tuple[str, str, str, str] | None:
+    """(API group, namespace, resource, verb) of a resource request, as RBAC sees it; None for other paths."""
+    parts = [p for p in path.split("/") if p]
+    if parts[:1] == ["api"] and len(parts) >= 2:
+        group, rest = "", parts[2:]
+    elif parts[:1] == ["apis"] and len(parts) >= 3:
+        group, rest = parts[1], parts[3:]
+    else:
+        return None
+    namespace = ""
+    if rest[:1] == ["namespaces"] and len(rest) >= 3:
+        namespace, rest = rest[1], rest[2:]
+    if not rest:
+        return None
+    named = len(rest) > 1
+    if method == "GET":
+        verb = "watch" if query.get("watch") in ("true", "True", "1") else ("get" if named else "list")
+    else:
+        verb = {"POST": "create", "PUT": "update", "PATCH": "patch",
+                "DELETE": "delete" if named else "deletecollection"}.get(method, method.lower())
+    return group, namespace, rest[0], verb
+
+
+def allowed_by(rules: list[dict], namespace: str, attrs) -> bool:
+    """Whether a Role's rules, bound in `namespace`, allow a request with these attributes."""
+    if attrs is None:
+        return False
+    group, ns, resource, verb = attrs
+    if ns != namespace:   # a Role grants nothing outside its namespace, nor on cluster-wide paths
+        return False
+    return any(group in r.get("apiGroups", []) and resource in r.get("resources", []) and verb in r.get("verbs", [])
+               for r in rules)
+
+
 class FakeKubeAPI:
-    def __init__(self):
+    def __init__(self, namespace: str = "ns", rules: list[dict] | None = None):
+        self.namespace = namespace
+        self.rules = rules            # a Role's rules to authorize requests by; None: authorize everything
+        self.denied: list[tuple] = []  # (method, path, verb) of the requests refused with 403
         self.slices: dict[str, dict] = {}
         self.version = 100
         self.history: list[tuple[int, dict]] = []     # (resourceVersion, watch event)
@@ -63,7 +103,7 @@ class FakeKubeAPI:
         with self.lock:
             self.version += 1
             kind = "MODIFIED" if name in self.slices else "ADDED"
-            self.slices[name] = endpoint_slice(name, service, port, endpoints, self.version)
+            self.slices[name] = endpoint_slice(name, service, port, endpoints, self.version, self.namespace)
             self._emit(kind, self.slices[name])
 
     def delete(self, name: str) -> None:
@@ -104,10 +144,30 @@ class FakeKubeAPI:
             def log_message(self, *args):
                 pass
 
+            def _authorized(self, q) -> bool:
+                url = urlparse(self.path)
+                attrs = request_attributes(self.command, url.path, q)
+                if api.rules is None or allowed_by(api.rules, api.namespace, attrs):
+                    return True
+                with api.lock:
+                    api.denied.append((self.command, url.path, attrs and attrs[3]))
+                self._json(403, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Forbidden",
+                                 "code": 403, "message": f"{attrs} is not allowed by the Role"})
+                return False
+
+            def do_POST(self):
+                if self._authorized({}):
+                    self._json(405, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 405,
+                                     "reason": "MethodNotAllowed", "message": "the fake serves reads only"})
+
+            do_PUT = do_PATCH = do_DELETE = do_POST
+
             def do_GET(self):
                 url = urlparse(self.path)
                 q = {k: v[0] for k, v in parse_qs(url.query).items()}
-                if url.path != "/apis/discovery.k8s.io/v1/namespaces/ns/endpointslices":
+                if not self._authorized(q):
+                    return
+                if url.path != f"/apis/discovery.k8s.io/v1/namespaces/{api.namespace}/endpointslices":
                     return self._json(404, {"kind": "Status", "code": 404, "reason": "NotFound", "message": url.path})
                 selector = q.get("labelSelector", "")
                 want = dict(kv.split("=", 1) for kv in selector.split(",") if kv)
