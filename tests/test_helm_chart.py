@@ -94,6 +94,10 @@ def test_the_chart_lints_clean_and_each_value_set_renders_what_it_asks_for(rende
     shm = {v["name"]: v for v in executor["spec"]["template"]["spec"]["volumes"]}["dshm"]
     assert shm["emptyDir"]["medium"] == "Memory"
     assert [c["name"] for c in executor["spec"]["template"]["spec"]["initContainers"]] == ["prepare-model"]
+    # torch threads: the pod's CPU request (2), not torch's one per core of the whole node.
+    assert flag(container(executor)["args"], "--threads") == "2"
+    gateway = container(find(default, "Deployment", "gateway"))
+    assert gateway["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "5"]
 
     gpu = find(rendered["gpu-tp2"], "Deployment", "executor")
     c = container(gpu)
@@ -106,6 +110,7 @@ def test_the_chart_lints_clean_and_each_value_set_renders_what_it_asks_for(rende
     assert "initContainers" not in pod and volumes["model"]["persistentVolumeClaim"] == {"claimName": "models",
                                                                                           "readOnly": True}
     assert flag(c["args"], "--model") == "/models/Llama-3.1-8B-Instruct"
+    assert flag(c["args"], "--threads") == "0"      # CUDA: torch's own choice
 
     keda = rendered["keda"]
     scaled = find(keda, "ScaledObject")
