@@ -181,7 +181,8 @@ class ModelRunner:
                 "max_model_len": self.max_model_len, "block_size": self.cfg.block_size,
                 "num_blocks": self.num_blocks, "dtype": str(self.dtype).removeprefix("torch."),
                 "device": str(self.device), "eos_token_ids": list(mc.eos_token_ids), "attention": self.attention,
-                "cuda_graphs": self.graphs is not None, "tensor_parallel_size": self.comm.size}
+                "cuda_graphs": self.graphs is not None, "tensor_parallel_size": self.comm.size,
+                "max_num_seqs": self.cfg.max_num_seqs}
 
     def _new_state(self, state: RequestState) -> None:
         state.seed = seed_of(state.sampling_params)

@@ -23,6 +23,7 @@ from scheduler_service.settings import SchedulerSettings
 
 log = logging.getLogger("stepwire.scheduler")
 NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+WATCH_SLACK_SECONDS = 10   # past the watch's own length, silence means the connection is gone
 
 
 def api_client(kubeconfig: str) -> client.ApiClient:
@@ -82,9 +83,13 @@ def watch_endpoint_slices(settings: SchedulerSettings, publish: Callable[[set[st
             version = listed.metadata.resource_version
             while not stop.is_set():
                 w = watch.Watch()
+                # The server ends a watch after timeout_seconds; the client's read timeout catches a connection
+                # that died without a word (an API server failover, a NAT's idle timeout), which would
+                # otherwise leave discovery blind for ever.
                 for event in w.stream(api.list_namespaced_endpoint_slice, ns, label_selector=selector,
                                       resource_version=version, allow_watch_bookmarks=True,
-                                      timeout_seconds=settings.kubernetes_watch_seconds):
+                                      timeout_seconds=settings.kubernetes_watch_seconds,
+                                      _request_timeout=(10, settings.kubernetes_watch_seconds + WATCH_SLACK_SECONDS)):
                     s = event["object"]
                     version = s.metadata.resource_version
                     if event["type"] == "BOOKMARK":

@@ -83,11 +83,15 @@ class SchedulerSettings(TLSSettings):
             raise ValueError("--discovery dns takes one name:port in --executors")
         return self
 
-    def core_config(self, block_size: int, executor_max_model_len: int, device: str = "") -> SchedulerConfig:
-        """The config of one executor's core: these knobs, within what that executor can hold. A step knob left
-        unset takes the default for the executor's `device` (from its Describe; see `step_defaults`)."""
+    def core_config(self, block_size: int, executor_max_model_len: int, device: str = "",
+                    executor_max_num_seqs: int = 0) -> SchedulerConfig:
+        """The config of one executor's core: these knobs, within what that executor can hold (its context and
+        its batch's rows; 0: it did not say). A step knob left unset takes the default for the executor's
+        `device` (from its Describe; see `step_defaults`)."""
         knobs = {f.name: getattr(self, f.name) for f in fields(SchedulerConfig) if f.name in type(self).model_fields}
         knobs["max_model_len"] = min(self.max_model_len or executor_max_model_len, executor_max_model_len)
+        if executor_max_num_seqs:
+            knobs["max_num_seqs"] = min(self.max_num_seqs, executor_max_num_seqs)
         auto = step_defaults(device)
         if knobs["long_prefill_token_threshold"] is None:
             knobs["long_prefill_token_threshold"] = auto.long_prefill_token_threshold

@@ -78,6 +78,10 @@ class FakeKubeAPI:
         self.namespace = namespace
         self.rules = rules            # a Role's rules to authorize requests by; None: authorize everything
         self.denied: list[tuple] = []  # (method, path, verb) of the requests refused with 403
+        # While set, a watch is answered with headers and then nothing, for ever: a connection that died
+        # without a word (an API server failover, a NAT's idle timeout) looks like this to the client.
+        self.silent = threading.Event()
+        self.stopping = threading.Event()
         self.slices: dict[str, dict] = {}
         self.version = 100
         self.history: list[tuple[int, dict]] = []     # (resourceVersion, watch event)
@@ -125,6 +129,7 @@ class FakeKubeAPI:
         return sum(1 for c in self.calls if c[0] == "list")
 
     def stop(self) -> None:
+        self.stopping.set()
         self.server.shutdown()
         for w in self.watchers:
             w.put(None)
@@ -193,6 +198,11 @@ class FakeKubeAPI:
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Transfer-Encoding", "chunked")
                 self.end_headers()
+                if api.silent.is_set():
+                    api.stopping.wait()
+                    with api.lock:
+                        api.watchers.remove(events)
+                    return
                 timeout = float(q.get("timeoutSeconds", 300))
                 try:
                     while True:

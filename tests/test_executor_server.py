@@ -71,6 +71,7 @@ def test_describe_reports_the_model_and_the_kv_capacity(executor):
     d = executor_pb2_grpc.ExecutorStub(channel).Describe(executor_pb2.DescribeRequest(), timeout=5)
     assert (d.architecture, d.block_size, d.num_blocks, d.max_model_len, d.vocab_size) == \
         ("LlamaForCausalLM", 4, 64, 128, 97)
+    assert (d.max_num_seqs, d.tensor_parallel_size) == (8, 1)
     assert d.instance_id
 
 

@@ -223,3 +223,21 @@ def test_dns_discovery_adds_and_drains_executors_under_load(tmp_path):
         if fleet is not None:
             fleet.stop()
         dns.stop()
+
+
+def test_an_executor_with_fewer_batch_rows_than_the_scheduler_allows_gets_no_more_at_once(tmp_path):
+    # The scheduler allows 8 running requests per executor; this executor's batch holds 2. Describe says
+    # so, and the scheduler keeps to it (it used to send 8 and have every step refused for ever).
+    fleet = Fleet(tmp_path, 1, flags_of={0: ("--max-num-seqs", "2")})
+    try:
+        expected = reference_greedy(fleet.model, PROMPTS[:6], max_tokens=TOKENS, budget=BUDGET)
+        streams = Streams(fleet.stub, PROMPTS[:6])
+        most = 0
+        while any(t.is_alive() for t in streams.threads):
+            most = max(most, fleet.stats().executors[0].num_running)
+            time.sleep(0.02)
+        streams.join()
+        assert streams.errors == [None] * 6 and streams.tokens == expected
+        assert most == 2
+    finally:
+        fleet.stop()

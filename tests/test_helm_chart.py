@@ -40,8 +40,10 @@ VALUE_SETS = {
     "gpu-tp2": GPU_TP2,
     "keda": {"executor": {"keda": {"enabled": True}}},
     "cert-manager": {"tls": {"certManager": {"enabled": True}}},
-    "ingress": {"gateway": {"ingress": {"enabled": True, "className": "nginx",
-                                       "tls": [{"secretName": "public-tls", "hosts": ["stepwire.example.com"]}]}}},
+    "ingress-public-tls": {"gateway": {"ingress": {"enabled": True, "className": "nginx",
+                                                  "tls": [{"secretName": "public-tls",
+                                                           "hosts": ["stepwire.example.com"]}]},
+                                      "publicTls": {"secretName": "gateway-public-tls"}}},
     "plaintext-hostpath-otel-podmonitor": {
         "tls": {"enabled": False}, "model": {"source": "hostPath", "hostPath": {"path": "/data/models"}},
         "otel": {"endpoint": "http://otel-collector.observability.svc:4317", "resourceAttributes": "env=test"},
@@ -127,9 +129,15 @@ def test_the_chart_lints_clean_and_each_value_set_renders_what_it_asks_for(rende
     # The names the services check on each other's certificates (--executor-server-name and its like).
     assert {"stepwire-executor", "stepwire-scheduler", "stepwire-gateway"} <= names
 
-    ingress = find(rendered["ingress"], "Ingress")
-    backend = ingress["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]
+    public = rendered["ingress-public-tls"]
+    backend = find(public, "Ingress")["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]
     assert backend == {"name": f"{RELEASE}-stepwire-gateway", "port": {"name": "http"}}
+    gateway = container(find(public, "Deployment", "gateway"))
+    assert flag(gateway["args"], "--public-tls-cert") == "/etc/stepwire/public-tls/tls.crt"
+    # Its ports speak TLS to clients now, which a kubelet gRPC probe cannot: readiness asks the plain port.
+    assert gateway["readinessProbe"]["httpGet"] == {"path": "/health", "port": "metrics"}
+    assert find(public, "Service", "gateway")["spec"]["ports"][0]["appProtocol"] == "https"
+    assert "grpc" in container(find(default, "Deployment", "gateway"))["readinessProbe"]
 
     plain = rendered["plaintext-hostpath-otel-podmonitor"]
     for d in (o for o in plain if o["kind"] == "Deployment"):

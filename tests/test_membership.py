@@ -61,6 +61,23 @@ def test_endpoint_slices_are_listed_then_watched_from_the_lists_version(kube, tm
     assert not watcher.is_alive()
 
 
+def test_a_watch_that_goes_silent_is_given_up_and_the_slices_listed_again(kube, tmp_path):
+    kube.put("ex-a", 7000, [up("10.0.0.1")])
+    kube.silent.set()          # every watch from now on: headers, then silence, never closed
+    settings = SchedulerSettings(discovery="kubernetes", kubeconfig=str(kube.kubeconfig(tmp_path)),
+                                 kubernetes_namespace="ns", retry_seconds=0.1, kubernetes_watch_seconds=1)
+    seen: list[set[str]] = []
+    stop = threading.Event()
+    threading.Thread(target=watch_endpoint_slices, args=(settings, seen.append, stop), daemon=True).start()
+    wait_until(lambda: seen and seen[-1] == {"10.0.0.1:7000"}, 10, "the listed executor")
+    wait_until(lambda: any(c[0] == "watch" for c in kube.calls), 10, "a watch")
+    kube.put("ex-b", 7000, [up("10.0.0.2")])    # the silent watch never says so: only a fresh list can
+    wait_until(lambda: seen[-1] == {"10.0.0.1:7000", "10.0.0.2:7000"}, 40,
+               "the client to give up the silent watch and list again")
+    assert kube.lists() >= 2
+    stop.set()
+
+
 def test_a_name_resolves_to_one_executor_per_address_and_a_silent_name_server_changes_nothing():
     server = FakeDNS()
     try:
