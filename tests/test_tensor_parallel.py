@@ -242,6 +242,31 @@ def test_a_two_rank_executor_behind_the_scheduler_gives_the_engines_tokens(tmp_p
     assert fleet.procs["executor-0"].wait(20) == 0 and not any(alive(p) for p in rank1)   # SIGTERM: all go
 
 
+def test_a_stranger_taking_over_the_step_stream_mid_load_leaves_every_rank_in_line(tmp_path):
+    # A stranger's Step stream replaces the scheduler's (the batch is reset on every rank), its bad steps
+    # are refused on rank 0 without reaching the others, and the scheduler's stream takes the executor
+    # back: the ranks still agree, so the answers are right and no rank has died.
+    fleet = Fleet(tmp_path, 1, flags_of={0: TP2})
+    try:
+        expected = reference_greedy(fleet.model, PROMPTS[:8], max_tokens=TOKENS, budget=BUDGET)
+        rank0 = fleet.procs["executor-0"]
+        (rank1,) = children(rank0.pid)
+        streams = Streams(fleet.stub, PROMPTS[:8])
+        wait_until(streams.started, 30, "every stream's first token")
+        hostile = executor_pb2.StepRequest(epoch=2**64 - 1, step=7, handles=[4000000000], num_tokens=[5])
+        with grpc.insecure_channel(fleet.addresses[0]) as stranger:
+            try:
+                replies = list(executor_pb2_grpc.ExecutorStub(stranger).Step(iter([hostile, hostile]), timeout=10))
+                assert replies and all(r.HasField("resync") for r in replies)
+            except grpc.RpcError as e:
+                assert e.code() in (grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED)
+        streams.join()
+        assert streams.errors == [None] * 8 and streams.tokens == expected
+        assert rank0.poll() is None and alive(rank1)
+    finally:
+        fleet.stop()
+
+
 @pytest.mark.parametrize("fault", ["kill rank 1", "kill rank 0", "freeze rank 1", "kill rank 1 while draining"])
 def test_a_lost_rank_stops_its_executor_and_its_requests_finish_on_another(tmp_path, fault):
     # executor-0 runs two ranks, executor-1 one; the fault hits executor-0 mid-stream.
