@@ -20,6 +20,7 @@ import socket
 import sys
 import threading
 import time
+from contextlib import nullcontext
 
 import torch
 
@@ -50,11 +51,10 @@ def follow(runner: ModelRunner, sock: socket.socket, rank: int) -> int:
                 runner.batch.append_sampled(last, sampled)
             msg = executor_pb2.StepRequest.FromString(wire)
             tracer = tracing.tracer()
-            if tracer is None or not traceparent:
-                last = runner.follow(decode_step(msg))
-                continue
-            with tracer.start_as_current_span("executor.rank_step", context=tracing.from_traceparent(traceparent),
-                                              attributes={"stepwire.tp_rank": rank, "stepwire.step": msg.step}):
+            span = nullcontext() if tracer is None or not traceparent else tracer.start_as_current_span(
+                "executor.rank_step", context=tracing.from_traceparent(traceparent),
+                attributes={"stepwire.tp_rank": rank, "stepwire.step": msg.step})
+            with span:
                 last = runner.follow(decode_step(msg))
         else:
             return 0

@@ -102,10 +102,11 @@ class ModelRunner:
         self.device = torch.device(rank_device(cfg.device, rank))
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)   # Triton and the default stream follow the current device
+        self.model_config = ModelConfig.from_dir(cfg.model)
         self.ranks: Ranks | None = None
         self.comm = Collectives()
         if cfg.tensor_parallel_size > 1 and rank == 0:
-            Partition.of(ModelConfig.from_dir(cfg.model), 0, cfg.tensor_parallel_size)   # splits? before any spawn
+            Partition.of(self.model_config, 0, cfg.tensor_parallel_size)   # does it split? before any spawn
             self.ranks = Ranks(cfg, torch.get_num_threads())
         try:
             self._load(cfg, store_port)
@@ -136,7 +137,6 @@ class ModelRunner:
         # SDPA's own choice on CUDA included cuDNN, which plans each new shape (~40 ms at first sight of it).
         self._sdpa = (lambda: sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                                            SDPBackend.MATH])) if self.device.type == "cuda" else nullcontext
-        self.model_config = ModelConfig.from_dir(cfg.model)
         self.max_model_len = min(cfg.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         self.model = load_model(cfg.model, self.max_model_len, self.device, self.dtype, self.comm)

@@ -19,7 +19,7 @@ kubernetes_validate = pytest.importorskip("kubernetes_validate")
 yaml = pytest.importorskip("yaml")
 
 from fake_discovery import FakeKubeAPI, allowed_by, request_attributes  # noqa: E402
-from helpers import free_ports, stop_processes, wait_until  # noqa: E402
+from helpers import free_ports, grpc_health, stop_processes, wait_until  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "deploy" / "helm" / "stepwire"
@@ -326,13 +326,9 @@ class Pods:
 
 def grpc_health_status(port: int) -> int | None:
     import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        try:
-            return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1).status
-        except grpc.RpcError:
-            return None
+        return grpc_health(channel)
 
 
 def test_the_rendered_commands_serve_a_chat_completion_with_discovery_held_to_the_role(tmp_path):
