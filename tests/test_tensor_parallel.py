@@ -273,10 +273,12 @@ def test_a_lost_rank_stops_its_executor_and_its_requests_finish_on_another(tmp_p
     fleet = Fleet(tmp_path, 2, "--executor-wait-seconds", "30", flags_of={0: TP2})
     frozen = None
     try:
-        expected = reference_greedy(fleet.model, PROMPTS, max_tokens=TOKENS, budget=BUDGET)
+        # Long answers when the fault comes in a drain: the running requests must still be there to lose.
+        tokens = 120 if fault == "kill rank 1 while draining" else TOKENS
+        expected = reference_greedy(fleet.model, PROMPTS, max_tokens=tokens, budget=BUDGET)
         rank0 = fleet.procs["executor-0"]
         (rank1,) = children(rank0.pid)
-        streams = Streams(fleet.stub, PROMPTS)
+        streams = Streams(fleet.stub, PROMPTS, max_tokens=tokens)
         wait_until(streams.started, 30, "every stream's first token")
         assert fleet.stats().executors[0].num_running > 0
         t0 = time.monotonic()
@@ -286,7 +288,7 @@ def test_a_lost_rank_stops_its_executor_and_its_requests_finish_on_another(tmp_p
             rank0.kill()
         elif fault == "kill rank 1 while draining":
             rank0.send_signal(signal.SIGTERM)      # the drain lets running requests go on here...
-            time.sleep(0.5)
+            wait_until(lambda: fleet.stats().executors[0].draining, 10, "the drain to start", interval=0.01)
             os.kill(rank1, signal.SIGKILL)         # ...until the executor cannot: then it fails, not drains
         else:
             frozen = rank1
