@@ -8,6 +8,10 @@ reads K/V that already exist.
 
 Decodes (one query token) are batched into one masked SDPA over their gathered blocks. Longer chunks are
 few per step, so each gets its own SDPA with a causal mask offset by the tokens already in its cache.
+
+In deterministic mode (`plan` set) both go through `batch_invariant.attend` instead: SDPA's blocking follows
+the query and key counts of the call, so a decode padded to a longer neighbour's length, or a prompt
+computed in other chunks, would add its terms in another order.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from executor_service.batch_invariant import AttentionPlan, attend
 
 
 class GatherScratch:
@@ -64,6 +70,7 @@ class PagedAttention:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim ** -0.5
+        self.plan: AttentionPlan | None = None      # deterministic mode
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -73,6 +80,8 @@ class PagedAttention:
         v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v)
         if meta.paged is not None:
             return meta.paged.attend(q, k_cache, v_cache, self.scale)
+        if self.plan is not None:
+            return self._invariant(q, k_cache, v_cache, meta)
         if not meta.chunks:
             # Pure decode, the common step: the decode index is the identity, so no scatter into a copy.
             return self._decode(q, k_cache, v_cache, meta)
@@ -90,6 +99,34 @@ class PagedAttention:
                 values = self._gather(v_cache, blocks, meta.scratch, "v")[:, :seq_len]
                 out[start:end] = self._attend(q[start:end], keys, values, mask)
         return out
+
+    def _invariant(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """Every query through `attend`: a decode's query heads are its KV head's rows; a chunk's rows are its
+        tokens times those heads, each at its own position."""
+        kvh, d = self.num_kv_heads, self.head_dim
+        g = self.num_heads // kvh
+        per_chunk = self.plan.chunk // k_cache.shape[1]
+        out = torch.empty_like(q)
+        bd = meta.decode_token_idx.numel()
+        if bd:
+            keys, values = self._gather_chunks(k_cache, v_cache, meta.decode_block_table, per_chunk)
+            pos = (meta.decode_seq_lens - 1)[:, None].expand(bd, g)
+            o = attend(q[meta.decode_token_idx].view(bd, kvh, g, d), keys, values, pos, self.scale, self.plan)
+            out[meta.decode_token_idx] = o.reshape(bd, self.num_heads, d).to(q.dtype)
+        for start, q_len, seq_len, blocks, _ in meta.chunks:
+            keys, values = self._gather_chunks(k_cache, v_cache, blocks[None], per_chunk)
+            rows = q[start:start + q_len].view(q_len, kvh, g, d).transpose(0, 1).reshape(1, kvh, q_len * g, d)
+            pos = torch.arange(seq_len - q_len, seq_len, device=q.device).repeat_interleave(g)[None]
+            o = attend(rows, keys, values, pos, self.scale, self.plan)
+            out[start:start + q_len] = o[0].view(kvh, q_len, g, d).transpose(0, 1).reshape(q_len, -1, d).to(q.dtype)
+        return out
+
+    def _gather_chunks(self, k_cache, v_cache, blocks: torch.Tensor, per_chunk: int):
+        """Keys and values [B, KVH, L, D] of `blocks` [B, nb], padded with the null block to whole chunks."""
+        pad = -blocks.shape[-1] % per_chunk
+        if pad:
+            blocks = F.pad(blocks, (0, pad))
+        return self._gather(k_cache, blocks, None, "k"), self._gather(v_cache, blocks, None, "v")
 
     def _gather(self, cache: torch.Tensor, blocks: torch.Tensor, scratch: GatherScratch | None,
                 name: str) -> torch.Tensor:

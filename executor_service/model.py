@@ -12,8 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from executor_service.attention import AttentionMetadata, PagedAttention
+from executor_service.batch_invariant import MAX_ROWS, plan_attention, plan_rows
 from executor_service.collectives import Collectives
-from executor_service.linear import Linear
+from executor_service.linear import Linear, fixed_kernel
 from executor_service.model_config import ModelConfig
 from executor_service.partition import Partition
 from executor_service.rope import RotaryEmbedding, apply_rotary
@@ -97,6 +98,27 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(torch.where(mine, input_ids - lo, 0))
         x *= mine.unsqueeze(-1).to(x.dtype)
         return self.comm.all_reduce(x)
+
+    def make_deterministic(self, block_size: int, max_sampled_rows: int) -> dict:
+        """Batch-invariant kernels for every layer, each GEMM shape checked on this machine once (layers of
+        one shape share its plan). Raises batch_invariant.DeterminismUnavailable where they cannot be made
+        so. Returns the plans, for Describe and the logs."""
+        plans = {}
+        g = torch.Generator().manual_seed(0)
+        for lin in (m for m in self.modules() if isinstance(m, Linear)):
+            w = lin.weight
+            shape = tuple(w.shape)
+            if shape not in plans:
+                # The LM head only ever sees the step's sampled rows: a batch's worth is all it needs checked.
+                rows = max(2, min(MAX_ROWS, max_sampled_rows)) if lin is self.lm_head else MAX_ROWS
+                plans[shape] = plan_rows(fixed_kernel(w, lin.bias),
+                                         lambda m, w=w: torch.randn(m, w.shape[1], generator=g).to(w),
+                                         f"linear {shape[1]} -> {shape[0]}", max_rows=rows)
+            lin.set_row_plan(plans[shape])
+        attention = plan_attention(self.config.head_dim, block_size, self.lm_head.weight.device)
+        for layer in self.layers:
+            layer.attn.plan = attention
+        return {"linear": {f"{k[1]}->{k[0]}": v for k, v in plans.items()}, "attention": attention}
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[rows, vocab] float32 logits on rank 0; None on the other ranks, which only lend their columns."""

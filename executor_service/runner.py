@@ -17,6 +17,7 @@ from executor_service.attention import GatherScratch, build_attention_metadata
 from executor_service.collectives import Collectives, RankFailure, join, leave
 from executor_service.input_batch import InputBatch, RequestState, StepInputs
 from executor_service.kv_cache import allocate_kv_caches, num_blocks_for_budget
+from executor_service.linear import cpu_has_native_bf16
 from executor_service.loader import load_model
 from executor_service.memory import keep_freed_memory
 from executor_service.model_config import ModelConfig
@@ -30,20 +31,23 @@ from stepwire.internal import executor_pb2
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bfloat16 in hardware (AMX tiles or AVX512-BF16), as torch itself detects
-    it. Without either, oneDNN has no bfloat16 GEMM worth using (or none at all), so float32 is faster."""
-    cpu, no = torch.cpu, (lambda: False)
-    # AMX counts only once the kernel lets this process use its tiles (a VM may report them and refuse).
-    amx = getattr(cpu, "_is_amx_tile_supported", no)() and getattr(cpu, "_init_amx", no)()
-    return bool(amx or getattr(cpu, "_is_avx512_bf16_supported", no)())
-
-
 def default_dtype(device: str) -> str:
     """bfloat16 on CUDA and on CPUs with native bfloat16 (half the bytes a decode step reads), else float32."""
     if device.startswith("cuda") or (device.startswith("cpu") and cpu_has_native_bf16()):
         return "bfloat16"
     return "float32"
+
+
+def check_deterministic(cfg: RunnerConfig) -> None:
+    """Deterministic mode's limits, said at start-up rather than broken quietly later."""
+    if not cfg.deterministic:
+        return
+    if cfg.tensor_parallel_size > 1:
+        raise ValueError("--deterministic with --tensor-parallel-size > 1 is not supported yet: the row-parallel "
+                         "layers sum partial products across ranks, in an order that depends on the degree")
+    if cfg.attention_backend == "triton":
+        raise ValueError("--deterministic uses its own attention; --attention-backend triton cannot be combined "
+                         "with it (leave it at auto)")
 
 
 def attention_backend(choice: str, device: torch.device) -> str:
@@ -74,6 +78,7 @@ class RunnerConfig:
     cuda_graphs: bool = True                 # decode steps as graphs (cuda_graphs.py), with triton attention
     tensor_parallel_size: int = 1            # ranks, one process each, that split every layer (partition.py)
     tensor_parallel_timeout_seconds: float = 60.0   # longest wait in a collective, or for a rank to start
+    deterministic: bool = False              # batch-invariant kernels (batch_invariant.py): same tokens in any batch
 
 
 def rank_device(device: str, rank: int) -> str:
@@ -97,6 +102,7 @@ class ModelRunner:
 
     def __init__(self, cfg: RunnerConfig, rank: int = 0, store_port: int | None = None):
         # Resolved once, by rank 0, and handed to the other ranks: their all-reduces must agree on it.
+        check_deterministic(cfg)
         self.cfg = cfg = dataclasses.replace(cfg, dtype=cfg.dtype or default_dtype(cfg.device))
         self.rank = rank
         self.device = torch.device(rank_device(cfg.device, rank))
@@ -130,7 +136,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             keep_freed_memory()
         self.dtype = DTYPES[cfg.dtype]
-        self.attention = attention_backend(cfg.attention_backend, self.device)
+        self.attention = "torch" if cfg.deterministic else attention_backend(cfg.attention_backend, self.device)
         if self.attention == "triton":
             from executor_service.triton_attention import paged_metadata
             self._paged_metadata = paged_metadata
@@ -140,6 +146,7 @@ class ModelRunner:
         self.max_model_len = min(cfg.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         self.model = load_model(cfg.model, self.max_model_len, self.device, self.dtype, self.comm)
+        self.plans = self.model.make_deterministic(cfg.block_size, cfg.max_num_seqs) if cfg.deterministic else None
         part = self.model.part
         # Every rank sizes its cache by the rank with the most KV heads, so all hold the same blocks: one pool.
         self.num_blocks = num_blocks_for_budget(self.model_config, part.max_kv_heads, cfg.kv_cache_memory,
@@ -182,7 +189,7 @@ class ModelRunner:
                 "num_blocks": self.num_blocks, "dtype": str(self.dtype).removeprefix("torch."),
                 "device": str(self.device), "eos_token_ids": list(mc.eos_token_ids), "attention": self.attention,
                 "cuda_graphs": self.graphs is not None, "tensor_parallel_size": self.comm.size,
-                "max_num_seqs": self.cfg.max_num_seqs}
+                "max_num_seqs": self.cfg.max_num_seqs, "deterministic": self.cfg.deterministic}
 
     def _new_state(self, state: RequestState) -> None:
         state.seed = seed_of(state.sampling_params)

@@ -53,5 +53,9 @@ class ExecutorSettings(TLSSettings):
                                                    "all-reduce, or for the other ranks to start, before the "
                                                    "executor gives up and exits")
 
+    deterministic: bool = Field(False, description="batch-invariant kernels: a request's tokens (greedy or seeded) "
+                                "do not depend on its batch, its prompt's chunks, prefix-cache hits, or which "
+                                "executor runs it, in bfloat16 as in float32; costs some throughput (README)")
+
     def runner_config(self) -> RunnerConfig:
         return RunnerConfig(**{f.name: getattr(self, f.name) for f in fields(RunnerConfig)})

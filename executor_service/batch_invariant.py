@@ -1,0 +1,177 @@
+"""Batch-invariant kernels for deterministic mode: a row's numbers never depend on the rows beside it.
+
+A library GEMM picks its code path, blocking and thread split from the shape of the call. Fed a row alone,
+then the same row among 31 others, it may add that row's products in another order, and in bfloat16 the
+last bit of a logit is enough to flip a greedy token. Deterministic mode therefore never lets a row's
+neighbours choose its kernel:
+
+- **GEMMs** (`RowPlan`): each call's row count is kept inside a range the executor has checked, on its own
+  shapes, dtype and threads, at start-up (`plan_rows`): calls are padded to at least `min_rows` and split to
+  at most `max_rows`. Where the library is not row-invariant over any such range, every call is exactly
+  `max_rows` rows (`tiled`): one fixed shape, and only the row's position in the tile may vary, which the
+  check covers too. Where neither holds the executor refuses to start rather than promise what it cannot.
+- **Attention** (`attend`): every query, whether a decode, a prefill chunk's or a cache hit's continuation,
+  is reduced over keys in fixed chunks of `chunk` keys at absolute positions 0, C, 2C, ..., in float32.
+  Chunks are merged by a pairwise tree over the absolute chunk index, so chunks that exist only because a
+  longer neighbour needed them add exact zeros at the top of the tree. Softmax statistics come from
+  fixed-length reductions (max is exact; a row-wise sum over C keys is the same kernel call whatever else
+  is in the batch).
+
+RMSNorm, rotary embeddings, SiLU, residual adds and the sampler already work row by row, and the start-up
+check covers them through the tests, not here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# The largest call the check verifies; larger inputs are split into calls of at most this many rows.
+MAX_ROWS = 512
+# Row counts the start-up check tries: every small count (where libraries switch kernels most), then a
+# ladder to MAX_ROWS. Pieces larger than the ladder's gaps are still checked at their exact neighbours.
+_LADDER = [*range(1, 65), 72, 80, 96, 100, 127, 128, 160, 192, 255, 256, 320, 384, 448, 500, 511, 512]
+TILE_ROWS = 32
+# Keys per attention chunk: fixed, so a query's reduction order depends only on its own position.
+ATTENTION_CHUNK = 64
+
+
+class DeterminismUnavailable(RuntimeError):
+    """This machine's kernels cannot be made row-invariant by padding or tiling; the text says where."""
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """How a GEMM's rows are cut into calls: between min_rows and max_rows each, or exactly max_rows (tiled)."""
+
+    min_rows: int
+    max_rows: int
+    tiled: bool = False
+
+    def pieces(self, m: int) -> list[tuple[int, int, int]]:
+        """(start, stop, rows of the call) covering m rows; the call pads [start, stop) with zero rows."""
+        out, start = [], 0
+        while start < m:
+            stop = min(m, start + self.max_rows)
+            n = stop - start
+            out.append((start, stop, self.max_rows if self.tiled else max(n, self.min_rows)))
+            start = stop
+        return out
+
+
+def by_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, plan: RowPlan) -> torch.Tensor:
+    """fn over the rows (dim -2) of x, called per `plan`: padded with zero rows, split into fixed pieces."""
+    m = x.shape[-2]
+    if m == 0:   # e.g. the LM head of a step that is all mid-prefill: the kernel still names the output's width
+        return fn(F.pad(x, (0, 0, 0, plan.min_rows)))[..., :0, :]
+    parts = []
+    for start, stop, rows in plan.pieces(m):
+        piece = x[..., start:stop, :]
+        if rows != stop - start:
+            piece = F.pad(piece, (0, 0, 0, rows - (stop - start)))
+        parts.append(fn(piece)[..., :stop - start, :])
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)
+
+
+def _row_invariant(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, counts: list[int]) -> bool:
+    """Does fn give every row the same bits in a call of each of `counts` rows as in the largest call?"""
+    ref = fn(x)
+    return all(torch.equal(fn(x[..., :m, :]), ref[..., :m, :]) for m in counts if m < x.shape[-2])
+
+
+def _position_invariant(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> bool:
+    """In calls of a fixed shape, does a row get the same bits at every position and on a second call?"""
+    ref = fn(x)
+    if not torch.equal(fn(x), ref):
+        return False
+    for shift in (1, 5, x.shape[-2] // 2):
+        rolled = torch.roll(x, shift, dims=-2)
+        if not torch.equal(fn(rolled), torch.roll(ref, shift, dims=-2)):
+            return False
+    return True
+
+
+def plan_rows(fn: Callable[[torch.Tensor], torch.Tensor], make_input: Callable[[int], torch.Tensor],
+              what: str, max_rows: int = MAX_ROWS) -> RowPlan:
+    """The cheapest plan under which fn is row-invariant on this machine: the smallest padding floor that
+    makes every checked row count agree, else fixed tiles, else DeterminismUnavailable."""
+    x = make_input(max_rows)
+    counts = [m for m in _LADDER if m <= max_rows]
+    for floor in (1, 2, 4, 8, 16, 32):
+        if _row_invariant(fn, x, [m for m in counts if m >= floor]):
+            return RowPlan(floor, max_rows)
+    tile = make_input(TILE_ROWS)
+    if _position_invariant(fn, tile):
+        return RowPlan(TILE_ROWS, TILE_ROWS, tiled=True)
+    raise DeterminismUnavailable(f"{what}: no row count from 1 to 32 makes this machine's kernel give a row "
+                                 f"the same result in every batch, and neither do fixed tiles of {TILE_ROWS}")
+
+
+# ---- attention ---------------------------------------------------------------------------------------------
+
+
+def chunk_keys(block_size: int) -> int:
+    """Keys per attention chunk: ATTENTION_CHUNK rounded up to whole blocks, so chunks never split a block."""
+    return block_size * -(-ATTENTION_CHUNK // block_size)
+
+
+def _tree_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sum over `dim` by pairs of absolute indices (0+1, 2+3, ...), level after level: trailing zeros, however
+    many, change no partial sum of the entries before them."""
+    x = x.movedim(dim, -1)
+    n = x.shape[-1]
+    width = 1 << (n - 1).bit_length()
+    if width != n:
+        x = F.pad(x, (0, width - n))
+    while x.shape[-1] > 1:
+        x = x[..., 0::2] + x[..., 1::2]
+    return x[..., 0]
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    chunk: int          # keys per chunk
+    scores: RowPlan     # rows of q @ k^T per chunk ([rows, D] @ [D, chunk])
+    values: RowPlan     # rows of p @ v per chunk ([rows, chunk] @ [chunk, D])
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_pos: torch.Tensor, scale: float,
+           plan: AttentionPlan) -> torch.Tensor:
+    """Causal attention of B sequences, in float32.
+
+    q [B, KVH, R, D]: R query rows per KV head (the query heads sharing it, for each query token);
+    keys/values [B, KVH, L, D] with L a multiple of plan.chunk (slots past a sequence hold any finite values);
+    q_pos [B, R]: each row's position: it sees keys at positions <= it. Returns [B, KVH, R, D] float32.
+    """
+    b, kvh, r, d = q.shape
+    c = plan.chunk
+    n = keys.shape[2] // c
+    k = keys.float().unflatten(2, (n, c))                                    # [B, KVH, n, C, D]
+    v = values.float().unflatten(2, (n, c))
+    qf = q.float().unsqueeze(2).expand(b, kvh, n, r, d)
+    s = by_rows(lambda qq: torch.matmul(qq, k.transpose(-1, -2)), qf, plan.scores) * scale   # [B, KVH, n, R, C]
+    key_pos = torch.arange(n * c, device=q.device).view(1, 1, n, 1, c)
+    s = s.masked_fill(key_pos > q_pos.view(b, 1, 1, r, 1), float("-inf"))
+    m = s.amax(-1)                                                           # [B, KVH, n, R]; -inf: no key
+    p = torch.exp(s - torch.where(torch.isinf(m), 0.0, m).unsqueeze(-1))
+    l_chunk = p.sum(-1)
+    o_chunk = by_rows(lambda pp: torch.matmul(pp, v), p, plan.values)        # [B, KVH, n, R, D]
+    # Chunk 0 always holds key 0, which every query sees: the overall max is finite.
+    w = torch.exp(m - m.amax(2, keepdim=True))
+    total = _tree_sum(l_chunk * w, 2)
+    out = _tree_sum(o_chunk * w.unsqueeze(-1), 2)
+    return out / total.unsqueeze(-1)
+
+
+def plan_attention(head_dim: int, block_size: int, device: torch.device) -> AttentionPlan:
+    """Check attention's two per-chunk GEMMs on this machine (float32, like `attend`)."""
+    c = chunk_keys(block_size)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    rnd = lambda *shape: torch.randn(*shape, generator=g).to(device)  # noqa: E731
+    k, v = rnd(3, head_dim, c), rnd(3, c, head_dim)
+    scores = plan_rows(lambda x: torch.matmul(x, k), lambda m: rnd(3, m, head_dim), "attention scores")
+    values = plan_rows(lambda x: torch.matmul(x, v), lambda m: rnd(3, m, c).softmax(-1), "attention values")
+    return AttentionPlan(c, scores, values)
