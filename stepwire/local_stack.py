@@ -42,6 +42,8 @@ class ServeSettings(ServiceSettings):
     threads: int = Field(0, ge=0, description="torch threads per executor rank; 0: the host's cores split evenly "
                          "between all ranks of all executors")
     kv_cache_memory: int = Field(1 << 30, ge=1, description="bytes for each executor's KV cache")
+    deterministic: bool = Field(False, description="executors with batch-invariant kernels: the same tokens in "
+                                "any batch, chunking or executor, in bfloat16 as in float32 (README)")
     scheduler_metrics_port: int = Field(9091, description="Prometheus /metrics of the scheduler")
     executor_metrics_port: int = Field(9092, description="Prometheus /metrics of the first executor (then +1)")
     tls: bool = Field(True, description="mTLS between the services, with a development CA (--no-tls: plaintext "
@@ -90,7 +92,7 @@ def children(a: ServeSettings, certs: Path | None = None) -> tuple[list[Child], 
     executors = [Child(f"executor-{i}", [
         py, "-m", "executor_service.server", "--model", a.model, "--address", address,
         "--kv-cache-memory", str(a.kv_cache_memory), "--threads", str(threads),
-        "--tensor-parallel-size", str(a.tensor_parallel_size),
+        "--tensor-parallel-size", str(a.tensor_parallel_size), *(["--deterministic"] if a.deterministic else []),
         "--metrics-address", f"127.0.0.1:{a.executor_metrics_port + i}", *tls("executor")])
         for i, address in enumerate(addresses)]
     stack = [

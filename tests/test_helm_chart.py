@@ -38,7 +38,7 @@ GPU_TP2 = {"executor": {"device": "cuda", "tensorParallelSize": 2, "replicas": 3
 VALUE_SETS = {
     "default": {},
     "gpu-tp2": GPU_TP2,
-    "keda": {"executor": {"keda": {"enabled": True}}},
+    "keda": {"executor": {"keda": {"enabled": True}, "deterministic": True}},
     "cert-manager": {"tls": {"certManager": {"enabled": True}}},
     "ingress-public-tls": {"gateway": {"ingress": {"enabled": True, "className": "nginx",
                                                   "tls": [{"secretName": "public-tls",
@@ -104,6 +104,7 @@ def test_the_chart_lints_clean_and_each_value_set_renders_what_it_asks_for(rende
     gpu = find(rendered["gpu-tp2"], "Deployment", "executor")
     c = container(gpu)
     assert (flag(c["args"], "--device"), flag(c["args"], "--tensor-parallel-size")) == ("cuda", "2")
+    assert "--deterministic" not in c["args"]
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 2 and c["resources"]["requests"]["nvidia.com/gpu"] == 2
     pod = gpu["spec"]["template"]["spec"]
     assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
@@ -118,6 +119,7 @@ def test_the_chart_lints_clean_and_each_value_set_renders_what_it_asks_for(rende
     scaled = find(keda, "ScaledObject")
     assert scaled["spec"]["scaleTargetRef"]["name"] == find(keda, "Deployment", "executor")["metadata"]["name"]
     assert "replicas" not in find(keda, "Deployment", "executor")["spec"]      # KEDA owns the count
+    assert "--deterministic" in container(find(keda, "Deployment", "executor"))["args"]
     assert "stepwire:num_requests_waiting" in scaled["spec"]["triggers"][0]["metadata"]["query"]
 
     certs = rendered["cert-manager"]

@@ -29,6 +29,10 @@ def test_serve_gives_each_executor_its_own_port_and_a_share_of_the_cores():
     (one,), _ = children(load(ServeSettings, ["--tensor-parallel-size", "2"]))
     assert _flag(one.command, "--tensor-parallel-size") == "2"
     assert _flag(one.command, "--threads") == str(max(1, cores // 2))
+    # Deterministic mode reaches every executor, and only when asked for.
+    assert "--deterministic" not in one.command
+    assert all("--deterministic" in c.command
+               for c in children(load(ServeSettings, ["--executors", "2", "--deterministic"]))[0])
 
 
 def test_an_executor_that_exits_is_started_again_and_one_that_keeps_dying_waits_longer_each_time():
