@@ -103,7 +103,11 @@ class ModelRunner:
     def __init__(self, cfg: RunnerConfig, rank: int = 0, store_port: int | None = None):
         # Resolved once, by rank 0, and handed to the other ranks: their all-reduces must agree on it.
         check_deterministic(cfg)
-        self.cfg = cfg = dataclasses.replace(cfg, dtype=cfg.dtype or default_dtype(cfg.device))
+        # The in-process engine honours the executor's dtype variable too, so both run alike where it is set.
+        dtype = cfg.dtype or os.environ.get("STEPWIRE_EXECUTOR_DTYPE") or default_dtype(cfg.device)
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype!r}: one of {', '.join(DTYPES)}")
+        self.cfg = cfg = dataclasses.replace(cfg, dtype=dtype)
         self.rank = rank
         self.device = torch.device(rank_device(cfg.device, rank))
         if self.device.type == "cuda":

@@ -143,12 +143,13 @@ def test_amx_that_the_kernel_refuses_to_enable_does_not_count(monkeypatch):
     assert default_dtype("cpu") == "float32"
 
 
-def test_this_machines_default_dtype_is_what_torch_says_it_supports(tmp_path):
+def test_this_machines_default_dtype_is_what_torch_says_it_supports(tmp_path, monkeypatch):
     import torch
     from tiny_model import write_tiny_llama
 
     from executor_service.runner import ModelRunner, RunnerConfig
     native = (torch.cpu._is_amx_tile_supported() and torch.cpu._init_amx()) or torch.cpu._is_avx512_bf16_supported()
+    monkeypatch.delenv("STEPWIRE_EXECUTOR_DTYPE", raising=False)     # the machine's own default, not the suite's
     runner = ModelRunner(RunnerConfig(write_tiny_llama(tmp_path), kv_cache_memory=1 << 20))
     assert runner.describe()["dtype"] == ("bfloat16" if native else "float32")
     assert ModelRunner(RunnerConfig(write_tiny_llama(tmp_path / "b"), dtype="float32",

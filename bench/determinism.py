@@ -1,0 +1,112 @@
+#!/usr/bin/env python3
+"""Deterministic mode: what it costs at 32 concurrent requests, and whether it holds.
+
+In-process engines on the embedded model (or `--model DIR`), one in the default mode and one with
+`deterministic=True`, same dtype (`--dtype`, default: the executor's for this machine). Each generates for the
+same 32 prompts at once (greedy and seeded, alternating), `--rounds` times, alternated, and the best
+round of each counts. Then the deterministic engine runs the same prompts again in another order, in waves
+of 8, with a step budget that cuts prompts into odd chunks: its tokens must equal those of the c32 run.
+
+Prints a table and `RESULT determinism dtype=<dtype> identical=<yes|no> cost_ratio=<tok/s deterministic ÷
+tok/s default, c32, same run>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+
+from executor_service.runner import RunnerConfig, default_dtype  # noqa: E402
+from scheduler_service import SchedulerConfig  # noqa: E402
+from stepwire.contract import SamplingParams  # noqa: E402
+from stepwire.engine import LLMEngine  # noqa: E402
+
+CONCURRENCY = 32
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def engine(model: str, dtype: str, deterministic: bool, budget: int = 512) -> LLMEngine:
+    return LLMEngine(RunnerConfig(model, dtype=dtype, deterministic=deterministic, kv_cache_memory=256 << 20,
+                                  max_num_seqs=CONCURRENCY, max_model_len=1024),
+                     SchedulerConfig(block_size=16, max_model_len=1024, max_num_seqs=CONCURRENCY,
+                                     max_num_batched_tokens=budget))
+
+
+def workload(n: int, tokens: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(100, 40000, int(rng.integers(24, 96))).tolist() for _ in range(n)]
+    params = [SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0.0) if i % 2 == 0 else
+              SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0.8, top_p=0.95, seed=1000 + i)
+              for i in range(n)]
+    return prompts, params
+
+
+def timed(e: LLMEngine, prompts, params) -> tuple[float, list[list[int]]]:
+    t = time.perf_counter()
+    out = [c.token_ids for c in e.generate(prompts, params)]
+    return sum(map(len, out)) / (time.perf_counter() - t), out
+
+
+def reorder_in_waves(e: LLMEngine, prompts, params, wave: int = 8) -> list[list[int]]:
+    order = list(range(len(prompts)))[::-1]
+    got: dict[int, list[int]] = {}
+    for w in range(0, len(order), wave):
+        idx = order[w:w + wave]
+        for i, c in zip(idx, e.generate([prompts[i] for i in idx], [params[i] for i in idx]), strict=True):
+            got[i] = c.token_ids
+    return [got[i] for i in range(len(prompts))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=str(ROOT / "models" / "SmolLM2-135M-Instruct"))
+    ap.add_argument("--dtype", default=None, help="default: the executor's for this machine")
+    ap.add_argument("--tokens", type=int, default=64, help="tokens generated per request")
+    ap.add_argument("--rounds", type=int, default=2)
+    a = ap.parse_args()
+    dtype = a.dtype or default_dtype("cpu")
+    prompts, params = workload(CONCURRENCY, a.tokens)
+    default, det = engine(a.model, dtype, False), engine(a.model, dtype, True)
+    best = {"default": 0.0, "deterministic": 0.0}
+    det_tokens = None
+    for _ in range(a.rounds):
+        for name, e in (("default", default), ("deterministic", det)):
+            tps, out = timed(e, prompts, params)
+            best[name] = max(best[name], tps)
+            if name == "deterministic":
+                if det_tokens is not None and out != det_tokens:
+                    det_tokens = []      # two c32 runs disagreeing: not identical
+                elif det_tokens is None:
+                    det_tokens = out
+    other = reorder_in_waves(engine(a.model, dtype, True, budget=37), prompts, params)
+    identical = "yes" if det_tokens and other == det_tokens else "no"
+    mismatched = sum(x != y for x, y in zip(other, det_tokens or [[]] * len(other), strict=True))
+    ratio = best["deterministic"] / best["default"]
+    print(f"cpu: {cpu_model()}  dtype: {dtype}  c{CONCURRENCY}, {a.tokens} tokens per request, best of {a.rounds}")
+    print(f"{'mode':>14} {'tok/s':>8}")
+    for name, v in best.items():
+        print(f"{name:>14} {v:>8.1f}")
+    print(f"deterministic, reordered in waves of 8 with a 37-token budget: {mismatched} of {CONCURRENCY} "
+          f"requests differ")
+    print(f"RESULT determinism dtype={dtype} identical={identical} cost_ratio={ratio:.2f}")
+
+
+if __name__ == "__main__":
+    main()
