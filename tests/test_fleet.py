@@ -52,6 +52,27 @@ def test_killing_one_of_two_executors_mid_stream_loses_and_repeats_no_token(two)
     assert not stats.executors[0].connected and stats.num_requests == 0
 
 
+def test_in_bfloat16_deterministic_mode_a_killed_executor_changes_no_token(tmp_path):
+    """Requests moved off a dead executor are recomputed beside other neighbours, in other chunks: in
+    bfloat16 deterministic mode every stream still equals the run without a fault."""
+    fleet = Fleet(tmp_path, 2, "--executor-wait-seconds", "20",
+                  executor_flags=("--deterministic", "--dtype", "bfloat16"))
+    try:
+        seeded = {"temperature": 1.0, "seed": list(range(100, 108))}
+        expected, expected_seeded = _no_fault(fleet, PROMPTS), _no_fault(fleet, PROMPTS[:8], **seeded)
+        greedy, sampled = Streams(fleet.stub, PROMPTS), Streams(fleet.stub, PROMPTS[:8], **seeded)
+        wait_until(lambda: greedy.started() and sampled.started(), 30, "every stream's first token")
+        assert fleet.stats().executors[0].num_running > 0
+        fleet.procs["executor-0"].kill()
+        greedy.join()
+        sampled.join()
+        assert greedy.errors == [None] * 16 and sampled.errors == [None] * 8
+        assert greedy.tokens == expected and sampled.tokens == expected_seeded
+        assert fleet.stats().num_migrations > 0
+    finally:
+        fleet.stop()
+
+
 def test_an_executor_that_stops_answering_is_found_by_keepalive_and_its_requests_move(tmp_path):
     # A frozen process keeps its connections open: only the keepalive pings going unanswered tell.
     fleet = Fleet(tmp_path, 2, "--keepalive-seconds", "1", "--executor-wait-seconds", "20")
