@@ -33,17 +33,24 @@ def _no_fault(fleet, prompts, **params):
     return s.tokens
 
 
+def _kill_executor_0_mid_stream(fleet, seeded: dict) -> tuple[Streams, Streams]:
+    """16 greedy and 8 seeded streams; executor 0 killed once every stream has its first token. Returns them
+    ended, every one without an error."""
+    greedy, sampled = Streams(fleet.stub, PROMPTS), Streams(fleet.stub, PROMPTS[:8], **seeded)
+    wait_until(lambda: greedy.started() and sampled.started(), 30, "every stream's first token")
+    assert fleet.stats().executors[0].num_running > 0
+    fleet.procs["executor-0"].kill()
+    greedy.join()
+    sampled.join()
+    assert greedy.errors == [None] * 16 and sampled.errors == [None] * 8
+    return greedy, sampled
+
+
 def test_killing_one_of_two_executors_mid_stream_loses_and_repeats_no_token(two):
     expected = reference_greedy(two.model, PROMPTS, max_tokens=TOKENS, budget=BUDGET)
     seeded = {"temperature": 1.0, "seed": list(range(100, 108))}
     expected_seeded = _no_fault(two, PROMPTS[:8], **seeded)
-    greedy, sampled = Streams(two.stub, PROMPTS), Streams(two.stub, PROMPTS[:8], **seeded)
-    wait_until(lambda: greedy.started() and sampled.started(), 30, "every stream's first token")
-    assert two.stats().executors[0].num_running > 0
-    two.procs["executor-0"].kill()
-    greedy.join()
-    sampled.join()
-    assert greedy.errors == [None] * 16 and sampled.errors == [None] * 8
+    greedy, sampled = _kill_executor_0_mid_stream(two, seeded)
     # Every stream is the whole answer, once: nothing repeated after the move, nothing skipped.
     assert greedy.tokens == expected
     assert sampled.tokens == expected_seeded
@@ -60,13 +67,7 @@ def test_in_bfloat16_deterministic_mode_a_killed_executor_changes_no_token(tmp_p
     try:
         seeded = {"temperature": 1.0, "seed": list(range(100, 108))}
         expected, expected_seeded = _no_fault(fleet, PROMPTS), _no_fault(fleet, PROMPTS[:8], **seeded)
-        greedy, sampled = Streams(fleet.stub, PROMPTS), Streams(fleet.stub, PROMPTS[:8], **seeded)
-        wait_until(lambda: greedy.started() and sampled.started(), 30, "every stream's first token")
-        assert fleet.stats().executors[0].num_running > 0
-        fleet.procs["executor-0"].kill()
-        greedy.join()
-        sampled.join()
-        assert greedy.errors == [None] * 16 and sampled.errors == [None] * 8
+        greedy, sampled = _kill_executor_0_mid_stream(fleet, seeded)
         assert greedy.tokens == expected and sampled.tokens == expected_seeded
         assert fleet.stats().num_migrations > 0
     finally:
