@@ -109,24 +109,25 @@ class PagedAttention:
         out = torch.empty_like(q)
         bd = meta.decode_token_idx.numel()
         if bd:
-            keys, values = self._gather_chunks(k_cache, v_cache, meta.decode_block_table, per_chunk)
+            keys, values = self._gather_chunks(k_cache, v_cache, meta.decode_block_table, per_chunk, meta.scratch)
             pos = (meta.decode_seq_lens - 1)[:, None].expand(bd, g)
             o = attend(q[meta.decode_token_idx].view(bd, kvh, g, d), keys, values, pos, self.scale, self.plan)
             out[meta.decode_token_idx] = o.reshape(bd, self.num_heads, d).to(q.dtype)
         for start, q_len, seq_len, blocks, _ in meta.chunks:
-            keys, values = self._gather_chunks(k_cache, v_cache, blocks[None], per_chunk)
+            keys, values = self._gather_chunks(k_cache, v_cache, blocks[None], per_chunk, meta.scratch)
             rows = q[start:start + q_len].view(q_len, kvh, g, d).transpose(0, 1).reshape(1, kvh, q_len * g, d)
             pos = torch.arange(seq_len - q_len, seq_len, device=q.device).repeat_interleave(g)[None]
             o = attend(rows, keys, values, pos, self.scale, self.plan)
             out[start:start + q_len] = o[0].view(kvh, q_len, g, d).transpose(0, 1).reshape(q_len, -1, d).to(q.dtype)
         return out
 
-    def _gather_chunks(self, k_cache, v_cache, blocks: torch.Tensor, per_chunk: int):
-        """Keys and values [B, KVH, L, D] of `blocks` [B, nb], padded with the null block to whole chunks."""
+    def _gather_chunks(self, k_cache, v_cache, blocks: torch.Tensor, per_chunk: int, scratch: GatherScratch | None):
+        """Keys and values [B, KVH, L, D] of `blocks` [B, nb], padded with the null block to whole chunks (views
+        into `scratch`, overwritten by the next gather)."""
         pad = -blocks.shape[-1] % per_chunk
         if pad:
             blocks = F.pad(blocks, (0, pad))
-        return self._gather(k_cache, blocks, None, "k"), self._gather(v_cache, blocks, None, "v")
+        return self._gather(k_cache, blocks, scratch, "k"), self._gather(v_cache, blocks, scratch, "v")
 
     def _gather(self, cache: torch.Tensor, blocks: torch.Tensor, scratch: GatherScratch | None,
                 name: str) -> torch.Tensor:

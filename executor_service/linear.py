@@ -38,10 +38,10 @@ def cpu_has_native_bf16() -> bool:
 _native_bf16 = cache(cpu_has_native_bf16)   # asked on every bfloat16 call: once is enough
 
 
-def _onednn_takes(x: torch.Tensor) -> bool:
+def _onednn_takes(dtype: torch.dtype, device: torch.device) -> bool:
     # bfloat16 only where the CPU has it: elsewhere oneDNN has no inner-product kernel for most shapes.
-    return _ONEDNN and x.device.type == "cpu" and x.dim() == 2 and (
-        x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and _native_bf16()))
+    return _ONEDNN and device.type == "cpu" and (
+        dtype == torch.float32 or (dtype == torch.bfloat16 and _native_bf16()))
 
 
 def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -49,16 +49,15 @@ def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if _onednn_takes(x) and (x.shape[0] > 1 or weight.shape[0] >= GEMV_ONEDNN_MIN_OUT):
+    if _onednn_takes(x.dtype, x.device) and x.dim() == 2 and (x.shape[0] > 1 or weight.shape[0] >= GEMV_ONEDNN_MIN_OUT):
         return _onednn(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
 def fixed_kernel(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
     """x -> x @ weight.T + bias by one kernel chosen from the dtype and device alone, never the row count
-    (`linear` switches to a GEMV for one row, which adds in another order)."""
-    probe = torch.empty(2, weight.shape[1], dtype=weight.dtype, device=weight.device)
-    if _onednn_takes(probe):
+    (`linear` switches to a GEMV for one row, which adds in another order). The layers' inputs are 2-D."""
+    if _onednn_takes(weight.dtype, weight.device):
         return lambda x: _onednn(x, weight, bias)
     return lambda x: F.linear(x, weight, bias)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import logging
 import os
 import time
 from contextlib import nullcontext
@@ -28,6 +29,7 @@ from executor_service.step import Step, StepResult, draw_seed, logprobs_of, seed
 from observability import tracing
 from stepwire.internal import executor_pb2
 
+log = logging.getLogger("stepwire.executor")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -150,7 +152,9 @@ class ModelRunner:
         self.max_model_len = min(cfg.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         self.model = load_model(cfg.model, self.max_model_len, self.device, self.dtype, self.comm)
-        self.plans = self.model.make_deterministic(cfg.block_size, cfg.max_num_seqs) if cfg.deterministic else None
+        if cfg.deterministic:
+            log.info("deterministic mode: kernel plans %s", self.model.make_deterministic(cfg.block_size,
+                                                                                           cfg.max_num_seqs))
         part = self.model.part
         # Every rank sizes its cache by the rank with the most KV heads, so all hold the same blocks: one pool.
         self.num_blocks = num_blocks_for_budget(self.model_config, part.max_kv_heads, cfg.kv_cache_memory,
