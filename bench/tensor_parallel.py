@@ -4,11 +4,16 @@
 The in-process engine runs the embedded model with --tensor-parallel-size 1 (all the cores in one process)
 and 2 (rank 0 in this process, rank 1 in its own, half the cores each), in alternating rounds. Greedy
 output must be identical. Step time is rank 0's `execute` (diff to sampled tokens); the all-reduce share
-is rank 0's time inside all-reduces over its step time, waiting for the slower rank included.
+is rank 0's time inside all-reduces over its step time, waiting for the slower rank included (with
+--deterministic, where o and down gather instead of summing, the all-gathers' time as well).
+
+In float32 the two agree; in bfloat16 (`--dtype bfloat16`) they agree only with `--deterministic`, where no
+rank adds another's partial sums (README, "Deterministic mode").
 
 Prints a table and `RESULT tp=2 identical=<yes|no> tok_s_ratio=<TP2 / TP1> allreduce_share=<x>`.
 
-Usage: bench/tensor_parallel.py [--model DIR] [--prompts 16] [--tokens 64] [--rounds 2]
+Usage: bench/tensor_parallel.py [--model DIR] [--prompts 16] [--tokens 64] [--rounds 2] [--dtype D]
+                                [--deterministic]
 """
 
 from __future__ import annotations
@@ -53,14 +58,14 @@ def one_round(engine: LLMEngine, acc: dict, threads: int, prompts, params) -> di
     torch.set_num_threads(threads)
     comm = engine.runner.comm
     acc.update(seconds=0.0, steps=0)
-    reduced0 = comm.seconds["all-reduce"]
+    reduced0 = comm.seconds["all-reduce"] + comm.seconds["all-gather"]
     t0 = time.perf_counter()
     out = engine.generate(prompts, params)
     wall = time.perf_counter() - t0
     tokens = sum(len(c.token_ids) for c in out)
     return {"tokens": [c.token_ids for c in out], "tok_s": tokens / wall,
             "step_ms": 1e3 * acc["seconds"] / acc["steps"],
-            "allreduce_share": (comm.seconds["all-reduce"] - reduced0) / acc["seconds"]}
+            "allreduce_share": (comm.seconds["all-reduce"] + comm.seconds["all-gather"] - reduced0) / acc["seconds"]}
 
 
 def main() -> None:
@@ -69,6 +74,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16, help="requests, all submitted at once")
     ap.add_argument("--tokens", type=int, default=64, help="greedy output tokens per request")
     ap.add_argument("--rounds", type=int, default=2, help="alternating TP=1 / TP=2 rounds; medians reported")
+    ap.add_argument("--dtype", default="float32", help="float32 or bfloat16")
+    ap.add_argument("--deterministic", action="store_true", help="both engines in deterministic mode")
     args = ap.parse_args()
 
     cores = len(os.sched_getaffinity(0))
@@ -76,7 +83,8 @@ def main() -> None:
     prompts = [tok.encode(f"<|im_start|>user\n{t}<|im_end|>\n<|im_start|>assistant\n").ids
                for t in prompt_texts(args.prompts)]
     params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
-    runner = dict(kv_cache_memory=256 << 20, max_num_seqs=64, max_model_len=1024)
+    runner = dict(kv_cache_memory=256 << 20, max_num_seqs=64, max_model_len=1024, dtype=args.dtype,
+                  deterministic=args.deterministic)
     sched = SchedulerConfig(max_num_seqs=64, max_model_len=1024, max_num_batched_tokens=512,
                             long_prefill_token_threshold=128)
     threads = {1: cores, 2: max(1, cores // 2)}
@@ -96,7 +104,8 @@ def main() -> None:
     med = {tp: {k: statistics.median(r[k] for r in rs) for k in ("tok_s", "step_ms", "allreduce_share")}
            for tp, rs in runs.items()}
     identical = all(r["tokens"] == runs[1][0]["tokens"] for rs in runs.values() for r in rs)
-    print(f"# {args.prompts} requests x {args.tokens} greedy tokens, {cores} cores in all; "
+    print(f"# {args.prompts} requests x {args.tokens} greedy tokens, {cores} cores in all, {args.dtype}"
+          f"{', deterministic' if args.deterministic else ''}; "
           f"medians of {args.rounds} alternating rounds")
     print(f"{'tp':>3} {'threads/rank':>12} {'tok/s':>8} {'step ms':>8} {'all-reduce share':>17}")
     for tp in (1, 2):

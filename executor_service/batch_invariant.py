@@ -24,6 +24,7 @@ check covers them through the tests, not here.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -102,19 +103,54 @@ def _position_invariant(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Ten
 
 
 def plan_rows(fn: Callable[[torch.Tensor], torch.Tensor], make_input: Callable[[int], torch.Tensor],
-              what: str, max_rows: int = MAX_ROWS) -> RowPlan:
+              what: str, max_rows: int = MAX_ROWS,
+              reference: Callable[[torch.Tensor], torch.Tensor] | None = None) -> RowPlan:
     """The cheapest plan under which fn is row-invariant on this machine: the smallest padding floor that
-    makes every checked row count agree, else fixed tiles, else DeterminismUnavailable."""
+    makes every checked row count agree, else fixed tiles, else DeterminismUnavailable. Then fn under that
+    plan must give the bits of `reference` (default: fn itself) run on one thread (`matches_reference`)."""
     x = make_input(max_rows)
     counts = [m for m in _LADDER if m <= max_rows]
+    plan = None
     for floor in (1, 2, 4, 8, 16, 32):
         if _row_invariant(fn, x, [m for m in counts if m >= floor]):
-            return RowPlan(floor, max_rows)
-    tile = make_input(TILE_ROWS)
-    if _position_invariant(fn, tile):
-        return RowPlan(TILE_ROWS, TILE_ROWS, tiled=True)
-    raise DeterminismUnavailable(f"{what}: no row count from 1 to 32 makes this machine's kernel give a row "
-                                 f"the same result in every batch, and neither do fixed tiles of {TILE_ROWS}")
+            plan = RowPlan(floor, max_rows)
+            break
+    if plan is None and _position_invariant(fn, make_input(TILE_ROWS)):
+        plan = RowPlan(TILE_ROWS, TILE_ROWS, tiled=True)
+    if plan is None:
+        raise DeterminismUnavailable(f"{what}: no row count from 1 to 32 makes this machine's kernel give a "
+                                     f"row the same result in every batch, and neither do fixed tiles of "
+                                     f"{TILE_ROWS}")
+    if not matches_reference(fn, plan, reference or fn, make_input(TILE_ROWS)):
+        raise DeterminismUnavailable(
+            f"{what}: on {torch.get_num_threads()} threads, and as this tensor-parallel rank's slice, the kernel "
+            f"gives other bits than the whole layer on one thread: tokens would depend on the executor's threads "
+            f"or degree")
+    return plan
+
+
+@contextmanager
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def matches_reference(fn: Callable[[torch.Tensor], torch.Tensor], plan: RowPlan,
+                      reference: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> bool:
+    """Does fn under `plan`, on this process's threads, give the bits `reference` gives on one thread?
+
+    Executors of one fleet differ in thread count and tensor-parallel degree, so each compares itself with
+    one yardstick that none of them depends on: the whole layer (not a rank's slice of its columns), on one
+    thread, called on TILE_ROWS rows, a count every plan calls. Executors that each match it match each
+    other, and by row invariance they do for every other row count as well."""
+    got = by_rows(fn, x, plan)
+    with _one_thread():
+        want = reference(x)
+    return torch.equal(got, want)
 
 
 # ---- attention ---------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 
 class RankFailure(RuntimeError):
@@ -24,13 +25,24 @@ class Collectives:
     def __init__(self, rank: int = 0, size: int = 1):
         self.rank, self.size = rank, size
         # Wall time inside each kind of collective, waiting for slower ranks included (on CUDA: launching them).
-        self.seconds = {"all-reduce": 0.0, "gather": 0.0}
+        self.seconds = {"all-reduce": 0.0, "gather": 0.0, "all-gather": 0.0}
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's `x`, in place."""
         if self.size > 1:
             self._run("all-reduce", dist.all_reduce, x)
         return x
+
+    def gather_columns(self, x: torch.Tensor, widths: list[int]) -> torch.Tensor:
+        """Every rank's [rows, widths[rank]] side by side on every rank: numbers moved, never added."""
+        if self.size == 1:
+            return x
+        # Gloo gathers equal shapes only: uneven slices (3 KV heads over 2 ranks) travel padded.
+        w = max(widths)
+        mine = F.pad(x, (0, w - x.shape[1])) if x.shape[1] < w else x.contiguous()
+        parts = [torch.empty_like(mine) for _ in range(self.size)]
+        self._run("all-gather", dist.all_gather, parts, mine)
+        return torch.cat([p[:, :n] for p, n in zip(parts, widths, strict=True)], dim=1)
 
     def gather_vocab(self, local: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
         """Rank 0 gets the whole [rows, vocab] from each rank's equal slice of columns; the others None."""

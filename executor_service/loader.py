@@ -65,11 +65,13 @@ class Checkpoint:
 
 
 def load_model(path: str | Path, max_positions: int, device: torch.device | str = "cpu",
-               dtype: torch.dtype = torch.float32, comm: Collectives | None = None) -> LlamaModel:
+               dtype: torch.dtype = torch.float32, comm: Collectives | None = None,
+               exact: bool = False) -> LlamaModel:
+    """`exact`: split the model the way deterministic mode needs (partition.py)."""
     path = Path(path)
     cfg = ModelConfig.from_dir(path)
     comm = comm or Collectives()
-    part = Partition.of(cfg, comm.rank, comm.size)
+    part = Partition.of(cfg, comm.rank, comm.size, exact)
     ckpt = Checkpoint(path)
     with torch.device("meta"):
         model = LlamaModel(cfg, part, comm)
@@ -92,11 +94,13 @@ def load_model(path: str | Path, max_positions: int, device: torch.device | str 
 
 def _fuse(cfg: ModelConfig, part: Partition, ckpt: Checkpoint) -> dict[str, torch.Tensor]:
     """Our tensors from Hugging Face's: q/k/v and gate/up concatenated, each cut to this rank's slice.
-    Column-parallel matrices (q/k/v, gate/up) keep their rows, row-parallel ones (o, down) their columns."""
+    Column-parallel matrices (q/k/v, gate/up) keep their rows, row-parallel ones (o, down) their columns,
+    except where the partition gathers: there o and down keep their rows of the hidden dimension."""
     d, take = cfg.head_dim, ckpt.take
     q = (part.q_heads[0] * d, part.q_heads[1] * d)
     kv = (part.kv_heads[0] * d, part.kv_heads[1] * d)
     ff = part.intermediate
+    o_cut, down_cut = ({"rows": part.hidden},) * 2 if part.gathers else ({"cols": q}, {"cols": ff})
 
     def vocab_rows(name):
         w = take(name, rows=part.vocab)
@@ -119,10 +123,10 @@ def _fuse(cfg: ModelConfig, part: Partition, ckpt: Checkpoint) -> dict[str, torc
         if cfg.qkv_bias:
             out[o + "qkv_proj.bias"] = torch.cat([take(attn + f"{x}_proj.bias", rows=r)
                                                   for x, r in (("q", q), ("k", kv), ("v", kv))])
-        out[o + "o_proj.weight"] = take(attn + "o_proj.weight", cols=q)
+        out[o + "o_proj.weight"] = take(attn + "o_proj.weight", **o_cut)
         out[o + "gate_up_proj.weight"] = torch.cat([take(p + "mlp.gate_proj.weight", rows=ff),
                                                     take(p + "mlp.up_proj.weight", rows=ff)])
-        out[o + "down_proj.weight"] = take(p + "mlp.down_proj.weight", cols=ff)
+        out[o + "down_proj.weight"] = take(p + "mlp.down_proj.weight", **down_cut)
         out[o + "input_layernorm.weight"] = take(p + "input_layernorm.weight")
         out[o + "post_attention_layernorm.weight"] = take(p + "post_attention_layernorm.weight")
     leftovers = ckpt.leftovers()

@@ -49,8 +49,8 @@ class _Live:
         tp = GaugeMetricFamily("stepwire:executor_tensor_parallel_size", "Ranks that split the model.")
         tp.add_metric([], runner.comm.size)
         collective = CounterMetricFamily("stepwire:executor_collective_seconds", "Rank 0's time inside "
-                                         "tensor-parallel collectives (all-reduce, gather), waiting for the "
-                                         "other ranks included.", labels=["collective"])
+                                         "tensor-parallel collectives (all-reduce, gather, all-gather), waiting "
+                                         "for the other ranks included.", labels=["collective"])
         for kind, seconds in runner.comm.seconds.items():
             collective.add_metric([kind], seconds)
         yield from (rows, blocks, tp, collective)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from executor_service.attention import AttentionMetadata, PagedAttention
-from executor_service.batch_invariant import MAX_ROWS, plan_attention, plan_rows
+from executor_service.batch_invariant import MAX_ROWS, DeterminismUnavailable, plan_attention, plan_rows
 from executor_service.collectives import Collectives
 from executor_service.linear import Linear, fixed_kernel
 from executor_service.model_config import ModelConfig
@@ -40,12 +40,19 @@ class DecoderLayer(nn.Module):
         self.q_size, self.kv_size = h * d, kvh * d
         self.num_heads, self.num_kv_heads, self.head_dim = h, kvh, d
         self.comm = comm
+        self.gathers = part.gathers
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * part.intermediate_size, bias=False)
-        self.down_proj = Linear(part.intermediate_size, cfg.hidden_size, bias=False)
+        if self.gathers:   # deterministic mode: whole dot products on every rank (partition.py)
+            self.widths = {w: part.widths(cfg, w) for w in ("q", "ff", "hidden")}
+            hidden = part.hidden[1] - part.hidden[0]
+            self.o_proj = Linear(cfg.num_heads * d, hidden, bias=False)
+            self.down_proj = Linear(cfg.intermediate_size, hidden, bias=False)
+        else:
+            self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
+            self.down_proj = Linear(part.intermediate_size, cfg.hidden_size, bias=False)
         self.attn = PagedAttention(h, kvh, d)
 
     def forward(self, x, cos_sin, k_cache, v_cache, meta: AttentionMetadata):
@@ -57,10 +64,20 @@ class DecoderLayer(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, k, cos_sin)
         attn = self.attn(q, k, v.contiguous(), k_cache, v_cache, meta)
+        if self.gathers:
+            return self._forward_gathered(x, attn.reshape(t, self.q_size))
         # o_proj and down are row-parallel: each rank's product is a partial sum over its heads or columns.
         x = x + self.comm.all_reduce(self.o_proj(attn.reshape(t, self.q_size)))
         gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
         return x + self.comm.all_reduce(self.down_proj(F.silu(gate) * up))
+
+    def _forward_gathered(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The rest of the block where no rank may add another rank's partial sum: gather o's input, compute
+        this rank's columns of its output, gather those; the same for down."""
+        gather, w = self.comm.gather_columns, self.widths
+        x = x + gather(self.o_proj(gather(attn, w["q"])), w["hidden"])
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
+        return x + gather(self.down_proj(gather(F.silu(gate) * up, w["ff"])), w["hidden"])
 
 
 class LlamaModel(nn.Module):
@@ -92,7 +109,8 @@ class LlamaModel(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.comm.size == 1:
             return self.embed_tokens(input_ids)
-        # Each rank looks up the ids in its vocabulary slice and zeros for the rest; the sum is every row.
+        # Each rank looks up the ids in its vocabulary slice and zeros for the rest; the sum is every row
+        # (exact, deterministic mode included: one rank adds a row, the others only zeros).
         lo, hi = self.part.vocab
         mine = (input_ids >= lo) & (input_ids < hi)
         x = self.embed_tokens(torch.where(mine, input_ids - lo, 0))
@@ -100,26 +118,53 @@ class LlamaModel(nn.Module):
         return self.comm.all_reduce(x)
 
     def make_deterministic(self, block_size: int, max_sampled_rows: int) -> dict:
-        """Batch-invariant kernels for every layer, each GEMM shape checked on this machine once (layers of
-        one shape share its plan). Raises batch_invariant.DeterminismUnavailable where they cannot be made
-        so. Returns the plans by layer shape, for the log: a tiled fallback costs throughput."""
-        plans = {}
-        g = torch.Generator().manual_seed(0)
-        for lin in (m for m in self.modules() if isinstance(m, Linear)):
-            w = lin.weight
-            shape = tuple(w.shape)
-            if shape not in plans:
-                # The LM head only ever sees the step's sampled rows: a batch's worth is all it needs checked.
-                rows = max(2, min(MAX_ROWS, max_sampled_rows)) if lin is self.lm_head else MAX_ROWS
-                plans[shape] = plan_rows(fixed_kernel(w, lin.bias),
-                                         lambda m, w=w: torch.randn(m, w.shape[1], generator=g).to(w),
-                                         f"linear {shape[1]} -> {shape[0]}", max_rows=rows)
-            lin.set_row_plan(plans[shape])
-        attention = plan_attention(self.config.head_dim, block_size, self.lm_head.weight.device)
+        """Batch-invariant kernels for every layer, each checked on this machine once per kind (the layers of
+        a kind share its plan). Each kind must also give the bits of the single-rank layer on one thread, so
+        executors of any thread count and tensor-parallel degree agree. Raises DeterminismUnavailable where
+        this cannot be made so. Returns the plans by layer kind, for the log: a tiled fallback costs."""
+        cfg, plans = self.config, {}
+        g, like = torch.Generator().manual_seed(0), self.lm_head.weight   # every layer's dtype and device
+
+        def rnd(*shape):
+            # Random numbers of the layers' shapes: which path a kernel takes and how it orders its sums
+            # depend on shapes, dtype and threads, not on the values.
+            return torch.randn(*shape, generator=g).to(like)
+
+        kinds = {name: [getattr(layer, name) for layer in self.layers]
+                 for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")} | {"lm_head": [self.lm_head]}
+        for name, (full_shape, rows) in self.part.full_rows(cfg).items():
+            w = kinds[name][0].weight
+            mine, whole = _slice_and_whole(rnd, w.shape[0], full_shape, rows, kinds[name][0].bias is not None)
+            # The LM head only ever sees the step's sampled rows: a batch's worth is all it needs checked.
+            most = max(2, min(MAX_ROWS, max_sampled_rows)) if name == "lm_head" else MAX_ROWS
+            plans[name] = plan_rows(mine, lambda m, k=w.shape[1]: rnd(m, k), f"{name} {w.shape[1]} -> "
+                                    f"{w.shape[0]}", max_rows=most, reference=whole)
+            for lin in kinds[name]:
+                lin.set_row_plan(plans[name])
+        unplanned = [n for n, m in self.named_modules() if isinstance(m, Linear) and m.row_plan is None]
+        if unplanned:   # e.g. a row-parallel layer of a model not split for this mode: it would sum across ranks
+            raise DeterminismUnavailable(f"no batch-invariant plan for {unplanned[:3]}")
+        attention = plan_attention(cfg.head_dim, block_size, self.lm_head.weight.device)
         for layer in self.layers:
             layer.attn.plan = attention
-        return {"linear": {f"{k[1]}->{k[0]}": v for k, v in plans.items()}, "attention": attention}
+        return {"linear": plans, "attention": attention}
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[rows, vocab] float32 logits on rank 0; None on the other ranks, which only lend their columns."""
         return self.comm.gather_vocab(self.lm_head(hidden).float(), self.config.vocab_size)
+
+
+def _slice_and_whole(rnd, rows_held: int, full_shape: tuple[int, int], rows: list[int], bias: bool):
+    """For deterministic mode's check: a random single-rank layer's kernel (`whole`, cut to `rows`), and this
+    rank's kernel on its slice of the same numbers (`mine`, rows_held rows: the LM head's last slice is padded
+    with zero rows, whose columns it drops here)."""
+    full_w, full_b = rnd(*full_shape), (rnd(full_shape[0]) if bias else None)
+    mine_w = full_w.new_zeros(rows_held, full_shape[1])
+    mine_w[:len(rows)] = full_w[rows]
+    mine_k = fixed_kernel(mine_w, None if full_b is None else F.pad(full_b[rows], (0, rows_held - len(rows))))
+    whole_k = fixed_kernel(full_w, full_b)
+    if len(rows) == full_shape[0] == rows_held:
+        return mine_k, whole_k
+    idx = torch.tensor(rows, device=full_w.device)
+    return (lambda x: mine_k(x)[:, :len(rows)]), (lambda x: whole_k(x)[:, idx])
+

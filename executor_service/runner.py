@@ -44,9 +44,6 @@ def check_deterministic(cfg: RunnerConfig) -> None:
     """Deterministic mode's limits, said at start-up rather than broken quietly later."""
     if not cfg.deterministic:
         return
-    if cfg.tensor_parallel_size > 1:
-        raise ValueError("--deterministic with --tensor-parallel-size > 1 is not supported yet: the row-parallel "
-                         "layers sum partial products across ranks, in an order that depends on the degree")
     if cfg.attention_backend == "triton":
         raise ValueError("--deterministic uses its own attention; --attention-backend triton cannot be combined "
                          "with it (leave it at auto)")
@@ -151,7 +148,7 @@ class ModelRunner:
                                            SDPBackend.MATH])) if self.device.type == "cuda" else nullcontext
         self.max_model_len = min(cfg.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
-        self.model = load_model(cfg.model, self.max_model_len, self.device, self.dtype, self.comm)
+        self.model = load_model(cfg.model, self.max_model_len, self.device, self.dtype, self.comm, cfg.deterministic)
         if cfg.deterministic:
             log.info("deterministic mode: kernel plans %s", self.model.make_deterministic(cfg.block_size,
                                                                                            cfg.max_num_seqs))

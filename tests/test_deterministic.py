@@ -169,9 +169,74 @@ def test_deterministic_mode_refuses_what_it_cannot_keep(tmp_path):
 
     from executor_service.runner import ModelRunner, RunnerConfig
     path = str(write_tiny_llama(tmp_path))
-    with pytest.raises(ValueError, match="tensor-parallel"):
-        ModelRunner(RunnerConfig(path, deterministic=True, tensor_parallel_size=2, kv_cache_memory=1 << 20))
     with pytest.raises(ValueError, match="triton"):
         ModelRunner(RunnerConfig(path, deterministic=True, attention_backend="triton", kv_cache_memory=1 << 20))
     runner = ModelRunner(RunnerConfig(path, deterministic=True, kv_cache_memory=1 << 20))
     assert runner.describe()["deterministic"] is True and runner.attention == "torch"
+
+
+def test_a_kernel_that_is_row_invariant_but_differs_from_the_whole_layer_on_one_thread_is_refused():
+    # A rank's slice that adds in another order than the single-rank layer (here: one unit in the
+    # last place, as a split sum may give) would tie its tokens to the tensor-parallel degree.
+    whole = lambda x: x @ W  # noqa: E731
+    assert plan_rows(whole, rows_of, "same", reference=whole) == RowPlan(1, 512)
+    with pytest.raises(DeterminismUnavailable, match=r"off: .* whole layer on one thread"):
+        plan_rows(lambda x: torch.nextafter(x @ W, torch.tensor(float("inf"))), rows_of, "off", reference=whole)
+
+
+def test_a_deterministic_rank_splits_o_and_down_by_output_and_holds_every_hidden_column_once():
+    from executor_service.model_config import ModelConfig
+    from executor_service.partition import Partition
+    cfg = ModelConfig.from_dir(MODEL) if (MODEL / "config.json").exists() else None
+    if cfg is None:
+        pytest.skip("embedded model not converted (make model)")
+    for size in (2, 3):
+        parts = [Partition.of(cfg, r, size, exact=True) for r in range(size)]
+        assert all(p.gathers for p in parts) and not Partition.of(cfg, 0, size).gathers
+        held = [row for p in parts for row in p.full_rows(cfg)["o_proj"][1]]
+        assert held == list(range(cfg.hidden_size))
+        assert sum(parts[0].widths(cfg, "q")) == cfg.num_heads * cfg.head_dim
+        assert sum(parts[0].widths(cfg, "ff")) == cfg.intermediate_size
+        qkv = [row for p in parts for row in p.full_rows(cfg)["qkv_proj"][1]]
+        assert sorted(qkv) == list(range(cfg.hidden_size + 2 * cfg.num_kv_heads * cfg.head_dim))
+
+
+@pytest.mark.parametrize("dtype, degrees", [("float32", (1, 2)), ("bfloat16", (1, 2, 3))])
+def test_one_two_and_three_tensor_parallel_ranks_give_a_request_the_same_bits(dtype, degrees):
+    """A fleet may run a request on one rank, then after a fault on an executor of another degree: every
+    degree (each rank its own process, on its own thread count) must give the same logits, to the bit."""
+    if not (MODEL / "conversion.json").exists():
+        pytest.skip("embedded model not converted (make model)")
+    from executor_service.runner import RunnerConfig
+    from scheduler_service import SchedulerConfig
+    from stepwire.contract import SamplingParams
+    from stepwire.engine import LLMEngine
+    rng = np.random.default_rng(3)
+    shared = rng.integers(100, 40000, 24).tolist()
+    prompts = [shared + rng.integers(100, 40000, n).tolist() for n in (3, 17)] + [shared[:9], [42]]
+    params = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)] * 3 + \
+             [SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=5, ignore_eos=True)]
+    threads, results = torch.get_num_threads(), []
+    try:
+        for tp in degrees:
+            # One rank keeps this process's threads; with more, each rank takes one (the machine's cores).
+            torch.set_num_threads(threads if tp == 1 else 1)
+            # A budget of 13 chunks the prompts; the shared prefix hits the cache once the first is in.
+            engine = LLMEngine(RunnerConfig(str(MODEL), dtype=dtype, deterministic=True, tensor_parallel_size=tp,
+                                            kv_cache_memory=16 << 20, max_num_seqs=8, max_model_len=128),
+                               SchedulerConfig(block_size=16, max_model_len=128, max_num_seqs=8,
+                                               max_num_batched_tokens=13))
+            try:
+                seen = record_logits(engine)
+                tokens = [c.token_ids for c in engine.generate(prompts, params)]
+                results.append((tp, tokens, {(rid, pos): lg for rid, pos, lg in seen}))
+                assert engine.scheduler.stats().prefix_cache_hits > 0
+            finally:
+                engine.runner.close()
+    finally:
+        torch.set_num_threads(threads)
+    _, tokens1, logits1 = results[0]
+    for tp, tokens, logits in results[1:]:
+        assert tokens == tokens1, (dtype, tp)
+        assert logits.keys() == logits1.keys()
+        assert all(torch.equal(logits[k], logits1[k]) for k in logits1), (dtype, tp)

@@ -60,10 +60,12 @@ def test_killing_one_of_two_executors_mid_stream_loses_and_repeats_no_token(two)
 
 
 def test_in_bfloat16_deterministic_mode_a_killed_executor_changes_no_token(tmp_path):
-    """Requests moved off a dead executor are recomputed beside other neighbours, in other chunks: in
-    bfloat16 deterministic mode every stream still equals the run without a fault."""
+    """Requests moved off a dead executor are recomputed beside other neighbours, in other chunks, and here
+    on an executor of another tensor-parallel degree (two ranks, then one): in bfloat16 deterministic mode
+    every stream still equals the run without a fault."""
     fleet = Fleet(tmp_path, 2, "--executor-wait-seconds", "20",
-                  executor_flags=("--deterministic", "--dtype", "bfloat16"))
+                  executor_flags=("--deterministic", "--dtype", "bfloat16"),
+                  flags_of={0: ("--tensor-parallel-size", "2")})
     try:
         seeded = {"temperature": 1.0, "seed": list(range(100, 108))}
         expected, expected_seeded = _no_fault(fleet, PROMPTS), _no_fault(fleet, PROMPTS[:8], **seeded)
