@@ -1,8 +1,11 @@
 """`stepwire serve`: the whole stack on localhost, as one process per service, kept up.
 
-Executors are the part meant to come and go: one that dies is started again on the same address (the
-scheduler moves its requests meanwhile and takes it back when it answers), with a growing pause if it keeps
-dying at start-up. The scheduler and the gateway are the stack: if either exits, everything stops.
+Every service is kept up: one that exits is started again on the same address, with a growing pause if it
+keeps dying at start-up. An executor's requests move to the others meanwhile; the gateway holds its
+clients' streams while the scheduler is away; a restarted gateway loses only the streams it held.
+
+The services cannot outlive serve (`tethered.py`): they die with it however it dies, kill -9 included, and
+any failure of serve's own ends in a clean stop of all of them.
 
 The host's cores are split between the executors (`--threads`), since each would otherwise start a thread
 per core and they would fight over them.
@@ -10,6 +13,7 @@ per core and they would fight over them.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -25,6 +29,10 @@ from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from stepwire.contract.settings import ServiceSettings, load
+from stepwire.tethered import ProcessGroup
+
+log = logging.getLogger("stepwire.serve")
+STOP_SECONDS = 30.0   # for the services to stop on SIGTERM (an executor drains first) before they are killed
 
 
 class ServeSettings(ServiceSettings):
@@ -62,8 +70,8 @@ class Child:
     died_at: float | None = None
     pause: float = 0.5          # before the next restart; doubles while it keeps dying young
 
-    def start(self) -> None:
-        self.proc = subprocess.Popen(self.command)
+    def start(self, group: ProcessGroup) -> None:
+        self.proc = group.popen(self.command)
         self.started_at = time.monotonic()
 
     def exited(self) -> int | None:
@@ -119,62 +127,89 @@ def certificates(a: ServeSettings) -> tuple[Path | None, Path | None]:
     return make_dev_certs(d), d
 
 
+class Stop(Exception):
+    """SIGTERM or SIGINT reached serve."""
+
+
 def serve(argv: list[str]) -> None:
     a = load(ServeSettings, argv)
+    logging.basicConfig(level=logging.INFO, format="stepwire: %(message)s")
     certs, temporary = certificates(a)
     executors, stack = children(a, certs)
-    everyone = executors + stack
-    for c in everyone:
-        c.start()
 
-    def stop(*_):
-        for c in everyone:
-            if c.proc.poll() is None:
-                c.proc.terminate()
-        for c in everyone:
-            try:
-                c.proc.wait(timeout=30)          # an executor drains first
-            except subprocess.TimeoutExpired:
-                c.proc.kill()
+    def on_signal(signum, _frame):
+        raise Stop(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    code = 1
+    try:
+        supervise(a, executors + stack)
+    except Stop as e:
+        log.info("%s: stopping every service", e)
+        code = 0
+    except Exception:
+        log.exception("serve failed; stopping every service")
+    finally:
         if temporary is not None:
             shutil.rmtree(temporary, ignore_errors=True)
-        sys.exit(0)
+    sys.exit(code)
 
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+
+def supervise(a: ServeSettings, everyone: list[Child], group: ProcessGroup | None = None) -> None:
+    """Start every service and keep each up until a signal or a failure of serve's own, which end here in
+    a stop of all of them, whatever the exception."""
+    group = group or ProcessGroup()
     url = f"http://127.0.0.1:{a.port}"
     ready = False
-    while True:
-        for c in stack:
-            if c.name == "scheduler":
-                keep_up(c)     # the gateway holds its requests meanwhile and resubmits them to the new one
-            elif c.exited() is not None:
-                print(f"stepwire: the {c.name} exited with {c.proc.returncode}; stopping", file=sys.stderr)
-                stop()
-        for c in executors:
-            keep_up(c)
-        if not ready:
-            ready = _healthy(url)
-            if ready:
-                _announce(a, url)
-        time.sleep(0.5 if not ready else 1)
+    try:
+        for c in everyone:
+            c.start(group)
+        while True:
+            for c in everyone:
+                keep_up(c, group)
+            if not ready:
+                ready = _healthy(url)
+                if ready:
+                    _announce(a, url)
+            time.sleep(0.5 if not ready else 1)
+    finally:
+        # A second Ctrl-C (or SIGTERM) while the services drain kills them at once.
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, lambda *_: group.signal(signal.SIGKILL))
+        stop_all(everyone, group)
 
 
-def keep_up(c: Child) -> None:
-    """Start an executor or the scheduler again once it has exited, after a pause that grows while it dies
-    young."""
+def stop_all(everyone: list[Child], group: ProcessGroup, seconds: float = STOP_SECONDS) -> None:
+    """SIGTERM to each service, up to `seconds` for all to stop, then SIGKILL to whatever is left in the
+    group (services that did not stop, and what they started)."""
+    running = [c for c in everyone if c.proc is not None and c.proc.poll() is None]
+    for c in running:
+        c.proc.terminate()
+    deadline = time.monotonic() + seconds
+    for c in running:
+        try:
+            c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("%s did not stop within %.0fs of SIGTERM; killing it", c.name, seconds)
+    group.signal(signal.SIGKILL)
+    for c in running:
+        c.proc.wait()
+
+
+def keep_up(c: Child, group: ProcessGroup) -> None:
+    """Start a service again once it has exited, after a pause that grows while it dies young."""
     code = c.exited()
     if code is None:
         return
     if c.died_at is None:
         c.died_at = time.monotonic()
         c.pause = min(c.pause * 2, 30) if c.died_at - c.started_at < 10 else 1.0
-        print(f"stepwire: {c.name} exited with {code}; starting it again in {c.pause:.0f}s", file=sys.stderr,
-              flush=True)
+        log.warning("%s exited with %s; starting it again in %.0fs", c.name, code, c.pause)
     if time.monotonic() - c.died_at >= c.pause:
         c.died_at = None
         c.restarts += 1
-        c.start()
+        c.start(group)
 
 
 def _healthy(url: str) -> bool:
@@ -185,11 +220,23 @@ def _healthy(url: str) -> bool:
 
 
 def _announce(a: ServeSettings, url: str) -> None:
-    model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
-    metrics = ", ".join(f"http://127.0.0.1:{a.executor_metrics_port + i}/metrics" for i in range(a.executors))
-    print(f"\nstepwire is ready: OpenAI-compatible API at {url}/v1 (model {model!r}); gRPC stepwire.v1 at "
-          f"127.0.0.1:{a.grpc_port}; scheduler at 127.0.0.1:{a.scheduler_port}; {a.executors} executor(s) from "
-          f"port {a.executor_port}, {'mTLS between them' if a.tls else 'plaintext'}. Prometheus metrics at "
-          f"{url}/metrics (gateway), "
-          f"http://127.0.0.1:{a.scheduler_metrics_port}/metrics (scheduler) and {metrics} (executors). "
-          f"Ctrl-C stops everything.\n", flush=True)
+    print(f"\nstepwire is ready: OpenAI-compatible API at {url}/v1 (model {_served_model(a, url)!r}); gRPC "
+          f"stepwire.v1 at 127.0.0.1:{a.grpc_port}; scheduler at 127.0.0.1:{a.scheduler_port}; {a.executors} "
+          f"executor(s) from port {a.executor_port}, {'mTLS between them' if a.tls else 'plaintext'}. Prometheus "
+          f"metrics at {url}/metrics (gateway), http://127.0.0.1:{a.scheduler_metrics_port}/metrics (scheduler) "
+          f"and {_executor_metrics(a)} (executors). Ctrl-C stops everything.\n", flush=True)
+
+
+def _served_model(a: ServeSettings, url: str) -> str:
+    """The name clients use, as the gateway lists it (with the API key the gateway was given, if any); the
+    model folder's name when the list cannot be read: a ready message is no reason to stop the stack."""
+    keys = [k.strip() for k in os.environ.get("STEPWIRE_API_KEY", "").split(",") if k.strip()]
+    headers = {"Authorization": f"Bearer {keys[0]}"} if keys else {}
+    try:
+        return httpx.get(url + "/v1/models", headers=headers, timeout=5).json()["data"][0]["id"]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+        return Path(a.model).name
+
+
+def _executor_metrics(a: ServeSettings) -> str:
+    return ", ".join(f"http://127.0.0.1:{a.executor_metrics_port + i}/metrics" for i in range(a.executors))

@@ -6,6 +6,7 @@ import time
 
 from stepwire.contract.settings import load
 from stepwire.local_stack import Child, ServeSettings, children, keep_up
+from stepwire.tethered import ProcessGroup
 
 
 def _flag(command, name):
@@ -36,12 +37,12 @@ def test_serve_gives_each_executor_its_own_port_and_a_share_of_the_cores():
 
 
 def test_an_executor_that_exits_is_started_again_and_one_that_keeps_dying_waits_longer_each_time():
-    c = Child("executor-0", [sys.executable, "-c", "import sys; sys.exit(3)"], pause=0.05)
-    c.start()
+    c, group = Child("executor-0", [sys.executable, "-c", "import sys; sys.exit(3)"], pause=0.05), ProcessGroup()
+    c.start(group)
     pauses = []
     deadline = time.monotonic() + 20
     while c.restarts < 3 and time.monotonic() < deadline:
-        keep_up(c)
+        keep_up(c, group)
         if c.died_at is not None and (not pauses or pauses[-1] != c.pause):
             pauses.append(c.pause)
         time.sleep(0.05)
