@@ -44,7 +44,8 @@ from executor_service.step import BadStep
 from executor_service.step_checks import Limits, check_step
 from executor_service.wire import decode_step, encode_result
 from observability import tracing
-from observability.health_port import serve_health
+from observability.health_port import HealthServicer, serve_health
+from observability.log_limits import Every, held_note
 from observability.metrics_server import serve_metrics
 from observability.shutdown import serve_until_sigterm
 from security.listen import add_port, describe
@@ -80,6 +81,7 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
         # that loaded the model measured ~35% slower on CPU (memory arenas and thread pools are per thread).
         self._worker = worker
         self.metrics = ExecutorMetrics(self)
+        self.resync_log = Every()
 
     @property
     def runner(self) -> ModelRunner | None:
@@ -214,7 +216,10 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
 
     def _resync(self, msg, reason: str) -> executor_pb2.StepResponse:
         self.metrics.resyncs.inc()
-        log.warning("step %d: resync (%s)", msg.step, reason)
+        held = self.resync_log.ready()
+        if held is not None:
+            log.warning("step %d refused (%s): nothing applied; the scheduler is asked to resync and recomputes this "
+                        "executor's requests%s", msg.step, reason, held_note(held))
         return executor_pb2.StepResponse(epoch=msg.epoch, step=msg.step, resync=executor_pb2.Resync(reason=reason))
 
 
@@ -229,7 +234,7 @@ async def serve(settings: ExecutorSettings) -> int:
                                       # must not count as abuse
                                       ("grpc.http2.min_ping_interval_without_data_ms", 500),
                                       ("grpc.keepalive_permit_without_calls", 1)])
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")

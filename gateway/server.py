@@ -19,6 +19,7 @@ from gateway.settings import GatewaySettings
 from gateway.telemetry import GatewayMetrics
 from gateway.tokenizer import ModelTokenizer
 from observability import tracing
+from observability.health_port import HealthServicer
 from security import tls
 from security.listen import describe
 from security.strict_decode import DecodeErrorsAreInvalidArgument
@@ -98,7 +99,7 @@ async def serve(s: GatewaySettings, model_name: str, api_keys: ApiKeys) -> None:
     server = grpc.aio.server(interceptors=[*interceptors, DecodeErrorsAreInvalidArgument()],
                              options=[("grpc.max_receive_message_length", s.max_body_bytes)])
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationService(backend, metrics), server)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     if s.public_tls_cert:

@@ -51,12 +51,19 @@ class _Stream:
         self.outgoing: asyncio.Queue = asyncio.Queue()
         self.queues: dict[str, asyncio.Queue] = {}
         self.dead = False
-        self.call = stub.Session(self._requests())
+        # Written by a task of ours rather than fed from an async generator: grpc would iterate that one on a
+        # task of its own, which a broken stream leaves pending and the generator's finalizer then trips over
+        # ("aclose(): asynchronous generator is already running"), on every scheduler restart.
+        self.call = stub.Session()
+        self.writer = asyncio.create_task(self._write())
         self.reader = asyncio.create_task(self._read())
 
-    async def _requests(self):
-        while True:
-            yield await self.outgoing.get()
+    async def _write(self) -> None:
+        try:
+            while True:
+                await self.call.write(await self.outgoing.get())
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            return    # the stream ended; _read says why and fails its requests
 
     async def _read(self) -> None:
         try:
@@ -81,6 +88,7 @@ class _Stream:
                 q.put_nowait(SessionLost())
             self.queues.clear()
             self.call.cancel()
+            self.writer.cancel()
 
 
 class SchedulerSession:
@@ -112,7 +120,7 @@ class SchedulerSession:
         s, self._stream = self._stream, None
         if s is not None:
             s.call.cancel()
-            await asyncio.gather(s.reader, return_exceptions=True)
+            await asyncio.gather(s.reader, s.writer, return_exceptions=True)
 
 
 def output_error(out: scheduler_pb2.RequestOutput) -> SchedulerError | None:

@@ -25,6 +25,7 @@ import grpc
 from opentelemetry.trace import Link
 
 from observability import tracing
+from observability.log_limits import Every, held_note
 from scheduler_service.lifecycle import Lifecycles
 from scheduler_service.output import SchedulerOutput
 from scheduler_service.request import Request
@@ -78,6 +79,7 @@ class ExecutorLink:
     streams: dict[str, asyncio.Queue] = field(default_factory=dict)   # the fleet's, shared by every link
     task: asyncio.Task | None = None          # the one running run(), once the fleet started it
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
+    resync_log: Every = field(default_factory=Every)   # a peer refusing every step would flood the log
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     lifecycles: Lifecycles | None = None
     on_change: Callable[[], None] = lambda: None   # called when the link connects, drops or drains
@@ -253,8 +255,12 @@ class ExecutorLink:
             if step.stale:
                 return        # sent before a resync: its result belongs to the epoch that ended
             if reply.HasField("resync"):
-                log.warning("executor %s asked for a resync: %s", self.address, reply.resync.reason)
-                lives.preempted([r.request_id for r in core.reset_executor_state()])
+                moved = [r.request_id for r in core.reset_executor_state()]
+                held = self.resync_log.ready()
+                if held is not None:
+                    log.warning("executor %s refused a step (%s): its %d requests are recomputed from their "
+                                "tokens%s", self.address, reply.resync.reason, len(moved), held_note(held))
+                lives.preempted(moved)
                 self.epoch += 1
                 self.handles = HandleTable()
                 for later in sent:

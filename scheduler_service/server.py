@@ -14,7 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from observability import tracing
-from observability.health_port import serve_health
+from observability.health_port import HealthServicer, serve_health
 from observability.metrics_server import serve_metrics
 from observability.shutdown import serve_until_sigterm
 from scheduler_service import membership
@@ -41,7 +41,7 @@ async def serve(settings: SchedulerSettings) -> None:
     server = grpc.aio.server(interceptors=[DecodeErrorsAreInvalidArgument()],
                              options=[("grpc.http2.min_ping_interval_without_data_ms", 1000),
                                       ("grpc.keepalive_permit_without_calls", 1)])
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     port = add_port(server, settings.address, tls, settings.insecure, "the scheduler")

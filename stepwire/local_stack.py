@@ -134,6 +134,7 @@ class Stop(Exception):
 def serve(argv: list[str]) -> None:
     a = load(ServeSettings, argv)
     logging.basicConfig(level=logging.INFO, format="stepwire: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)   # not a line per health poll
     certs, temporary = certificates(a)
     executors, stack = children(a, certs)
 
@@ -145,8 +146,7 @@ def serve(argv: list[str]) -> None:
     code = 1
     try:
         supervise(a, executors + stack)
-    except Stop as e:
-        log.info("%s: stopping every service", e)
+    except Stop:
         code = 0
     except Exception:
         log.exception("serve failed; stopping every service")
@@ -173,6 +173,9 @@ def supervise(a: ServeSettings, everyone: list[Child], group: ProcessGroup | Non
                 if ready:
                     _announce(a, url)
             time.sleep(0.5 if not ready else 1)
+    except Stop as e:
+        log.info("%s: stopping every service", e)
+        raise
     finally:
         # A second Ctrl-C (or SIGTERM) while the services drain kills them at once.
         for signum in (signal.SIGINT, signal.SIGTERM):
@@ -181,20 +184,27 @@ def supervise(a: ServeSettings, everyone: list[Child], group: ProcessGroup | Non
 
 
 def stop_all(everyone: list[Child], group: ProcessGroup, seconds: float = STOP_SECONDS) -> None:
-    """SIGTERM to each service, up to `seconds` for all to stop, then SIGKILL to whatever is left in the
+    """SIGTERM to the services in the reverse of their start order, each kind once the kind after it has
+    stopped (the gateway's streams end while the scheduler still serves them, and the scheduler tells its
+    executors while they still listen); up to `seconds` in all, then SIGKILL to whatever is left in the
     group (services that did not stop, and what they started)."""
-    running = [c for c in everyone if c.proc is not None and c.proc.poll() is None]
-    for c in running:
-        c.proc.terminate()
     deadline = time.monotonic() + seconds
-    for c in running:
-        try:
-            c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            log.warning("%s did not stop within %.0fs of SIGTERM; killing it", c.name, seconds)
+    kinds: dict[str, list[Child]] = {}
+    for c in everyone:
+        kinds.setdefault(c.name.split("-")[0], []).append(c)
+    for kind in reversed(kinds.values()):
+        running = [c for c in kind if c.proc is not None and c.proc.poll() is None]
+        for c in running:
+            c.proc.terminate()
+        for c in running:
+            try:
+                c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop within %.0fs of SIGTERM; killing it", c.name, seconds)
     group.signal(signal.SIGKILL)
-    for c in running:
-        c.proc.wait()
+    for c in everyone:
+        if c.proc is not None:
+            c.proc.wait()
 
 
 def keep_up(c: Child, group: ProcessGroup) -> None:
