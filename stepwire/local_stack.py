@@ -112,7 +112,8 @@ def certificates(a: ServeSettings) -> tuple[Path | None, Path | None]:
 
     if a.certs_dir:
         d = Path(a.certs_dir)
-        if not (d / "ca.crt").exists():
+        # A folder from before certificates named their roles has no operator: every peer would refuse them.
+        if not (d / "operator" / "tls.crt").exists():
             make_dev_certs(d)
         return d, None
     d = Path(tempfile.mkdtemp(prefix="stepwire-certs-"))
@@ -156,7 +157,7 @@ def serve(argv: list[str]) -> None:
         if not ready:
             ready = _healthy(url)
             if ready:
-                _announce(a, url)
+                _announce(a, url, certs)
         time.sleep(0.5 if not ready else 1)
 
 
@@ -184,12 +185,14 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def _announce(a: ServeSettings, url: str) -> None:
+def _announce(a: ServeSettings, url: str, certs: Path | None) -> None:
     model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
     metrics = ", ".join(f"http://127.0.0.1:{a.executor_metrics_port + i}/metrics" for i in range(a.executors))
     print(f"\nstepwire is ready: OpenAI-compatible API at {url}/v1 (model {model!r}); gRPC stepwire.v1 at "
           f"127.0.0.1:{a.grpc_port}; scheduler at 127.0.0.1:{a.scheduler_port}; {a.executors} executor(s) from "
-          f"port {a.executor_port}, {'mTLS between them' if a.tls else 'plaintext'}. Prometheus metrics at "
+          f"port {a.executor_port}, {'mTLS between them' if a.tls else 'plaintext'}"
+          f"{f' (the scheduler answers Stats to the operator certificate in {certs}/operator)' if certs else ''}"
+          f". Prometheus metrics at "
           f"{url}/metrics (gateway), "
           f"http://127.0.0.1:{a.scheduler_metrics_port}/metrics (scheduler) and {metrics} (executors). "
           f"Ctrl-C stops everything.\n", flush=True)
