@@ -166,13 +166,13 @@ def start_stack(env: dict | None = None, tls: bool = True, model: Path = MODEL, 
 
 
 def scheduler_channel(sc_port: int, tls: bool = True):
-    """A channel to a `start_stack` scheduler, with the gateway's certificate when the stack uses mTLS."""
+    """A channel to a `start_stack` scheduler for Stats, with the operator's certificate when the stack uses mTLS."""
     import grpc
 
     address = f"127.0.0.1:{sc_port}"
     if not tls:
         return grpc.insecure_channel(address)
-    me = CERTS / "gateway"
+    me = CERTS / "operator"
     creds = grpc.ssl_channel_credentials((me / "ca.crt").read_bytes(), (me / "tls.key").read_bytes(),
                                          (me / "tls.crt").read_bytes())
     return grpc.secure_channel(address, creds, options=[("grpc.ssl_target_name_override", "stepwire-scheduler")])

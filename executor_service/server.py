@@ -48,6 +48,8 @@ from observability.health_port import HealthServicer, serve_health
 from observability.log_limits import Every, held_note
 from observability.metrics_server import serve_metrics
 from observability.shutdown import serve_until_sigterm
+from security import peer_roles
+from security.identity import EXECUTOR, SCHEDULER
 from security.listen import add_port, describe
 from security.strict_decode import DecodeErrorsAreInvalidArgument
 from stepwire.contract.settings import load
@@ -55,6 +57,9 @@ from stepwire.internal import executor_pb2, executor_pb2_grpc
 
 log = logging.getLogger("stepwire.executor")
 SERVICE = executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name
+# Who may call what, with TLS (security/peer_roles.py): only the scheduler drives an executor; any other
+# holder of a certificate could read its model and take over its stream, batch and KV cache.
+ROLES = {f"/{SERVICE}/Describe": frozenset({SCHEDULER}), f"/{SERVICE}/Step": frozenset({SCHEDULER})}
 
 
 @dataclass
@@ -227,7 +232,9 @@ async def serve(settings: ExecutorSettings) -> int:
     """Run until SIGTERM (0) or until the executor cannot go on (1)."""
     tracing.setup("stepwire-executor")
     tls = settings.tls_files()
-    server = grpc.aio.server(interceptors=[DecodeErrorsAreInvalidArgument()],
+    # The role first: a caller that may not call a method costs no decoding.
+    guard = peer_roles.interceptors(tls, settings.trust_domain, EXECUTOR, ROLES)
+    server = grpc.aio.server(interceptors=[*guard, DecodeErrorsAreInvalidArgument()],
                              options=[("grpc.max_receive_message_length", 64 << 20),
                                       ("grpc.max_send_message_length", 64 << 20),
                                       # the scheduler's keepalive pings (--keepalive-seconds, at least 1)

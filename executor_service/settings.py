@@ -12,10 +12,10 @@ from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from executor_service.runner import RunnerConfig
-from security.tls import TLSSettings
+from security.peer_roles import RoleSettings
 
 
-class ExecutorSettings(TLSSettings):
+class ExecutorSettings(RoleSettings):
     """Run one stepwire executor. Every flag is also STEPWIRE_EXECUTOR_<FLAG> (capitals, underscores)."""
 
     model_config = SettingsConfigDict(env_prefix="STEPWIRE_EXECUTOR_", cli_prog_name="stepwire executor")

@@ -111,13 +111,12 @@ class Backend:
     async def refresh(self) -> bool:
         """True when the scheduler answers and has an executor; learns max_model_len from it."""
         try:
-            stats = await self.stub.Stats(scheduler_pb2.StatsRequest(), timeout=2)
+            limits = await self.stub.Limits(scheduler_pb2.LimitsRequest(), timeout=2)
         except grpc.RpcError:
             return False
-        lens = [e.max_model_len for e in stats.executors if e.connected and e.max_model_len]
-        if lens:
-            self.max_model_len = min(lens)
-        return bool(lens)
+        if limits.max_model_len:
+            self.max_model_len = limits.max_model_len
+        return bool(limits.max_model_len)
 
     def check_model(self, name: str) -> None:
         if name and name != self.model_name:

@@ -23,6 +23,8 @@ from scheduler_service.lifecycle import Lifecycles
 from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.service import SchedulerService
 from scheduler_service.settings import SchedulerSettings
+from security import peer_roles
+from security.identity import GATEWAY, OPERATOR, SCHEDULER
 from security.listen import add_port, describe
 from security.strict_decode import DecodeErrorsAreInvalidArgument
 from stepwire.contract.settings import load
@@ -30,6 +32,10 @@ from stepwire.internal import scheduler_pb2, scheduler_pb2_grpc
 
 log = logging.getLogger("stepwire.scheduler")
 SERVICE = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
+# Who may call what, with TLS (security/peer_roles.py): gateways submit and learn the limits they check
+# requests against; Stats, which shows every executor's address and epoch, is for the operator alone.
+ROLES = {f"/{SERVICE}/{m}": frozenset({GATEWAY}) for m in ("Submit", "Session", "Limits")} | {
+    f"/{SERVICE}/Stats": frozenset({OPERATOR})}
 
 
 async def serve(settings: SchedulerSettings) -> None:
@@ -37,8 +43,10 @@ async def serve(settings: SchedulerSettings) -> None:
     fleet: Fleet | None = None
     metrics = SchedulerMetrics(lambda: fleet.links.values())
     tls = settings.tls_files()
+    # The role first: a caller that may not call a method costs no decoding.
+    guard = peer_roles.interceptors(tls, settings.trust_domain, SCHEDULER, ROLES)
     # The gateways' keepalive pings (every 5 s, idle or not) must not count as abuse.
-    server = grpc.aio.server(interceptors=[DecodeErrorsAreInvalidArgument()],
+    server = grpc.aio.server(interceptors=[*guard, DecodeErrorsAreInvalidArgument()],
                              options=[("grpc.http2.min_ping_interval_without_data_ms", 1000),
                                       ("grpc.keepalive_permit_without_calls", 1)])
     health_servicer = HealthServicer()

@@ -1,4 +1,4 @@
-"""The Scheduler gRPC service: Submit, Session and Stats, over the executor fleet.
+"""The Scheduler gRPC service: Submit, Session, Limits and Stats, over the executor fleet.
 
 A request belongs to the call that submitted it: a Session aborts only its own requests, a Submit call ends
 its one request by being cancelled, and no method aborts requests by id for anyone else.
@@ -117,6 +117,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             if q is not None:
                 q.put_nowait(RequestDelta(req.request_id, [], "abort", max(req.num_cached_tokens, 0)))
         return aborted
+
+    async def Limits(self, request, context):
+        lens = [link.core.config.max_model_len for link in self.fleet.links.values()
+                if link.connected and link.core is not None]
+        return scheduler_pb2.LimitsResponse(max_model_len=min(lens, default=0))
 
     async def Stats(self, request, context):
         fleet = self.fleet

@@ -14,10 +14,10 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
 
 from scheduler_service.config import CPU_STEP_DEFAULTS, GPU_STEP_DEFAULTS, SchedulerConfig, step_defaults
-from security.tls import TLSSettings
+from security.peer_roles import RoleSettings
 
 
-class SchedulerSettings(TLSSettings):
+class SchedulerSettings(RoleSettings):
     """Run the stepwire scheduler. Every flag is also STEPWIRE_SCHEDULER_<FLAG> (capitals, underscores)."""
 
     model_config = SettingsConfigDict(env_prefix="STEPWIRE_SCHEDULER_", cli_prog_name="stepwire scheduler")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 
 import httpx
@@ -16,7 +17,7 @@ import httpx
 USAGE = """stepwire serve [--model DIR] [--executors N]  start executors, scheduler and gateway on localhost
 stepwire executor|scheduler|gateway [...]      start one service (--help for its flags)
 stepwire generate "prompt" [--max-tokens N]    stream a completion from a running gateway
-stepwire certs DIR [--names a,b]               make a development CA and a certificate per service"""
+stepwire certs DIR [--names a,b]               make a development CA and a certificate per role"""
 
 
 def generate(argv: list[str]) -> None:
@@ -40,16 +41,25 @@ def generate(argv: list[str]) -> None:
 
 
 def certs(argv: list[str]) -> None:
+    from security.identity import DEFAULT_TRUST_DOMAIN, TRUST_DOMAIN_PATTERN
+
     ap = argparse.ArgumentParser(prog="stepwire certs", description=(
-        "Make a development CA (DIR/ca.crt, DIR/ca.key) and, for each service, DIR/<service>/tls.crt, tls.key "
-        "and ca.crt: the layout of a Kubernetes TLS Secret, for --tls-dir. Not for production."))
+        "Make a development CA (DIR/ca.crt, DIR/ca.key) and, for each role (gateway, scheduler, executor, "
+        "operator), DIR/<role>/tls.crt, tls.key and ca.crt: the layout of a Kubernetes TLS Secret, for --tls-dir. "
+        "Each certificate names its role as the URI spiffe://<trust-domain>/<role>. Not for production."))
     ap.add_argument("dir")
-    ap.add_argument("--names", default="", help="extra host names or IPs for every certificate, comma-separated")
+    ap.add_argument("--names", default="", help="extra host names or IPs for every service's certificate, "
+                    "comma-separated")
+    ap.add_argument("--trust-domain", default=DEFAULT_TRUST_DOMAIN, help="the services' --trust-domain "
+                    f"(default {DEFAULT_TRUST_DOMAIN})")
     a = ap.parse_args(argv)
+    if not re.fullmatch(TRUST_DOMAIN_PATTERN, a.trust_domain):
+        ap.error(f"--trust-domain {a.trust_domain!r}: use lower-case letters, digits, '.', '-' and '_'")
     from security.dev_certs import make_dev_certs
 
-    d = make_dev_certs(a.dir, tuple(n.strip() for n in a.names.split(",") if n.strip()))
-    print(f"development CA and certificates in {d}: pass --tls-dir {d}/<service> to each service")
+    d = make_dev_certs(a.dir, tuple(n.strip() for n in a.names.split(",") if n.strip()), a.trust_domain)
+    print(f"development CA and certificates in {d}: pass --tls-dir {d}/<service> to each service; {d}/operator "
+          "is the identity that may call the scheduler's Stats (scripts, grpcurl)")
 
 
 def main() -> None:

@@ -120,7 +120,8 @@ def certificates(a: ServeSettings) -> tuple[Path | None, Path | None]:
 
     if a.certs_dir:
         d = Path(a.certs_dir)
-        if not (d / "ca.crt").exists():
+        # A folder from before certificates named their roles has no operator: every peer would refuse them.
+        if not (d / "operator" / "tls.crt").exists():
             make_dev_certs(d)
         return d, None
     d = Path(tempfile.mkdtemp(prefix="stepwire-certs-"))
@@ -145,7 +146,7 @@ def serve(argv: list[str]) -> None:
     signal.signal(signal.SIGINT, on_signal)
     code = 1
     try:
-        supervise(a, executors + stack)
+        supervise(a, executors + stack, certs=certs)
     except Stop:
         code = 0
     except Exception:
@@ -156,7 +157,8 @@ def serve(argv: list[str]) -> None:
     sys.exit(code)
 
 
-def supervise(a: ServeSettings, everyone: list[Child], group: ProcessGroup | None = None) -> None:
+def supervise(a: ServeSettings, everyone: list[Child], group: ProcessGroup | None = None,
+              certs: Path | None = None) -> None:
     """Start every service and keep each up until a signal or a failure of serve's own, which end here in
     a stop of all of them, whatever the exception."""
     group = group or ProcessGroup()
@@ -171,7 +173,7 @@ def supervise(a: ServeSettings, everyone: list[Child], group: ProcessGroup | Non
             if not ready:
                 ready = _healthy(url)
                 if ready:
-                    _announce(a, url)
+                    _announce(a, url, certs)
             time.sleep(0.5 if not ready else 1)
     except Stop as e:
         log.info("%s: stopping every service", e)
@@ -229,10 +231,12 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def _announce(a: ServeSettings, url: str) -> None:
+def _announce(a: ServeSettings, url: str, certs: Path | None) -> None:
+    operator = f" (the scheduler answers Stats to the operator certificate in {certs}/operator)" if certs else ""
     print(f"\nstepwire is ready: OpenAI-compatible API at {url}/v1 (model {_served_model(a, url)!r}); gRPC "
           f"stepwire.v1 at 127.0.0.1:{a.grpc_port}; scheduler at 127.0.0.1:{a.scheduler_port}; {a.executors} "
-          f"executor(s) from port {a.executor_port}, {'mTLS between them' if a.tls else 'plaintext'}. Prometheus "
+          f"executor(s) from port {a.executor_port}, {'mTLS between them' if a.tls else 'plaintext'}{operator}. "
+          f"Prometheus "
           f"metrics at {url}/metrics (gateway), http://127.0.0.1:{a.scheduler_metrics_port}/metrics (scheduler) "
           f"and {_executor_metrics(a)} (executors). Ctrl-C stops everything.\n", flush=True)
 

@@ -39,7 +39,7 @@ VALUE_SETS = {
     "default": {},
     "gpu-tp2": GPU_TP2,
     "keda": {"executor": {"keda": {"enabled": True}, "deterministic": True}},
-    "cert-manager": {"tls": {"certManager": {"enabled": True}}},
+    "cert-manager": {"tls": {"certManager": {"enabled": True}, "trustDomain": "prod.example"}},
     "ingress-public-tls": {"gateway": {"ingress": {"enabled": True, "className": "nginx",
                                                   "tls": [{"secretName": "public-tls",
                                                            "hosts": ["stepwire.example.com"]}]},
@@ -126,10 +126,19 @@ def test_the_chart_lints_clean_and_each_value_set_renders_what_it_asks_for(rende
     issued = {o["spec"]["secretName"] for o in certs if o["kind"] == "Certificate" and not o["spec"].get("isCA")}
     mounted = {v["secret"]["secretName"] for o in certs if o["kind"] == "Deployment"
                for v in o["spec"]["template"]["spec"]["volumes"] if v["name"] == "tls"}
-    assert issued == mounted and len(issued) == 3      # every service's mounted Secret is one cert-manager issues
+    # Every service's mounted Secret is one cert-manager issues; the operator's is for people and scripts.
+    assert issued == mounted | {f"{RELEASE}-stepwire-operator-tls"} and len(mounted) == 3
     names = {n for o in certs if o["kind"] == "Certificate" for n in o["spec"].get("dnsNames", [])}
     # The names the services check on each other's certificates (--executor-server-name and its like).
     assert {"stepwire-executor", "stepwire-scheduler", "stepwire-gateway"} <= names
+    # Each certificate names its role in the trust domain the servers check, and only one role.
+    roles = {o["metadata"]["name"].removeprefix(f"{RELEASE}-stepwire-"): o["spec"]["uris"] for o in certs
+             if o["kind"] == "Certificate" and not o["spec"].get("isCA")}
+    assert roles == {r: [f"spiffe://prod.example/{r}"] for r in ("gateway", "scheduler", "executor", "operator")}
+    for name in ("scheduler", "executor"):
+        assert flag(container(find(certs, "Deployment", name))["args"], "--trust-domain") == "prod.example"
+    operator = find(certs, "Certificate", "operator")["spec"]
+    assert "dnsNames" not in operator and operator["usages"] == ["digital signature", "client auth"]
 
     public = rendered["ingress-public-tls"]
     backend = find(public, "Ingress")["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]
@@ -156,6 +165,11 @@ def test_a_bad_model_source_fails_the_render_with_a_message_naming_the_value():
         render({"model": {"source": "pvc"}})
     with pytest.raises(helm.HelmError, match="model.source must be embedded, pvc or hostPath"):
         render({"model": {"source": "s3"}})
+
+
+def test_a_bad_trust_domain_fails_the_render_with_a_message_naming_the_value():
+    with pytest.raises(helm.HelmError, match="tls.trustDomain must be lower-case"):
+        render({"tls": {"trustDomain": "Prod/Example"}})
 
 
 def test_every_rendered_object_is_valid_for_the_pinned_kubernetes_version(rendered):
@@ -340,7 +354,9 @@ def test_the_rendered_commands_serve_a_chat_completion_with_discovery_held_to_th
     values = copy.deepcopy({"executor": {"replicas": 1, "threads": 1, "kvCacheMemory": 64 << 20},
                             "gateway": {"apiKeys": {"keys": [key]}}})
     objects = render(values)
-    certs = make_dev_certs(tmp_path / "certs")
+    # Certificates as `stepwire certs` makes them for the trust domain the rendered servers check.
+    trust_domain = flag(container(find(objects, "Deployment", "scheduler"))["args"], "--trust-domain")
+    certs = make_dev_certs(tmp_path / "certs", trust_domain=trust_domain)
     secret = find(objects, "Secret", "api-keys")
     (tmp_path / "api-keys").mkdir()
     (tmp_path / "api-keys" / "api-keys").write_text(secret["stringData"]["api-keys"])

@@ -1,7 +1,7 @@
 """The internal links under mTLS, as real processes: the scheduler and the executor take only clients with a
-certificate from their CA, follow rotated certificate files without a restart, answer undecodable messages
-with INVALID_ARGUMENT, keep a plaintext port on loopback unless told otherwise, and let only the caller that
-submitted a request abort it."""
+certificate from their CA, admit to each method only the roles that need it, follow rotated certificate files
+without a restart, answer undecodable messages with INVALID_ARGUMENT, keep a plaintext port on loopback
+unless told otherwise, and let only the caller that submitted a request abort it."""
 
 import itertools
 import os
@@ -19,6 +19,8 @@ pytest.importorskip("torch")
 pytest.importorskip("cryptography")
 
 from cryptography import x509  # noqa: E402
+from cryptography.hazmat.primitives import hashes  # noqa: E402
+from google.protobuf.message import Message  # noqa: E402
 from helpers import free_ports, stop_processes, wait_grpc_serving, wait_until  # noqa: E402
 from tiny_model import kv_bytes, reference_greedy, write_tiny_llama  # noqa: E402
 
@@ -64,13 +66,17 @@ def stack(tmp_path_factory):
             [sys.executable, "-m", "scheduler_service.server", "--address", sc, "--executors", ex,
              "--metrics-address", "", "--retry-seconds", "0.2", "--tls-dir", str(certs / "scheduler")],
             cwd=ROOT, stdout=logs["scheduler"], stderr=subprocess.STDOUT)}
-    # The test speaks to the scheduler as the gateway does, with the gateway's certificate.
+    # The test speaks to the scheduler as the gateway does, with the gateway's certificate, and reads Stats as
+    # the operator.
     channel = secure_channel(sc, credentials(certs / "gateway"), "stepwire-scheduler")
+    operator = secure_channel(sc, credentials(certs / "operator"), "stepwire-scheduler")
     wait_grpc_serving(channel, procs, logs=[tmp / "executor.log", tmp / "scheduler.log"])
     yield {"expected": reference_greedy(model, [PROMPT], 8)[0], "tmp": tmp, "certs": certs, "model": model,
            "executor": ex, "scheduler": sc, "procs": procs,
-           "stub": scheduler_pb2_grpc.SchedulerStub(channel), "health_port": health_port}
+           "stub": scheduler_pb2_grpc.SchedulerStub(channel), "operator": scheduler_pb2_grpc.SchedulerStub(operator),
+           "health_port": health_port}
     channel.close()
+    operator.close()
     stop_processes(procs)
 
 
@@ -104,6 +110,140 @@ def test_a_client_without_a_certificate_from_the_ca_is_refused(stack, tmp_path, 
             else:
                 executor_pb2_grpc.ExecutorStub(channel).Describe(executor_pb2.DescribeRequest(), timeout=5)
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def channel_as(stack, folder: Path, target: str):
+    """A channel to `target` ("scheduler" or "executor") with the certificate in `folder`."""
+    return secure_channel(stack[target], credentials(folder), f"stepwire-{target}")
+
+
+def refusal(call) -> grpc.RpcError:
+    """The error `call()` ends with: a unary reply, or every message of a stream, must not come."""
+    with pytest.raises(grpc.RpcError) as e:
+        reply = call()
+        if not isinstance(reply, Message):
+            list(reply)
+    return e.value
+
+
+def executor_seen_by_the_scheduler(stack):
+    """The scheduler's view of its executor: the stream it drives (epoch), and the requests it routed there."""
+    e = stack["operator"].Stats(scheduler_pb2.StatsRequest(), timeout=5).executors[0]
+    return {"connected": e.connected, "epoch": e.epoch, "num_routed": e.num_routed}
+
+
+def executor_call(stub, method: str, epoch: int):
+    if method == "Describe":
+        return lambda: stub.Describe(executor_pb2.DescribeRequest(), timeout=5)
+    # A newer epoch than the scheduler's: were it taken, the executor would drop its batch and end the
+    # scheduler's stream, and the scheduler would come back with a new epoch.
+    step = executor_pb2.StepRequest(epoch=epoch + 1000, step=1)
+    return lambda: stub.Step(iter([step]), timeout=5)
+
+
+def scheduler_call(stub, method: str):
+    submit_request = scheduler_pb2.SubmitRequest(request_id="intruder", prompt_token_ids=PROMPT,
+                                                 params=greedy(4, ignore_eos=True))
+    return {"Submit": lambda: stub.Submit(submit_request, timeout=5),
+            "Session": lambda: stub.Session(iter([scheduler_pb2.SessionRequest(submit=submit_request)]), timeout=5),
+            "Limits": lambda: stub.Limits(scheduler_pb2.LimitsRequest(), timeout=5),
+            "Stats": lambda: stub.Stats(scheduler_pb2.StatsRequest(), timeout=5)}[method]
+
+
+def logged(stack, service: str, *parts: str) -> bool:
+    return any(all(p in line for p in parts) for line in (stack["tmp"] / f"{service}.log").read_text().splitlines())
+
+
+@pytest.mark.parametrize("method", ["Describe", "Step"])
+@pytest.mark.parametrize("role", ["gateway", "executor", "operator"])
+def test_an_executor_refuses_every_role_but_the_scheduler_and_nothing_changes(stack, role, method):
+    before = executor_seen_by_the_scheduler(stack)
+    with channel_as(stack, stack["certs"] / role, "executor") as channel:
+        error = refusal(executor_call(executor_pb2_grpc.ExecutorStub(channel), method, before["epoch"]))
+    assert error.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert f"role {role}" in error.details()
+    assert logged(stack, "executor", f"/stepwire.internal.Executor/{method}", f"names role {role}")
+    # The scheduler's stream is still the one the executor serves: a request goes through on the same epoch.
+    assert [t for out in submit(stack["stub"]) for t in out.token_ids] == stack["expected"]
+    after = executor_seen_by_the_scheduler(stack)
+    assert after["connected"] and after["epoch"] == before["epoch"]
+
+
+@pytest.mark.parametrize("method", ["Submit", "Session", "Limits"])
+@pytest.mark.parametrize("role", ["executor", "scheduler", "operator"])
+def test_the_scheduler_takes_requests_from_gateways_only_and_admits_nothing_else(stack, role, method):
+    before = executor_seen_by_the_scheduler(stack)
+    with channel_as(stack, stack["certs"] / role, "scheduler") as channel:
+        error = refusal(scheduler_call(scheduler_pb2_grpc.SchedulerStub(channel), method))
+    assert error.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert f"role {role}" in error.details()
+    assert logged(stack, "scheduler", f"/stepwire.internal.Scheduler/{method}", f"names role {role}")
+    assert executor_seen_by_the_scheduler(stack) == before      # no request was routed
+    assert stack["operator"].Stats(scheduler_pb2.StatsRequest(), timeout=5).num_requests == 0
+
+
+@pytest.mark.parametrize("role", ["gateway", "executor", "scheduler"])
+def test_stats_answers_the_operator_alone(stack, role):
+    with channel_as(stack, stack["certs"] / role, "scheduler") as channel:
+        error = refusal(scheduler_call(scheduler_pb2_grpc.SchedulerStub(channel), "Stats"))
+    assert error.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert logged(stack, "scheduler", "/stepwire.internal.Scheduler/Stats", f"names role {role}")
+    stats = stack["operator"].Stats(scheduler_pb2.StatsRequest(), timeout=5)
+    assert [e.address for e in stats.executors] == [stack["executor"]]
+
+
+def test_a_gateway_learns_the_context_limit_without_stats(stack):
+    assert stack["stub"].Limits(scheduler_pb2.LimitsRequest(), timeout=5).max_model_len == 128
+
+
+@pytest.mark.parametrize("uri", ["spiffe://elsewhere.example/gateway", "spiffe://stepwire.local/gateway-admin",
+                                 None])
+def test_a_certificate_from_the_ca_without_a_role_here_is_refused(stack, tmp_path, uri):
+    """Same CA, but the role is in another trust domain, is not a role, or is missing (a certificate from before
+    roles): the handshake passes, the methods do not."""
+    ca_cert, ca_key = load_ca(stack["certs"])
+    cert, key = issue(ca_cert, ca_key, "gateway")
+    builder = (x509.CertificateBuilder().subject_name(cert.subject).issuer_name(cert.issuer)
+               .public_key(cert.public_key()).serial_number(x509.random_serial_number())
+               .not_valid_before(cert.not_valid_before_utc).not_valid_after(cert.not_valid_after_utc))
+    for ext in cert.extensions:
+        if isinstance(ext.value, x509.SubjectAlternativeName):
+            names = [n for n in ext.value if not isinstance(n, x509.UniformResourceIdentifier)]
+            names += [x509.UniformResourceIdentifier(uri)] if uri else []
+            builder = builder.add_extension(x509.SubjectAlternativeName(names), ext.critical)
+        else:
+            builder = builder.add_extension(ext.value, ext.critical)
+    write_secret(tmp_path / "odd", builder.sign(ca_key, hashes.SHA256()), key, ca_cert)
+    with channel_as(stack, tmp_path / "odd", "scheduler") as channel:
+        error = refusal(scheduler_call(scheduler_pb2_grpc.SchedulerStub(channel), "Session"))
+    assert error.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert stack["operator"].Stats(scheduler_pb2.StatsRequest(), timeout=5).num_requests == 0
+
+
+@pytest.mark.parametrize("target", ["scheduler", "executor"])
+def test_health_and_reflection_answer_any_certificate_from_the_ca(stack, target):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    # Roles that may call none of the target's own methods.
+    for role in ("operator", "gateway" if target == "executor" else "executor"):
+        with channel_as(stack, stack["certs"] / role, target) as channel:
+            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+            listing = next(reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5))
+        assert status == health_pb2.HealthCheckResponse.SERVING
+        assert f"stepwire.internal.{target.capitalize()}" in {s.name for s in listing.list_services_response.service}
+
+
+@pytest.mark.parametrize("module,role", [("scheduler_service.server", "gateway"),
+                                         ("executor_service.server", "scheduler")])
+def test_a_service_given_another_roles_certificate_refuses_to_start(stack, module, role):
+    (port,) = free_ports(1)
+    done = subprocess.run([sys.executable, "-m", module, "--address", f"127.0.0.1:{port}", "--metrics-address", "",
+                           "--tls-dir", str(stack["certs"] / role)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode != 0
+    assert "must name this service's role" in done.stderr and f"it names {role}" in done.stderr
 
 
 def presented_names(port: int, certs: Path) -> set[str]:

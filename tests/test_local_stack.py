@@ -5,7 +5,7 @@ import sys
 import time
 
 from stepwire.contract.settings import load
-from stepwire.local_stack import Child, ServeSettings, children, keep_up
+from stepwire.local_stack import Child, ServeSettings, certificates, children, keep_up
 from stepwire.tethered import ProcessGroup
 
 
@@ -34,6 +34,18 @@ def test_serve_gives_each_executor_its_own_port_and_a_share_of_the_cores():
     assert "--deterministic" not in one.command
     assert all("--deterministic" in c.command
                for c in children(load(ServeSettings, ["--executors", "2", "--deterministic"]))[0])
+
+
+def test_a_certs_folder_from_before_roles_is_made_again_and_a_current_one_is_kept(tmp_path):
+    from security.identity import ROLES, role_of
+
+    (tmp_path / "ca.crt").write_text("a CA whose certificates name no role")
+    d, temporary = certificates(load(ServeSettings, ["--certs-dir", str(tmp_path)]))
+    assert d == tmp_path and temporary is None
+    assert all(role_of((d / r / "tls.crt").read_bytes(), "stepwire.local") == r for r in ROLES)
+    ca = (d / "ca.crt").read_bytes()
+    certificates(load(ServeSettings, ["--certs-dir", str(tmp_path)]))
+    assert (d / "ca.crt").read_bytes() == ca
 
 
 def test_an_executor_that_exits_is_started_again_and_one_that_keeps_dying_waits_longer_each_time():
@@ -94,11 +106,11 @@ def test_serve_restarts_a_killed_executor_and_keeps_serving_meanwhile(tmp_path):
     try:
         url = f"http://127.0.0.1:{http}"
         wait_http_ready(url, {"serve": serve}, logs=[tmp_path / "serve.log"])
-        # The local stack is mTLS inside: plaintext is refused, the gateway's certificate is taken.
+        # The local stack is mTLS inside: plaintext is refused, and Stats answers the operator's certificate.
         with pytest.raises(grpc.RpcError):
             scheduler_pb2_grpc.SchedulerStub(grpc.insecure_channel(f"127.0.0.1:{sc}")).Stats(
                 scheduler_pb2.StatsRequest(), timeout=5)
-        me = tmp_path / "certs" / "gateway"
+        me = tmp_path / "certs" / "operator"
         creds = grpc.ssl_channel_credentials((me / "ca.crt").read_bytes(), (me / "tls.key").read_bytes(),
                                              (me / "tls.crt").read_bytes())
         stub = scheduler_pb2_grpc.SchedulerStub(grpc.secure_channel(
@@ -128,3 +140,6 @@ def test_serve_restarts_a_killed_executor_and_keeps_serving_meanwhile(tmp_path):
         serve.send_signal(signal.SIGTERM)
         assert serve.wait(timeout=60) == 0
         log.close()
+    # An executor and a scheduler lost and an ordinary stop: one line for each fault, no traceback.
+    text = (tmp_path / "serve.log").read_text()
+    assert "Traceback" not in text and "aclose()" not in text and "Task was destroyed" not in text

@@ -22,7 +22,8 @@ def test_the_contract_has_the_services_the_design_names():
 
     assert methods(generation_pb2, "Generation") == {"Generate", "GenerateStream", "Tokenize", "ModelInfo"}
     # No Abort by id: only the call that submitted a request may end it.
-    assert methods(scheduler_pb2, "Scheduler") == {"Submit", "Session", "Stats"}
+    # Limits for gateways, Stats for the operator: a gateway's certificate cannot read the fleet.
+    assert methods(scheduler_pb2, "Scheduler") == {"Submit", "Session", "Limits", "Stats"}
     assert methods(executor_pb2, "Executor") == {"Describe", "Step"}
     step = executor_pb2.StepRequest.DESCRIPTOR
     assert "traceparent" in step.fields_by_name and "epoch" in step.fields_by_name

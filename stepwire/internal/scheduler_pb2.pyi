@@ -77,6 +77,16 @@ class AbortRequest(_message.Message):
     request_ids: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class LimitsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LimitsResponse(_message.Message):
+    __slots__ = ("max_model_len",)
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    max_model_len: int
+    def __init__(self, max_model_len: _Optional[int] = ...) -> None: ...
+
 class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

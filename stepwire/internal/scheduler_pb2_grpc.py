@@ -44,6 +44,11 @@ class SchedulerStub:
                 request_serializer=stepwire_dot_internal_dot_scheduler__pb2.SessionRequest.SerializeToString,
                 response_deserializer=stepwire_dot_internal_dot_scheduler__pb2.SessionOutput.FromString,
                 _registered_method=True)
+        self.Limits = channel.unary_unary(
+                '/stepwire.internal.Scheduler/Limits',
+                request_serializer=stepwire_dot_internal_dot_scheduler__pb2.LimitsRequest.SerializeToString,
+                response_deserializer=stepwire_dot_internal_dot_scheduler__pb2.LimitsResponse.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/stepwire.internal.Scheduler/Stats',
                 request_serializer=stepwire_dot_internal_dot_scheduler__pb2.StatsRequest.SerializeToString,
@@ -70,9 +75,17 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Stats(self, request, context):
+    def Limits(self, request, context):
         """There is no Abort method: only the Session or Submit call that submitted a request can end it (an abort
         on that Session, or cancelling that Submit), so no other client can abort a request it does not own.
+        What a gateway checks requests against before it submits them. (Stats, for operators, shows far more.)
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Stats(self, request, context):
+        """The fleet as an operator sees it: every executor's address, epoch, load and counters.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -90,6 +103,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Session,
                     request_deserializer=stepwire_dot_internal_dot_scheduler__pb2.SessionRequest.FromString,
                     response_serializer=stepwire_dot_internal_dot_scheduler__pb2.SessionOutput.SerializeToString,
+            ),
+            'Limits': grpc.unary_unary_rpc_method_handler(
+                    servicer.Limits,
+                    request_deserializer=stepwire_dot_internal_dot_scheduler__pb2.LimitsRequest.FromString,
+                    response_serializer=stepwire_dot_internal_dot_scheduler__pb2.LimitsResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -151,6 +169,33 @@ class Scheduler:
             '/stepwire.internal.Scheduler/Session',
             stepwire_dot_internal_dot_scheduler__pb2.SessionRequest.SerializeToString,
             stepwire_dot_internal_dot_scheduler__pb2.SessionOutput.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Limits(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stepwire.internal.Scheduler/Limits',
+            stepwire_dot_internal_dot_scheduler__pb2.LimitsRequest.SerializeToString,
+            stepwire_dot_internal_dot_scheduler__pb2.LimitsResponse.FromString,
             options,
             channel_credentials,
             insecure,

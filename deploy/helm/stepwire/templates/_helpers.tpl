@@ -67,11 +67,28 @@ checkov.io/skip4: CKV_K8S_38=The scheduler lists and watches EndpointSlices, so 
 {{- default (printf "%s-tls" (include "stepwire.component" (list $root $component))) (index $root.Values.tls.secrets $component) -}}
 {{- end -}}
 
-{{/* Flags every service takes for its mTLS identity, or --insecure when TLS is off. */}}
+{{/* The trust domain of the roles, checked here so that a bad one fails the render, not the pods. */}}
+{{- define "stepwire.trustDomain" -}}
+{{- $td := .Values.tls.trustDomain -}}
+{{- if not (regexMatch "^[a-z0-9._-]+$" $td) -}}
+{{- fail (printf "tls.trustDomain must be lower-case letters, digits, '.', '-' and '_', not %q" $td) -}}
+{{- end -}}
+{{- $td -}}
+{{- end -}}
+
+{{/* The SPIFFE ID of a role: the URI its certificate carries and servers check. Call with (list $ "gateway"). */}}
+{{- define "stepwire.spiffeId" -}}
+{{- printf "spiffe://%s/%s" (include "stepwire.trustDomain" (index . 0)) (index . 1) -}}
+{{- end -}}
+
+{{/* Flags the scheduler and the executors take for their mTLS identity and the roles they admit, or
+     --insecure when TLS is off. */}}
 {{- define "stepwire.tlsArgs" -}}
 {{- if .Values.tls.enabled }}
 - --tls-dir
 - /etc/stepwire/tls
+- --trust-domain
+- {{ include "stepwire.trustDomain" . }}
 {{- else }}
 - --insecure
 {{- end }}
