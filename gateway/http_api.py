@@ -20,12 +20,14 @@ from starlette.middleware.authentication import AuthenticationMiddleware
 
 from gateway.auth import ApiKeys, HttpKeys, KeyRefused
 from gateway.body_limit import BodyLimit
-from gateway.core import Backend, GenerationParams, Usage
-from gateway.http_models import ChatMessage, Strict, message_dicts
+from gateway.core import MAX_N, Backend, GenerationParams, Usage
+from gateway.http_models import ChatMessage, Strict, documented, message_dicts
 from gateway.session import SchedulerError
 from gateway.telemetry import GatewayMetrics, Observation
 from gateway.tokenize_api import add_tokenize_routes
 from stepwire.contract import InvalidRequestError, SamplingParams
+from stepwire.contract.limits import FLOAT32_MAX, INT32_MAX, INT32_MIN, UINT32_MAX, UINT64_MAX
+from stepwire.contract.sampling import MAX_LOGPROBS, MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})   # probes and Prometheus carry no API key
 # After a 413 the server hangs up rather than read (and discard) the rest of an oversized body.
@@ -39,38 +41,40 @@ class StreamOptions(Strict):
 
 class _Sampling(Strict):
     model: str
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    n: int = 1
+    max_tokens: int | None = documented(None, minimum=1, maximum=UINT32_MAX)
+    temperature: float = documented(1.0, minimum=0, maximum=FLOAT32_MAX)
+    top_p: float = documented(1.0, exclusiveMinimum=0, maximum=1)
+    n: int = documented(1, minimum=1, maximum=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    stop: str | list[str] | None = documented(None, maxItems=MAX_STOP, maxLength=MAX_STOP_CHARS)
+    seed: int | None = documented(None, minimum=0, maximum=UINT64_MAX)
     user: str | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    # Only 0 is supported yet.
+    presence_penalty: float = documented(0.0, minimum=0, maximum=0)
+    frequency_penalty: float = documented(0.0, minimum=0, maximum=0)
     # Beyond OpenAI, as vLLM accepts them.
-    top_k: int = -1
-    min_p: float = 0.0
-    min_tokens: int = 0
+    top_k: int = documented(-1, minimum=-1, maximum=INT32_MAX)
+    min_p: float = documented(0.0, minimum=0, maximum=1)
+    min_tokens: int = documented(0, minimum=0, maximum=UINT32_MAX)
     ignore_eos: bool = False
-    stop_token_ids: list[int] = Field(default_factory=list)
-    priority: int = 0
+    stop_token_ids: list[int] = Field(default_factory=list, json_schema_extra={
+        "maxItems": MAX_STOP_TOKEN_IDS, "items": {"type": "integer", "minimum": 0, "maximum": UINT32_MAX}})
+    priority: int = documented(0, minimum=INT32_MIN, maximum=INT32_MAX)
     cache_salt: str | None = None
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int]
-    logprobs: int | None = None
-    echo: bool = False
+    logprobs: int | None = documented(None, minimum=0, maximum=MAX_LOGPROBS)
+    echo: bool = documented(False, enum=[False])   # not supported
 
 
 class ChatRequest(_Sampling):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    messages: list[ChatMessage] = documented(minItems=1)
+    max_completion_tokens: int | None = documented(None, minimum=1, maximum=UINT32_MAX)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = documented(None, minimum=0, maximum=MAX_LOGPROBS)
 
 
 def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",

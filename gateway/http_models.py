@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from stepwire.contract import InvalidRequestError
+from stepwire.contract.requests import CHAT_ROLES
+
+
+def documented(default: Any = ..., **schema) -> Any:
+    """A field whose range the OpenAPI schema states (for clients and fuzzers) while stepwire.contract checks
+    it: one rule, with the contract's wording and the same answer over gRPC."""
+    return Field(default, json_schema_extra=schema)
 
 
 class Strict(BaseModel):
@@ -20,7 +29,7 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(Strict):
-    role: str   # checked with the gRPC API's rule, in the backend
+    role: str = documented(enum=list(CHAT_ROLES))   # checked with the gRPC API's rule, in the backend
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
