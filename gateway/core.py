@@ -128,22 +128,31 @@ class Backend:
         """Token ids of a text prompt; one that cannot fit the context is refused before it is tokenized."""
         return await self._off_loop(self._encode, text, add_special_tokens, await self._text_limit())
 
-    async def encode_chat(self, messages: list[dict]) -> list[int]:
+    async def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                          add_special_tokens: bool = False) -> list[int]:
         check_chat(messages)
-        return await self._off_loop(self._encode_chat, messages, await self._text_limit())
+        return await self._off_loop(self._encode_chat, messages, add_generation_prompt, add_special_tokens,
+                                    await self._text_limit())
+
+    async def decode(self, token_ids: list[int]) -> str:
+        """The text of token ids the model knows, special tokens included (as vLLM's /detokenize gives it)."""
+        if token_ids:   # no tokens: no text
+            check_prompt(token_ids, self.tokenizer.vocab_size, "tokens")
+        return await self._off_loop(self.tokenizer.decode, token_ids, False)
 
     def _encode(self, text: str, add_special_tokens: bool, limit: int) -> list[int]:
         self._refuse_oversize(text, limit, "prompt")
         return self.tokenizer.encode(text, add_special_tokens)
 
-    def _encode_chat(self, messages: list[dict], limit: int) -> list[int]:
+    def _encode_chat(self, messages: list[dict], add_generation_prompt: bool, add_special_tokens: bool,
+                     limit: int) -> list[int]:
         try:
-            text = self.tokenizer.render_chat(messages)
+            text = self.tokenizer.render_chat(messages, add_generation_prompt)
         except ChatTemplateError as e:
             raise InvalidRequestError("messages", str(e)) from None
         self._refuse_oversize(text, limit, "messages")
-        # The rendered template already holds its special tokens.
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        # The rendered template already holds its special tokens, unless it is asked for more.
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     async def _text_limit(self) -> int:
         """The most bytes a prompt that can still fit may have; 0 while the context length is unknown (no

@@ -1,4 +1,5 @@
-"""OpenAI-compatible HTTP: /v1/completions, /v1/chat/completions (SSE or not), /v1/models, /health."""
+"""OpenAI-compatible HTTP: /v1/completions, /v1/chat/completions (SSE or not), /v1/models, vLLM's /tokenize and
+/detokenize, /health."""
 
 from __future__ import annotations
 
@@ -13,79 +14,67 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 from starlette.exceptions import HTTPException
 from starlette.middleware.authentication import AuthenticationMiddleware
 
 from gateway.auth import ApiKeys, HttpKeys, KeyRefused
 from gateway.body_limit import BodyLimit
-from gateway.core import Backend, GenerationParams, Usage
+from gateway.core import MAX_N, Backend, GenerationParams, Usage
+from gateway.http_models import ChatMessage, Strict, documented, message_dicts
 from gateway.session import SchedulerError
 from gateway.telemetry import GatewayMetrics, Observation
+from gateway.tokenize_api import add_tokenize_routes
 from stepwire.contract import InvalidRequestError, SamplingParams
+from stepwire.contract.limits import FLOAT32_MAX, INT32_MAX, INT32_MIN, UINT32_MAX, UINT64_MAX
+from stepwire.contract.sampling import MAX_LOGPROBS, MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})   # probes and Prometheus carry no API key
 # After a 413 the server hangs up rather than read (and discard) the rest of an oversized body.
 CLOSE = {"Connection": "close"}
 
 
-class _Strict(BaseModel):
-    # Unknown fields are refused, as OpenAI refuses them, instead of being silently ignored.
-    model_config = ConfigDict(extra="forbid")
-
-
-class StreamOptions(_Strict):
+class StreamOptions(Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class _Sampling(_Strict):
+class _Sampling(Strict):
     model: str
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    n: int = 1
+    max_tokens: int | None = documented(None, minimum=1, maximum=UINT32_MAX)
+    temperature: float = documented(1.0, minimum=0, maximum=FLOAT32_MAX)
+    top_p: float = documented(1.0, exclusiveMinimum=0, maximum=1)
+    n: int = documented(1, minimum=1, maximum=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    stop: str | list[str] | None = documented(None, maxItems=MAX_STOP, maxLength=MAX_STOP_CHARS)
+    seed: int | None = documented(None, minimum=0, maximum=UINT64_MAX)
     user: str | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    # Only 0 is supported yet.
+    presence_penalty: float = documented(0.0, minimum=0, maximum=0)
+    frequency_penalty: float = documented(0.0, minimum=0, maximum=0)
     # Beyond OpenAI, as vLLM accepts them.
-    top_k: int = -1
-    min_p: float = 0.0
-    min_tokens: int = 0
+    top_k: int = documented(-1, minimum=-1, maximum=INT32_MAX)
+    min_p: float = documented(0.0, minimum=0, maximum=1)
+    min_tokens: int = documented(0, minimum=0, maximum=UINT32_MAX)
     ignore_eos: bool = False
-    stop_token_ids: list[int] = Field(default_factory=list)
-    priority: int = 0
+    stop_token_ids: list[int] = Field(default_factory=list, json_schema_extra={
+        "maxItems": MAX_STOP_TOKEN_IDS, "items": {"type": "integer", "minimum": 0, "maximum": UINT32_MAX}})
+    priority: int = documented(0, minimum=INT32_MIN, maximum=INT32_MAX)
     cache_salt: str | None = None
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int]
-    logprobs: int | None = None
-    echo: bool = False
-
-
-class ContentPart(BaseModel):
-    # Other part types (image_url, input_audio, ...) carry fields of their own; they are refused by type.
-    model_config = ConfigDict(extra="allow")
-    type: str
-    text: str | None = None
-
-
-class ChatMessage(_Strict):
-    role: str   # checked with the gRPC API's rule, in the backend
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
+    logprobs: int | None = documented(None, minimum=0, maximum=MAX_LOGPROBS)
+    echo: bool = documented(False, enum=[False])   # not supported
 
 
 class ChatRequest(_Sampling):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    messages: list[ChatMessage] = documented(minItems=1)
+    max_completion_tokens: int | None = documented(None, minimum=1, maximum=UINT32_MAX)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = documented(None, minimum=0, maximum=MAX_LOGPROBS)
 
 
 def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
@@ -181,6 +170,8 @@ def build_app(backend: Backend, metrics: GatewayMetrics, api_keys: ApiKeys | Non
         # A bug, not the client's doing; Starlette re-raises it after this answer, so the server logs it.
         return _error(500, "the server had an error while processing the request", kind="server_error")
 
+    add_tokenize_routes(app, backend)
+
     @app.get("/v1/models")
     async def models():
         await backend.refresh()
@@ -208,25 +199,13 @@ def build_app(backend: Backend, metrics: GatewayMetrics, api_keys: ApiKeys | Non
             if req.top_logprobs is not None and not req.logprobs:
                 raise InvalidRequestError("top_logprobs", "top_logprobs needs logprobs: true")
             p = _params(backend, req, req.max_completion_tokens or req.max_tokens, n_lp)
-            prompt = await backend.encode_chat([{"role": m.role, "content": _text(m.content)} for m in req.messages])
+            prompt = await backend.encode_chat(message_dicts(req.messages))
             return await _respond(backend, raw, req, prompt, p, True, obs)
         except InvalidRequestError as e:
             obs.end(400, error=str(e))
             raise
 
     return app
-
-
-def _text(content: str | list[ContentPart] | None) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    parts = []
-    for part in content:
-        if part.type != "text":
-            raise InvalidRequestError("messages", f"content parts of type {_short(part.type, 40)!r} are not "
-                                                  "supported")
-        parts.append(part.text or "")
-    return "".join(parts)
 
 
 def _refused(conn, exc: KeyRefused) -> JSONResponse:

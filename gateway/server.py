@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import resource
+from functools import partial
 from pathlib import Path
 
 import grpc
@@ -12,6 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from gateway.auth import ApiKeys, GrpcKeys, require_key_beyond_loopback
+from gateway.connection_limits import ConnectionLimits, LimitedH11Protocol
 from gateway.core import Backend
 from gateway.grpc_api import SERVICE, GenerationService
 from gateway.http_api import build_app, build_health_app
@@ -30,6 +33,8 @@ log = logging.getLogger("stepwire.gateway")
 
 
 KEEPALIVE_MS = 5000
+# Descriptors the gateway needs beside its HTTP clients: gRPC clients and the scheduler link, model files, logs.
+DESCRIPTOR_HEADROOM = 256
 
 
 def scheduler_channel(s: GatewaySettings) -> grpc.aio.Channel:
@@ -120,12 +125,15 @@ async def serve(s: GatewaySettings, model_name: str, api_keys: ApiKeys) -> None:
     # measured: 20 s and more), so the wait for open connections is bounded.
     public_tls = {"ssl_certfile": s.public_tls_cert, "ssl_keyfile": s.public_tls_key,
                   "timeout_graceful_shutdown": 10} if s.public_tls_cert else {}
+    # Each port gets its own cap, so a flood on the API port cannot starve the probes' port.
+    limits = {"http": partial(LimitedH11Protocol, limits=ConnectionLimits(s.read_timeout_seconds, s.max_connections))}
     http = [uvicorn.Config(build_app(backend, metrics, api_keys, s.max_body_bytes), host=s.host, port=s.port,
-                           log_level="warning", **public_tls)]
+                           log_level="warning", **limits, **public_tls)]
     if s.health_port:
         log.info("/health and /metrics also on http://%s:%d, without a key", s.host, s.health_port)
         http.append(uvicorn.Config(build_health_app(backend, metrics), host=s.host, port=s.health_port,
-                                   log_level="warning"))
+                                   log_level="warning", **limits))
+    warn_if_over_descriptor_limit(s.max_connections * len(http))
     try:
         # On a signal each server stops and hands the signal on to the one that set its handler before it.
         await asyncio.gather(*(uvicorn.Server(config).serve() for config in http))
@@ -133,6 +141,14 @@ async def serve(s: GatewaySettings, model_name: str, api_keys: ApiKeys) -> None:
         follower.cancel()
         await server.stop(grace=2)
         tracing.shutdown()
+
+
+def warn_if_over_descriptor_limit(connections: int) -> None:
+    # Past the limit accept() fails and asyncio stops accepting for a second at a time, for everyone.
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and connections + DESCRIPTOR_HEADROOM > soft:
+        log.warning("--max-connections allows %d HTTP connections but the process may open only %d files; "
+                    "raise the limit (ulimit -n) or lower --max-connections", connections, soft)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,5 +1,5 @@
 """The gateway process's settings: the model's tokenizer, the scheduler it forwards to, its ports, API keys
-and request size limits."""
+and request size, time and connection limits."""
 
 from __future__ import annotations
 
@@ -27,6 +27,12 @@ class GatewaySettings(TLSSettings):
                              "on this plain HTTP port on --host (for probes and Prometheus); 0: off")
     max_body_bytes: int = Field(2 << 20, ge=1, description="largest HTTP request body and gRPC request message, in "
                                 "bytes: larger gets 413 or RESOURCE_EXHAUSTED")
+    read_timeout_seconds: float = Field(30.0, gt=0, description="the longest a client may take to send a whole HTTP "
+                                        "request, headers and body, counted from its connection or, on a kept-alive "
+                                        "one, from the request's first byte: then 408 and the connection closes")
+    max_connections: int = Field(4096, ge=1, description="open HTTP connections per port (idle, slow and busy ones "
+                                 "alike); one more is answered 503 and closed. Keep it below the process's file "
+                                 "descriptor limit")
     scheduler_wait_seconds: float = Field(60.0, ge=0, description="when the scheduler is lost (a crash, a restart, "
                                           "SIGTERM), how long requests in flight wait for it to serve again before "
                                           "they fail UNAVAILABLE; those it serves again in time are resubmitted "

@@ -242,6 +242,13 @@ def test_http_with_any_of_the_keys_is_served(keyed, key):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text
 
 
+def test_tokenize_and_detokenize_are_served_with_a_key(keyed):
+    auth = {"Authorization": "Bearer sk-file-one"}
+    tokens = httpx.post(keyed[0].url + "/tokenize", json={"prompt": "Hi"}, headers=auth, timeout=HANG).json()["tokens"]
+    r = httpx.post(keyed[0].url + "/detokenize", json={"tokens": tokens}, headers=auth, timeout=HANG)
+    assert r.status_code == 200 and r.json() == {"prompt": "Hi"}, r.text
+
+
 def test_the_openai_client_authenticates_with_its_api_key(keyed):
     url = keyed[0].url + "/v1"
     with pytest.raises(openai.AuthenticationError):
@@ -255,7 +262,7 @@ def test_the_openai_client_authenticates_with_its_api_key(keyed):
 def test_every_api_path_needs_a_key_even_one_that_does_not_exist(keyed):
     url = keyed[0].url
     for method, path in [("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("POST", "/v1/nothing"),
-                         ("GET", "/openapi.json")]:
+                         ("GET", "/openapi.json"), ("POST", "/tokenize"), ("POST", "/detokenize")]:
         assert httpx.request(method, url + path, timeout=HANG).status_code == 401, path
 
 

@@ -100,6 +100,9 @@ def test_the_chart_lints_clean_and_each_value_set_renders_what_it_asks_for(rende
     assert flag(container(executor)["args"], "--threads") == "2"
     gateway = container(find(default, "Deployment", "gateway"))
     assert gateway["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "5"]
+    # The slow-client limits reach the gateway as flags, with the gateway's own defaults.
+    assert (flag(gateway["args"], "--read-timeout-seconds"), flag(gateway["args"], "--max-connections")) == \
+        ("30", "4096")
 
     gpu = find(rendered["gpu-tp2"], "Deployment", "executor")
     c = container(gpu)
