@@ -36,9 +36,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from executor_service.runner import RunnerConfig  # noqa: E402
+from launcher.engine import LLMEngine  # noqa: E402
 from scheduler_service import SchedulerConfig  # noqa: E402
 from stepwire.contract import SamplingParams  # noqa: E402
-from stepwire.engine import LLMEngine  # noqa: E402
 
 
 def sync(device: str) -> None:

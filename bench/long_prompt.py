@@ -54,7 +54,7 @@ def start_stack(knobs: dict[str, int] | None):
         env.update({k: str(v) for k, v in zip(KNOBS, knobs.values(), strict=True)})
     port, grpc_port = free_port(), free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "stepwire.cli", "serve", "--model", str(MODEL), "--port", str(port),
+        [sys.executable, "-m", "launcher.cli", "serve", "--model", str(MODEL), "--port", str(port),
          "--grpc-port", str(grpc_port), "--scheduler-port", str(free_port()), "--executor-port", str(free_port()),
          "--scheduler-metrics-port", str(free_port()), "--executor-metrics-port", str(free_port())],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)

@@ -22,9 +22,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from executor_service.runner import RunnerConfig  # noqa: E402
+from launcher.engine import LLMEngine  # noqa: E402
 from scheduler_service import SchedulerConfig  # noqa: E402
 from stepwire.contract import SamplingParams  # noqa: E402
-from stepwire.engine import LLMEngine  # noqa: E402
 
 # The linear layers of SmolLM2-135M cost about 0.27 GFLOP per token; the MLP-shaped matmuls run at about
 # 340 GFLOP/s in float32 on the reference 2-core machine, hence this ceiling (tokens/s).

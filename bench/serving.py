@@ -86,7 +86,7 @@ async def http_run(url: str, model: str, prompts: list[str], tokens: int, concur
 
 def inproc_engine():
     from executor_service.runner import RunnerConfig
-    from stepwire.engine import LLMEngine
+    from launcher.engine import LLMEngine
 
     return LLMEngine(RunnerConfig(str(MODEL), kv_cache_memory=1 << 30))
 
@@ -154,7 +154,7 @@ CERTS = ROOT / ".peers" / "bench-certs"     # `stepwire serve` makes them on fir
 def start_stack(env: dict | None = None, tls: bool = True, model: Path = MODEL, extra: tuple[str, ...] = ()):
     """`stepwire serve` on free ports (mTLS inside unless `tls` is off): (process, URL, scheduler port)."""
     port, grpc_port, sc, ex = free_port(), free_port(), free_port(), free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "stepwire.cli", "serve", "--model", str(model), *extra,
+    proc = subprocess.Popen([sys.executable, "-m", "launcher.cli", "serve", "--model", str(model), *extra,
                              "--port", str(port),
                              "--grpc-port", str(grpc_port), "--scheduler-port", str(sc), "--executor-port", str(ex),
                              "--scheduler-metrics-port", str(free_port()), "--executor-metrics-port", str(free_port()),

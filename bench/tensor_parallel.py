@@ -33,9 +33,9 @@ from tokenizers import Tokenizer  # noqa: E402
 
 from bench.offline_throughput import prompt_texts  # noqa: E402
 from executor_service.runner import RunnerConfig  # noqa: E402
+from launcher.engine import LLMEngine  # noqa: E402
 from scheduler_service import SchedulerConfig  # noqa: E402
 from stepwire.contract import SamplingParams  # noqa: E402
-from stepwire.engine import LLMEngine  # noqa: E402
 
 
 def timed(engine: LLMEngine) -> dict:

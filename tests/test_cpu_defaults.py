@@ -160,7 +160,7 @@ def test_the_in_process_engine_takes_the_same_device_defaults_as_the_scheduler_s
     from tiny_model import kv_bytes, write_tiny_llama
 
     from executor_service.runner import RunnerConfig
-    from stepwire.engine import LLMEngine
+    from launcher.engine import LLMEngine
     engine = LLMEngine(RunnerConfig(str(write_tiny_llama(tmp_path)), block_size=4, kv_cache_memory=kv_bytes(64),
                                     max_model_len=128))
     assert step_knobs(engine.scheduler.config) == CPU

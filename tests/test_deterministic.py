@@ -98,7 +98,7 @@ def test_invariant_attention_ignores_keys_past_the_query_and_which_rows_come_wit
 
 def _engine(dtype: str):
     from executor_service.runner import RunnerConfig
-    from stepwire.engine import LLMEngine
+    from launcher.engine import LLMEngine
     return LLMEngine(RunnerConfig(str(MODEL), dtype=dtype, deterministic=True, kv_cache_memory=32 << 20,
                                   max_num_seqs=64, max_model_len=256))
 
@@ -208,9 +208,9 @@ def test_one_two_and_three_tensor_parallel_ranks_give_a_request_the_same_bits(dt
     if not (MODEL / "conversion.json").exists():
         pytest.skip("embedded model not converted (make model)")
     from executor_service.runner import RunnerConfig
+    from launcher.engine import LLMEngine
     from scheduler_service import SchedulerConfig
     from stepwire.contract import SamplingParams
-    from stepwire.engine import LLMEngine
     rng = np.random.default_rng(3)
     shared = rng.integers(100, 40000, 24).tolist()
     prompts = [shared + rng.integers(100, 40000, n).tolist() for n in (3, 17)] + [shared[:9], [42]]

@@ -13,8 +13,8 @@ from helpers import wait_executor_idle  # noqa: E402
 
 from executor_service.runner import RunnerConfig  # noqa: E402
 from gateway.tokenizer import ModelTokenizer  # noqa: E402
+from launcher.engine import LLMEngine  # noqa: E402
 from stepwire.contract import SamplingParams  # noqa: E402
-from stepwire.engine import LLMEngine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"

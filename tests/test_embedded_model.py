@@ -11,9 +11,9 @@ transformers = pytest.importorskip("transformers")
 from helpers import record_logits  # noqa: E402
 
 from executor_service.runner import RunnerConfig  # noqa: E402
+from launcher.engine import LLMEngine  # noqa: E402
 from scheduler_service import SchedulerConfig  # noqa: E402
 from stepwire.contract import SamplingParams  # noqa: E402
-from stepwire.engine import LLMEngine  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 MODEL = Path(__file__).resolve().parent.parent / "models" / "SmolLM2-135M-Instruct"

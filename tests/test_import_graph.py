@@ -1,5 +1,6 @@
 """No service imports another: each imports only itself, the contract, the generated protos, observability and
-security.
+security. The `stepwire` package (the bottom) imports no service and nothing above; only `launcher` (the
+top) composes services, and nothing below imports it. No import cycle anywhere.
 
 The services ship as separate images and scale separately; a service that reaches into another's modules
 drags that service's dependencies and assumptions into its own pod. The check reads every import
@@ -13,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 FIRST_PARTY = {"scheduler_service", "executor_service", "gateway", "observability", "security", "stepwire", "tools",
-               "bench", "tests", "helpers"}
+               "bench", "tests", "helpers", "launcher"}
 SHARED = {"stepwire.contract", "stepwire.v1", "stepwire.internal", "observability", "security"}
 # Each package (a folder under the repository root) and the first-party modules it may import.
 RULES = {
@@ -22,6 +23,7 @@ RULES = {
     "gateway": {"gateway"} | SHARED,
     "observability": {"observability"},
     "security": {"security", "stepwire.contract"},
+    "stepwire": {"stepwire"},
     "stepwire/contract": {"stepwire.contract", "stepwire.v1", "stepwire.internal"},
     "stepwire/v1": {"stepwire.v1", "stepwire.internal"},
     "stepwire/internal": {"stepwire.internal"},
@@ -63,7 +65,83 @@ def test_the_check_catches_a_service_that_imports_another(tmp_path):
     pkg.mkdir()
     (pkg / "ok.py").write_text("import json\nfrom stepwire.contract import SamplingParams\nimport observability\n")
     (pkg / "bad.py").write_text("import grpc\n\n\ndef later():\n    from scheduler_service.request import Request\n")
-    (pkg / "worse.py").write_text("import executor_service.runner as r\nfrom stepwire import engine\n")
+    (pkg / "worse.py").write_text("import executor_service.runner as r\nfrom launcher import engine\n")
     found = violations(pkg, RULES["gateway"])
     assert found == ["gateway/bad.py:5 imports scheduler_service.request", "gateway/worse.py:1 imports "
-                     "executor_service.runner", "gateway/worse.py:2 imports stepwire"]
+                     "executor_service.runner", "gateway/worse.py:2 imports launcher"]
+
+
+# ---- cycles ----------------------------------------------------------------------------------------------------
+
+RUNTIME = ["stepwire", "security", "observability", "scheduler_service", "executor_service", "gateway", "launcher"]
+
+
+def module_graph(root: Path, packages: list[str]) -> dict[str, set[str]]:
+    """module -> the first-party modules it imports (a `from a import b` counts as a.b where that is a module)."""
+    names = {".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): p
+             for pkg in packages for p in (root / pkg).rglob("*.py")}
+    graph = {}
+    for name, path in names.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                deps |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in names else node.module
+                         for a in node.names}
+        graph[name] = {d for d in deps if d in names and d != name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iteratively)."""
+    index, low, on_stack, stack, found, counter = {}, {}, set(), [], [], [0]
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = counter[0]
+        counter[0] += 1
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter[0]
+                    counter[0] += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    top = stack.pop()
+                    on_stack.discard(top)
+                    component.append(top)
+                    if top == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_no_module_imports_itself_back_through_others():
+    assert cycles(module_graph(ROOT, RUNTIME)) == []
+
+
+def test_the_cycle_check_finds_a_cycle_through_three_modules(tmp_path):
+    pkg = tmp_path / "gateway"
+    pkg.mkdir()
+    (pkg / "a.py").write_text("from gateway import b\n")
+    (pkg / "b.py").write_text("import gateway.c\n")
+    (pkg / "c.py").write_text("def later():\n    from gateway.a import x\n")
+    (pkg / "d.py").write_text("import gateway.a\n")
+    assert cycles(module_graph(tmp_path, ["gateway"])) == [["gateway.a", "gateway.b", "gateway.c"]]

@@ -4,9 +4,9 @@ import os
 import sys
 import time
 
+from launcher.local_stack import Child, ServeSettings, certificates, children, keep_up
+from launcher.tethered import ProcessGroup
 from stepwire.contract.settings import load
-from stepwire.local_stack import Child, ServeSettings, certificates, children, keep_up
-from stepwire.tethered import ProcessGroup
 
 
 def _flag(command, name):
@@ -98,7 +98,7 @@ def test_serve_restarts_a_killed_executor_and_keeps_serving_meanwhile(tmp_path):
     http, grpc_port, sc, ex, m1, m2 = free_ports(6)
     log = open(tmp_path / "serve.log", "w")
     serve = subprocess.Popen(
-        [sys.executable, "-m", "stepwire.cli", "serve", "--model", str(model), "--executors", "2", "--port", str(http),
+        [sys.executable, "-m", "launcher.cli", "serve", "--model", str(model), "--executors", "2", "--port", str(http),
          "--grpc-port", str(grpc_port), "--scheduler-port", str(sc), "--executor-port", str(ex),
          "--kv-cache-memory", str(64 << 20), "--scheduler-metrics-port", str(m1), "--executor-metrics-port", str(m2),
          "--certs-dir", str(tmp_path / "certs")],

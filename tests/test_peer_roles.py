@@ -57,7 +57,7 @@ def test_a_certificate_naming_no_role_or_two_is_nobody():
 
 
 def test_stepwire_certs_issues_one_certificate_per_role_and_the_operators_only_authenticates(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "stepwire.cli", "certs", str(tmp_path), "--trust-domain", "lab.test"],
+    done = subprocess.run([sys.executable, "-m", "launcher.cli", "certs", str(tmp_path), "--trust-domain", "lab.test"],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     for role in ROLES:
@@ -80,7 +80,7 @@ def test_a_bad_trust_domain_is_refused_where_it_is_given(tmp_path):
     with pytest.raises(SystemExit) as e:
         load(SchedulerSettings, ["--trust-domain", "Stepwire/Local"])
     assert "trust_domain" in str(e.value)
-    done = subprocess.run([sys.executable, "-m", "stepwire.cli", "certs", str(tmp_path), "--trust-domain", "a/b"],
+    done = subprocess.run([sys.executable, "-m", "launcher.cli", "certs", str(tmp_path), "--trust-domain", "a/b"],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode != 0 and "--trust-domain" in done.stderr
     assert not (tmp_path / "ca.crt").exists()

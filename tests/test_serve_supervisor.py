@@ -12,9 +12,9 @@ import httpx
 import pytest
 from helpers import free_ports, wait_http_ready, wait_until
 
-from stepwire import local_stack
+from launcher import local_stack
+from launcher.local_stack import Child, ServeSettings
 from stepwire.contract.settings import load
-from stepwire.local_stack import Child, ServeSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
@@ -46,7 +46,7 @@ def descendants(pid: int) -> set[int]:
 def test_a_tethered_child_dies_with_its_parent_even_when_the_parent_is_killed_with_sigkill(tmp_path):
     parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys, time
-        from stepwire.tethered import ProcessGroup
+        from launcher.tethered import ProcessGroup
         child = ProcessGroup().popen({SLEEPER!r})
         print(child.pid, flush=True)
         time.sleep(600)
@@ -91,7 +91,7 @@ def _serve(tmp_path: Path, *flags: str, api_key: str) -> tuple[subprocess.Popen,
     pytest.importorskip("torch")
     http, grpc_port, sc, ex, m1, m2 = free_ports(6)
     serve = subprocess.Popen(
-        [sys.executable, "-m", "stepwire.cli", "serve", "--model", str(MODEL), "--port", str(http),
+        [sys.executable, "-m", "launcher.cli", "serve", "--model", str(MODEL), "--port", str(http),
          "--grpc-port", str(grpc_port), "--scheduler-port", str(sc), "--executor-port", str(ex),
          "--kv-cache-memory", str(32 << 20), "--scheduler-metrics-port", str(m1), "--executor-metrics-port",
          str(m2), *flags], cwd=ROOT, stdout=open(tmp_path / "serve.log", "w"), stderr=subprocess.STDOUT,

@@ -28,9 +28,9 @@ from executor_service.model_config import ModelConfig, ModelLoadError  # noqa: E
 from executor_service.partition import Partition  # noqa: E402
 from executor_service.ranks import STEP, Ranks, frame, unframe  # noqa: E402
 from executor_service.runner import RunnerConfig  # noqa: E402
+from launcher.engine import LLMEngine  # noqa: E402
 from scheduler_service import SchedulerConfig  # noqa: E402
 from stepwire.contract import SamplingParams  # noqa: E402
-from stepwire.engine import LLMEngine  # noqa: E402
 from stepwire.internal import executor_pb2, executor_pb2_grpc  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

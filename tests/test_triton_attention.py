@@ -91,9 +91,9 @@ def test_the_model_with_the_triton_backend_gives_the_torch_backends_greedy_token
     from tiny_model import kv_bytes, write_tiny_llama
 
     from executor_service.runner import RunnerConfig
+    from launcher.engine import LLMEngine
     from scheduler_service import SchedulerConfig
     from stepwire.contract import SamplingParams
-    from stepwire.engine import LLMEngine
 
     model = write_tiny_llama(tmp_path / "llama", num_attention_heads=4, num_key_value_heads=2)
     # A small step budget: prompts are chunked, so steps mix chunks after a cached prefix with decodes.

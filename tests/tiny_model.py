@@ -49,9 +49,9 @@ def reference_greedy(model: Path, prompts: list[list[int]], max_tokens: int = 10
     """Greedy tokens from the in-process engine, configured as the tests configure the tiny-model services
     (blocks of 4, 64 of them, 8 sequences, 128 tokens of context, `budget` tokens per step)."""
     from executor_service.runner import RunnerConfig
+    from launcher.engine import LLMEngine
     from scheduler_service import SchedulerConfig
     from stepwire.contract import SamplingParams
-    from stepwire.engine import LLMEngine
 
     engine = LLMEngine(RunnerConfig(str(model), block_size=4, kv_cache_memory=kv_bytes(64), max_num_seqs=8,
                                     max_model_len=128),

@@ -68,7 +68,7 @@ def main() -> None:
         return
     cmd, rest = sys.argv[1], sys.argv[2:]
     if cmd == "serve":
-        from stepwire.local_stack import serve
+        from launcher.local_stack import serve
 
         serve(rest)
     elif cmd == "generate":

@@ -28,8 +28,8 @@ import httpx
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
+from launcher.tethered import ProcessGroup
 from stepwire.contract.settings import ServiceSettings, load
-from stepwire.tethered import ProcessGroup
 
 log = logging.getLogger("stepwire.serve")
 STOP_SECONDS = 30.0   # for the services to stop on SIGTERM (an executor drains first) before they are killed
