@@ -8,7 +8,7 @@ DEV_STAMP := $(VENV)/.stamp-dev
 
 MODEL_DIR ?= models/SmolLM2-135M-Instruct
 
-.PHONY: test lint model bench run clean
+.PHONY: test test-fast lint model bench run clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,10 @@ $(MODEL_DIR)/conversion.json: | $(DEV_STAMP)
 # dozens of executor processes the tests start would compile torch from source again.
 test: lint model $(CHECKOV)
 	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q
+
+# The quick loop while editing: unit and property tests, no process started and no model loaded.
+test-fast: lint
+	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q -m "not processes and not model"
 
 bench: $(DEV_STAMP)
 	$(PY) bench/scheduler_step.py

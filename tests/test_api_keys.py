@@ -25,6 +25,9 @@ ENV_KEYS = "sk-env-one, sk-env-two,"
 
 # --- the key set -----------------------------------------------------------------------------------------------
 
+pytestmark = pytest.mark.processes   # starts services as separate processes: not in `make test-fast`
+
+
 class Clock:
     def __init__(self):
         self.now = 1000.0

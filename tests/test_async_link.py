@@ -33,6 +33,9 @@ ROOT = Path(__file__).resolve().parent.parent
 PAUSE = 0.3          # how long the probe waits for a next step before answering anyway
 
 
+pytestmark = pytest.mark.processes   # starts services as separate processes: not in `make test-fast`
+
+
 class ProbeExecutor(executor_pb2_grpc.ExecutorServicer):
     def __init__(self):
         self.most_in_flight = 0

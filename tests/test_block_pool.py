@@ -14,6 +14,9 @@ from scheduler_service.kv_cache.hashing import ROOT_HASH, extend_block_hashes, h
 ROOT = Path(__file__).resolve().parent.parent
 
 
+pytestmark = pytest.mark.processes   # starts services as separate processes: not in `make test-fast`
+
+
 def ids(blocks):
     return [b.block_id for b in blocks]
 

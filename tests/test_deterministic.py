@@ -20,6 +20,8 @@ from executor_service.batch_invariant import (  # noqa: E402
     plan_rows,
 )
 
+pytestmark = pytest.mark.processes   # starts services as separate processes: not in `make test-fast`
+
 
 def rows_of(m: int, k: int = 16, seed: int = 0) -> torch.Tensor:
     return torch.randn(m, k, generator=torch.Generator().manual_seed(seed))

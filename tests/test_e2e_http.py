@@ -21,6 +21,9 @@ MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
 NAME = "SmolLM2-135M-Instruct"
 
 
+pytestmark = pytest.mark.processes   # starts services as separate processes: not in `make test-fast`
+
+
 def test_greedy_chat_and_completion_equal_the_in_process_engine(http_stack):
     url, client, *_ = http_stack
     tok = ModelTokenizer(MODEL)

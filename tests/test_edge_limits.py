@@ -30,6 +30,9 @@ OUT_OF_RANGE = [
 ]
 
 
+pytestmark = pytest.mark.processes   # starts services as separate processes: not in `make test-fast`
+
+
 def post(url: str, path: str, body: str):
     return httpx.post(url + path, content=body.encode(), headers={"Content-Type": "application/json"}, timeout=HANG)
 

@@ -22,6 +22,9 @@ QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "
 NEW_TOKENS = 16
 
 
+pytestmark = pytest.mark.model   # loads the embedded model: not in `make test-fast`
+
+
 @pytest.fixture(scope="module")
 def chat_prompts():
     if not (MODEL / "conversion.json").exists():

@@ -23,6 +23,9 @@ ROOT = Path(__file__).resolve().parent.parent
 KV_BYTES = kv_bytes(64)
 
 
+pytestmark = pytest.mark.processes   # starts services as separate processes: not in `make test-fast`
+
+
 def fresh_epoch() -> int:
     """Epochs only move forward on an executor; a clock reading is above any a previous test used."""
     return time.monotonic_ns()

@@ -46,6 +46,9 @@ MAX_LOGPROBS = 20     # the contract's cap (as vLLM's max_logprobs): more would 
 EPOCH = 1000
 
 
+pytestmark = pytest.mark.processes   # starts services as separate processes: not in `make test-fast`
+
+
 @pytest.fixture(scope="module")
 def executor(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("untrusted")

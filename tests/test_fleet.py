@@ -17,6 +17,8 @@ from tiny_model import reference_greedy  # noqa: E402
 
 from stepwire.internal import executor_pb2, executor_pb2_grpc  # noqa: E402
 
+pytestmark = pytest.mark.processes   # starts services as separate processes: not in `make test-fast`
+
 
 @pytest.fixture
 def two(tmp_path):

@@ -39,6 +39,9 @@ TOKENIZER = ModelTokenizer(EMBEDDED)
 TEXT_CAP = (MAX_MODEL_LEN - 1) * TOKENIZER.max_token_bytes
 
 
+pytestmark = pytest.mark.processes   # starts services as separate processes: not in `make test-fast`
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     with tiny_stack(tmp_path_factory.mktemp("edge")) as s:

@@ -52,6 +52,9 @@ VALUE_SETS = {
 }
 
 
+pytestmark = pytest.mark.processes   # starts services as separate processes: not in `make test-fast`
+
+
 def render(values: dict, name: str = RELEASE, namespace: str = NAMESPACE) -> list[dict]:
     out = helm.Chart.load(str(CHART)).render(values, name=name, namespace=namespace, is_install=True)
     return [d for path, text in sorted(out.items()) if path.endswith(".yaml") for d in yaml.safe_load_all(text) if d]

@@ -19,6 +19,9 @@ OPERATIONS = {"GET /v1/models", "POST /v1/completions", "POST /v1/chat/completio
               "POST /detokenize", "GET /health", "GET /metrics"}
 
 
+pytestmark = pytest.mark.processes   # starts services as separate processes: not in `make test-fast`
+
+
 @pytest.fixture(scope="module")
 def api(tmp_path_factory):
     with tiny_stack(tmp_path_factory.mktemp("fuzz")) as s:

@@ -31,6 +31,9 @@ ROOT = Path(__file__).resolve().parent.parent
 PROMPT = [5, 6, 7, 8]
 
 
+pytestmark = pytest.mark.processes   # starts services as separate processes: not in `make test-fast`
+
+
 def greedy(max_tokens: int, **kw) -> sampling_pb2.SamplingParams:
     return sampling_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, top_p=1.0, top_k=-1, **kw)
 

@@ -4,9 +4,13 @@ import os
 import sys
 import time
 
+import pytest
+
 from launcher.local_stack import Child, ServeSettings, certificates, children, keep_up
 from launcher.tethered import ProcessGroup
 from stepwire.contract.settings import load
+
+pytestmark = pytest.mark.processes   # starts services as separate processes: not in `make test-fast`
 
 
 def _flag(command, name):

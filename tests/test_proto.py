@@ -4,7 +4,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
+
+
+pytestmark = pytest.mark.processes   # runs other processes: not in `make test-fast`
 
 
 def test_generated_modules_equal_a_fresh_generation_from_the_protos():

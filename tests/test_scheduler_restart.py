@@ -34,6 +34,9 @@ PY = sys.executable
 PROMPTS = [f"Request {i}: tell me about the number {i * 7}." for i in range(16)]
 
 
+pytestmark = pytest.mark.processes   # starts services as separate processes: not in `make test-fast`
+
+
 class Cluster:
     """One executor, a scheduler that can be killed and started again on its port, and gateways."""
 

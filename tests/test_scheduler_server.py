@@ -28,6 +28,9 @@ KV_BYTES = kv_bytes(64)
 BUDGET = 16
 
 
+pytestmark = pytest.mark.processes   # starts services as separate processes: not in `make test-fast`
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("stack")

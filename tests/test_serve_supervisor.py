@@ -21,6 +21,9 @@ MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(600)"]
 
 
+pytestmark = pytest.mark.processes   # starts services as separate processes: not in `make test-fast`
+
+
 def alive(pid: int) -> bool:
     """Running, as opposed to gone or a zombie nobody has reaped yet (a container's init may never)."""
     try:

@@ -25,6 +25,9 @@ HALF_A_HEADER = b"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type
 COMPLETION = {"model": "model", "prompt": "Hello", "max_tokens": 2}
 
 
+pytestmark = pytest.mark.processes   # starts services as separate processes: not in `make test-fast`
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     with tiny_stack(tmp_path_factory.mktemp("slow"), ["--read-timeout-seconds", str(READ_TIMEOUT),

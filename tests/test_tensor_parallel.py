@@ -38,6 +38,9 @@ EMBEDDED = ROOT / "models" / "SmolLM2-135M-Instruct"
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
+pytestmark = pytest.mark.processes   # starts services as separate processes: not in `make test-fast`
+
+
 def shape(**kw) -> ModelConfig:
     base = dict(path=Path("m"), architecture="LlamaForCausalLM", vocab_size=101, hidden_size=576,
                 intermediate_size=1536, num_layers=2, num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5,

@@ -23,6 +23,9 @@ TEXT = "The capital of France is Paris. Ünïcödé, 東京, 🙂"
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
 
 
+pytestmark = pytest.mark.processes   # starts services as separate processes: not in `make test-fast`
+
+
 @pytest.fixture(scope="module")
 def url(tmp_path_factory):
     with tiny_stack(tmp_path_factory.mktemp("tokenize")) as s:
