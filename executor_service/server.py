@@ -120,7 +120,8 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
             model=d["model"], architecture=d["architecture"], vocab_size=d["vocab_size"],
             max_model_len=d["max_model_len"], block_size=d["block_size"], num_blocks=d["num_blocks"],
             dtype=d["dtype"], device=d["device"], eos_token_ids=d["eos_token_ids"], instance_id=self.instance_id,
-            tensor_parallel_size=d["tensor_parallel_size"], max_num_seqs=d["max_num_seqs"])
+            tensor_parallel_size=d["tensor_parallel_size"], max_num_seqs=d["max_num_seqs"],
+            max_num_batched_tokens=d["max_num_batched_tokens"])
 
     async def Step(self, request_iterator, context):
         await self._ready(context)

@@ -1,8 +1,9 @@
 """Whether a decoded step can be applied to this executor's batch: every field of a Step message is untrusted.
 
 The check runs before the step touches the persistent batch or the KV cache, so a refused step changes
-nothing and is answered with `resync`. What it lets through indexes only inside the batch arrays, the block
-table, the KV cache (block 0, the null block, is never part of a request's table) and the embedding table:
+nothing and is answered with `resync`. What it lets through computes at most `max_num_batched_tokens`
+tokens, and indexes only inside the batch arrays, the block table, the KV cache (block 0, the null block, is
+never part of a request's table) and the embedding table:
 before these checks a prompt token id of 4294967295 made every step fail with IndexError, and on CUDA an
 index out of range is a device-side assert that no `except` can undo, so refusing it beforehand is the only
 defence there.
@@ -34,6 +35,7 @@ class Limits:
     block_size: int
     max_model_len: int        # tokens a row can hold, the sampled ones included
     max_num_seqs: int         # rows of the persistent batch
+    max_num_batched_tokens: int   # tokens one step may compute
 
     @property
     def max_blocks(self) -> int:
@@ -43,7 +45,7 @@ class Limits:
     @classmethod
     def of(cls, runner) -> Limits:
         return cls(runner.model_config.vocab_size, runner.num_blocks, runner.cfg.block_size, runner.max_model_len,
-                   runner.cfg.max_num_seqs)
+                   runner.cfg.max_num_seqs, runner.max_num_batched_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +65,9 @@ class Added:
 def check_step(step: Step, batch: InputBatch, limits: Limits) -> None:
     """Raise BadStep with the first problem found; return quietly if `batch.apply(step)` and the run
     that follows stay inside every array."""
+    if step.total_tokens > limits.max_num_batched_tokens:
+        raise BadStep(f"the step computes {step.total_tokens} tokens; this executor takes at most "
+                      f"{limits.max_num_batched_tokens} in one step")
     live, parked = batch.row_of, batch.parked
     finished = _distinct(step.finished, "finished")
     preempted = _distinct(step.preempted, "preempted")

@@ -34,7 +34,8 @@ class PrefixModel:
 
     def __init__(self, cfg: SchedulerConfig, num_blocks: int):
         self.batch = InputBatch(cfg.max_num_seqs, cfg.max_model_len, cfg.block_size)
-        self.limits = Limits(VOCAB, num_blocks, cfg.block_size, cfg.max_model_len, cfg.max_num_seqs)
+        self.limits = Limits(VOCAB, num_blocks, cfg.block_size, cfg.max_model_len, cfg.max_num_seqs,
+                             cfg.max_num_batched_tokens)
         self.samples = 0
 
     def run(self, msg):

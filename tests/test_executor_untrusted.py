@@ -37,7 +37,7 @@ from stepwire.internal import executor_pb2, sampling_pb2, scheduler_pb2, schedul
 
 ROOT = Path(__file__).resolve().parent.parent
 VOCAB, NUM_BLOCKS, BLOCK, MAX_LEN, MAX_SEQS, BUDGET = TINY["vocab_size"], 64, 4, 128, 8, 16
-LIMITS = Limits(VOCAB, NUM_BLOCKS, BLOCK, MAX_LEN, MAX_SEQS)
+LIMITS = Limits(VOCAB, NUM_BLOCKS, BLOCK, MAX_LEN, MAX_SEQS, BUDGET)
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], list(range(20, 45)), [3, 3, 3, 3, 3, 60, 61, 62, 63, 64, 65, 66]]
 TOKENS = 10
 GREEDY = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
