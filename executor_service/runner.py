@@ -179,7 +179,7 @@ class ModelRunner:
         self.phase_seconds = (0.0, 0.0, 0.0)   # prepare, forward, sample of the last step
 
     def _new_batch(self) -> InputBatch:
-        return InputBatch(self.cfg.max_num_seqs, self.max_model_len, self.cfg.block_size)
+        return InputBatch(self.cfg.max_num_seqs, self.max_model_len, self.cfg.block_size, self.num_blocks)
 
     def reset_batch(self) -> None:
         """An empty persistent batch, on every rank: when a new epoch means the scheduler forgot the old one."""

@@ -316,7 +316,7 @@ def test_the_checks_accept_every_step_the_scheduler_sends(workload, num_blocks, 
         if n + m - 1 <= (num_blocks - 1) * BLOCK:
             sched.add_request(Request(f"r{i}", prompt, SamplingParams(max_tokens=m, temperature=t, top_k=k, logprobs=lp,
                                                                       seed=i if i % 2 else None, ignore_eos=True)))
-    batch, table = InputBatch(MAX_SEQS, MAX_LEN, BLOCK), HandleTable()
+    batch, table = InputBatch(MAX_SEQS, MAX_LEN, BLOCK, NUM_BLOCKS), HandleTable()
     for n in range(500):
         out = sched.schedule()
         step = decode_step(encode_step(out, table, epoch=1, step=n)[0])
