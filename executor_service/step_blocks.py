@@ -24,21 +24,16 @@ block costs nothing here; a grown block costs a lookup in the batch's `holders` 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from executor_service.input_batch import InputBatch
 from executor_service.step import BadStep, Step
 
-if TYPE_CHECKING:
-    from executor_service.step_checks import Added
 
-
-def check_blocks(step: Step, batch: InputBatch, gone: list[int], added: dict[int, Added], block_size: int) -> None:
+def check_blocks(step: Step, batch: InputBatch, gone: list[int], added: dict, block_size: int) -> None:
     """Raise BadStep if the blocks the step hands out break the rule above. `gone`: the batch rows the step
-    drops (finished, preempted); `added`: the rows it adds, as apply() will set them up. Block ids are
-    already known to be inside the pool."""
+    drops (finished, preempted); `added`: the rows it adds, handle -> `step_checks.Added` (computed tokens and
+    block ids, as apply() will set them up). Block ids are already known to be inside the pool."""
     writes: dict[int, tuple[int, int]] = {}   # block -> (handle of the row that writes it, position in its table)
     reads: list[tuple[int, int]] = []          # (block, handle of the row that reads it)
     for h, a in added.items():
