@@ -63,7 +63,7 @@ def persistent(batch: InputBatch, msg):
 def measure(n: int, steps: int) -> tuple[float, float]:
     sched = Scheduler(SchedulerConfig(max_num_seqs=n, max_num_batched_tokens=8192, max_model_len=4096,
                                       block_size=BS), num_blocks=n * 64)
-    batch = InputBatch(n, 4096, BS)
+    batch = InputBatch(n, 4096, BS, n * 64)
     rng = np.random.default_rng(0)
     for i in range(n):
         sched.add_request(Request(f"r{i}", rng.integers(0, 40000, 512).tolist(),

@@ -7,6 +7,9 @@ Model inputs come from these arrays by vectorized numpy indexing: no Python loop
 
 A preempted request leaves the batch but not the executor: its tokens and sampling state wait in
 `self.parked` until the scheduler resumes it (with a new block table) or finishes it.
+
+`holders` counts, per block id, the live rows whose table names it: kept up to date by the diffs alone, so
+the step checks can ask "who else holds this block?" without scanning every table (step_blocks.py).
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ class StepInputs:
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int):
+    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int, num_blocks: int):
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.block_size = block_size
@@ -57,6 +60,7 @@ class InputBatch:
         self.num_computed = np.zeros(max_num_reqs, dtype=np.int64)
         self.block_table = np.zeros((max_num_reqs, max_blocks), dtype=np.int64)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        self.holders = np.zeros(num_blocks, dtype=np.int32)
         self.temperature = np.ones(max_num_reqs, dtype=np.float32)
         self.top_p = np.ones(max_num_reqs, dtype=np.float32)
         self.top_k = np.zeros(max_num_reqs, dtype=np.int64)
@@ -111,8 +115,10 @@ class InputBatch:
         blocks = [b for _, b in grown]
         nblocks = self.num_blocks
         if all(len(b) == 1 for b in blocks):
-            self.block_table[sub, nblocks[sub]] = [b[0] for b in blocks]
+            ids = [b[0] for b in blocks]
+            self.block_table[sub, nblocks[sub]] = ids
             nblocks[sub] += 1
+            np.add.at(self.holders, ids, 1)
             return
         counts = np.fromiter(map(len, blocks), dtype=np.int64, count=len(blocks))
         flat = np.fromiter(chain.from_iterable(blocks), dtype=np.int64, count=int(counts.sum()))
@@ -120,6 +126,7 @@ class InputBatch:
         offsets = np.arange(len(flat)) - np.repeat(np.cumsum(counts) - counts, counts)
         self.block_table[rep_rows, nblocks[rep_rows] + offsets] = flat
         nblocks[sub] += counts
+        np.add.at(self.holders, flat, 1)
 
     def _add(self, state: RequestState, tokens: np.ndarray, block_ids: list[int], num_computed: int) -> None:
         if self._holes:
@@ -135,6 +142,7 @@ class InputBatch:
         self.num_computed[row] = num_computed
         self.block_table[row, :len(block_ids)] = block_ids
         self.num_blocks[row] = len(block_ids)
+        np.add.at(self.holders, block_ids, 1)
         sp = state.sampling_params
         self.temperature[row] = sp.temperature
         self.top_p[row] = sp.top_p
@@ -146,6 +154,7 @@ class InputBatch:
 
     def _remove(self, handle: int) -> None:
         row = self.row_of.pop(handle)
+        np.subtract.at(self.holders, self.block_table[row, :self.num_blocks[row]], 1)
         del self.states[handle]
         self.handles[row] = None
         self._holes.append(row)

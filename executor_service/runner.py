@@ -31,6 +31,9 @@ from stepwire.internal import executor_pb2
 
 log = logging.getLogger("stepwire.executor")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The scheduler's step budget on a GPU (vLLM's figure): by default no step the scheduler would send on its own
+# defaults is refused, and a larger budget set there is capped through Describe.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 
 
 def default_dtype(device: str) -> str:
@@ -73,6 +76,8 @@ class RunnerConfig:
     block_size: int = 16
     max_num_seqs: int = 256
     max_model_len: int | None = None         # None: the model's max_position_embeddings
+    # Most tokens one step may compute: it bounds a step's activations whatever a step message says.
+    max_num_batched_tokens: int | None = None   # None: DEFAULT_MAX_NUM_BATCHED_TOKENS, or the context if longer
     attention_backend: str = "auto"          # auto, torch or triton: see attention_backend()
     cuda_graphs: bool = True                 # decode steps as graphs (cuda_graphs.py), with triton attention
     tensor_parallel_size: int = 1            # ranks, one process each, that split every layer (partition.py)
@@ -148,6 +153,9 @@ class ModelRunner:
                                            SDPBackend.MATH])) if self.device.type == "cuda" else nullcontext
         self.max_model_len = min(cfg.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
+        # At least the context by default: a scheduler without chunked prefill puts a whole prompt in one step.
+        self.max_num_batched_tokens = (cfg.max_num_batched_tokens
+                                       or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_model_len))
         self.model = load_model(cfg.model, self.max_model_len, self.device, self.dtype, self.comm, cfg.deterministic)
         if cfg.deterministic:
             log.info("deterministic mode: kernel plans %s", self.model.make_deterministic(cfg.block_size,
@@ -171,7 +179,7 @@ class ModelRunner:
         self.phase_seconds = (0.0, 0.0, 0.0)   # prepare, forward, sample of the last step
 
     def _new_batch(self) -> InputBatch:
-        return InputBatch(self.cfg.max_num_seqs, self.max_model_len, self.cfg.block_size)
+        return InputBatch(self.cfg.max_num_seqs, self.max_model_len, self.cfg.block_size, self.num_blocks)
 
     def reset_batch(self) -> None:
         """An empty persistent batch, on every rank: when a new epoch means the scheduler forgot the old one."""
@@ -194,7 +202,8 @@ class ModelRunner:
                 "num_blocks": self.num_blocks, "dtype": str(self.dtype).removeprefix("torch."),
                 "device": str(self.device), "eos_token_ids": list(mc.eos_token_ids), "attention": self.attention,
                 "cuda_graphs": self.graphs is not None, "tensor_parallel_size": self.comm.size,
-                "max_num_seqs": self.cfg.max_num_seqs, "deterministic": self.cfg.deterministic}
+                "max_num_seqs": self.cfg.max_num_seqs, "max_num_batched_tokens": self.max_num_batched_tokens,
+                "deterministic": self.cfg.deterministic}
 
     def _new_state(self, state: RequestState) -> None:
         state.seed = seed_of(state.sampling_params)

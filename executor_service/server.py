@@ -3,9 +3,10 @@
 The executor keeps only a cache of the scheduler's state, so anything it cannot place is answered with
 `resync` and changes nothing: a step from an older epoch, one naming a handle it does not hold (after a
 restart, say), or any field that does not fit this executor (`step_checks.py`: block ids, token ids,
-counts, lengths, sampling parameters). A step from a newer epoch means the scheduler started over: the
-cache is dropped first. An error while running a step that the checks let through is logged with its
-traceback and answered with `resync` too (the batch reset): the stream and the process go on.
+counts, lengths, sampling parameters; `step_blocks.py`: which rows may write which blocks). A step from a
+newer epoch means the scheduler started over: the cache is dropped first. An error while running a step
+that the checks let through is logged with its traceback and answered with `resync` too (the batch reset):
+the stream and the process go on.
 
 It serves one Step stream at a time. A new stream drops the cache and ends the older stream at its next
 message, and epochs live and die with their stream: whatever a peer sends on one stream, the next one
@@ -120,7 +121,8 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
             model=d["model"], architecture=d["architecture"], vocab_size=d["vocab_size"],
             max_model_len=d["max_model_len"], block_size=d["block_size"], num_blocks=d["num_blocks"],
             dtype=d["dtype"], device=d["device"], eos_token_ids=d["eos_token_ids"], instance_id=self.instance_id,
-            tensor_parallel_size=d["tensor_parallel_size"], max_num_seqs=d["max_num_seqs"])
+            tensor_parallel_size=d["tensor_parallel_size"], max_num_seqs=d["max_num_seqs"],
+            max_num_batched_tokens=d["max_num_batched_tokens"])
 
     async def Step(self, request_iterator, context):
         await self._ready(context)

@@ -46,6 +46,9 @@ class ExecutorSettings(RoleSettings):
     block_size: int = Field(16, ge=1, description="tokens per KV block")
     max_num_seqs: int = Field(256, ge=1, description="rows of the persistent batch")
     max_model_len: int | None = Field(None, ge=2, description="context cap; default: the model's")
+    max_num_batched_tokens: int | None = Field(
+        None, ge=1, description="most tokens one step may compute; a step asking more is refused (resync), and "
+        "the scheduler's step budget is capped by it (Describe); default: 8192, or the context if longer")
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="ranks that split every layer of the model, one "
                                       "process (and on CUDA one GPU) each; the scheduler still sees one "
                                       "executor. The model's KV heads must number at least this many")

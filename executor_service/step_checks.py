@@ -1,8 +1,10 @@
 """Whether a decoded step can be applied to this executor's batch: every field of a Step message is untrusted.
 
 The check runs before the step touches the persistent batch or the KV cache, so a refused step changes
-nothing and is answered with `resync`. What it lets through indexes only inside the batch arrays, the block
-table, the KV cache (block 0, the null block, is never part of a request's table) and the embedding table:
+nothing and is answered with `resync`. What it lets through computes at most `max_num_batched_tokens`
+tokens, writes no KV block that another row holds (`step_blocks.py`), and indexes only inside the batch
+arrays, the block table, the KV cache (block 0, the null block, is never part of a request's table) and the
+embedding table:
 before these checks a prompt token id of 4294967295 made every step fail with IndexError, and on CUDA an
 index out of range is a device-side assert that no `except` can undo, so refusing it beforehand is the only
 defence there.
@@ -24,6 +26,7 @@ import numpy as np
 
 from executor_service.input_batch import InputBatch
 from executor_service.step import BadStep, Step
+from executor_service.step_blocks import check_blocks
 from stepwire.contract import InvalidRequestError, check_sampling
 
 
@@ -34,6 +37,7 @@ class Limits:
     block_size: int
     max_model_len: int        # tokens a row can hold, the sampled ones included
     max_num_seqs: int         # rows of the persistent batch
+    max_num_batched_tokens: int   # tokens one step may compute
 
     @property
     def max_blocks(self) -> int:
@@ -43,7 +47,7 @@ class Limits:
     @classmethod
     def of(cls, runner) -> Limits:
         return cls(runner.model_config.vocab_size, runner.num_blocks, runner.cfg.block_size, runner.max_model_len,
-                   runner.cfg.max_num_seqs)
+                   runner.cfg.max_num_seqs, runner.max_num_batched_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,17 +56,20 @@ class Added:
 
     computed: int
     known: int
-    blocks: int
+    ids: list[int]            # its whole block table
     new: bool
 
     @property
     def sizes(self) -> tuple[int, int, int]:
-        return self.computed, self.known, self.blocks
+        return self.computed, self.known, len(self.ids)
 
 
 def check_step(step: Step, batch: InputBatch, limits: Limits) -> None:
     """Raise BadStep with the first problem found; return quietly if `batch.apply(step)` and the run
     that follows stay inside every array."""
+    if step.total_tokens > limits.max_num_batched_tokens:
+        raise BadStep(f"the step computes {step.total_tokens} tokens; this executor takes at most "
+                      f"{limits.max_num_batched_tokens} in one step")
     live, parked = batch.row_of, batch.parked
     finished = _distinct(step.finished, "finished")
     preempted = _distinct(step.preempted, "preempted")
@@ -79,6 +86,9 @@ def check_step(step: Step, batch: InputBatch, limits: Limits) -> None:
         raise BadStep(f"the step leaves {rows_after} rows; the batch holds {limits.max_num_seqs}")
     if step.handles:
         _scheduled(step, batch, live, finished, preempted, added, limits)
+    if added or step.grown:
+        gone = [live[h] for h in chain(finished, preempted) if h in live]
+        check_blocks(step, batch, gone, added, limits.block_size)
 
 
 def _scheduled(step: Step, batch: InputBatch, live: dict, finished: set, preempted: set, added: dict,
@@ -143,7 +153,7 @@ def _resumed(step: Step, batch: InputBatch, live: dict, parked: dict, finished: 
         # A row preempted in this same step is parked by apply() first, with the tokens its row holds now.
         known = int(batch.num_tokens[live[h]]) if h in preempted else len(parked[h].token_ids)
         _row_fits(h, computed, known, blocks, limits, "resumed")
-        added[h] = Added(computed, known, len(blocks), new=False)
+        added[h] = Added(computed, known, blocks, new=False)
     return added
 
 
@@ -166,7 +176,7 @@ def _new(step: Step, live: dict, parked: dict, finished: set, resumed: dict, lim
             check_sampling(r.sampling)
         except InvalidRequestError as e:
             raise BadStep(f"new request {r.handle}: sampling {e}") from None
-        added[r.handle] = Added(r.num_computed, len(tokens), len(r.block_ids), new=True)
+        added[r.handle] = Added(r.num_computed, len(tokens), r.block_ids, new=True)
     return added
 
 

@@ -40,7 +40,8 @@ class LLMEngine:
             scheduler_config = SchedulerConfig(max_num_seqs=runner_config.max_num_seqs,
                                                max_model_len=facts["max_model_len"],
                                                block_size=facts["block_size"],
-                                               max_num_batched_tokens=auto.max_num_batched_tokens,
+                                               max_num_batched_tokens=min(auto.max_num_batched_tokens,
+                                                                          facts["max_num_batched_tokens"]),
                                                long_prefill_token_threshold=auto.long_prefill_token_threshold)
         if scheduler_config.block_size != facts["block_size"]:
             raise ValueError(f"scheduler block_size {scheduler_config.block_size} != executor's "

@@ -159,7 +159,8 @@ class ExecutorLink:
                              self.settings.retry_seconds)
                 await asyncio.sleep(self.settings.retry_seconds)
         if self.core is None:
-            self.core = Scheduler(self.settings.core_config(d.block_size, d.max_model_len, d.device, d.max_num_seqs),
+            self.core = Scheduler(self.settings.core_config(d.block_size, d.max_model_len, d.device, d.max_num_seqs,
+                                                            d.max_num_batched_tokens),
                                   num_blocks=d.num_blocks)
             self.eos_token_ids = tuple(d.eos_token_ids)
             self.vocab_size = d.vocab_size

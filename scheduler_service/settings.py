@@ -84,10 +84,10 @@ class SchedulerSettings(RoleSettings):
         return self
 
     def core_config(self, block_size: int, executor_max_model_len: int, device: str = "",
-                    executor_max_num_seqs: int = 0) -> SchedulerConfig:
-        """The config of one executor's core: these knobs, within what that executor can hold (its context and
-        its batch's rows; 0: it did not say). A step knob left unset takes the default for the executor's
-        `device` (from its Describe; see `step_defaults`)."""
+                    executor_max_num_seqs: int = 0, executor_max_num_batched_tokens: int = 0) -> SchedulerConfig:
+        """The config of one executor's core: these knobs, within what that executor can hold (its context, its
+        batch's rows and the tokens it computes in one step; 0: it did not say). A step knob left unset takes
+        the default for the executor's `device` (from its Describe; see `step_defaults`)."""
         knobs = {f.name: getattr(self, f.name) for f in fields(SchedulerConfig) if f.name in type(self).model_fields}
         knobs["max_model_len"] = min(self.max_model_len or executor_max_model_len, executor_max_model_len)
         if executor_max_num_seqs:
@@ -100,4 +100,7 @@ class SchedulerSettings(RoleSettings):
             if not self.enable_chunked_prefill:
                 # Unchunked, a prompt must fit one step: a small budget would refuse to start rather than cap it.
                 knobs["max_num_batched_tokens"] = max(auto.max_num_batched_tokens, knobs["max_model_len"])
+        if executor_max_num_batched_tokens:
+            # The executor refuses a bigger step (with a resync of every request), so the budget never asks one.
+            knobs["max_num_batched_tokens"] = min(knobs["max_num_batched_tokens"], executor_max_num_batched_tokens)
         return SchedulerConfig(**knobs | {"block_size": block_size})

@@ -33,8 +33,9 @@ class PrefixModel:
     """The executor side: applies each step to a persistent batch and samples f(token prefix)."""
 
     def __init__(self, cfg: SchedulerConfig, num_blocks: int):
-        self.batch = InputBatch(cfg.max_num_seqs, cfg.max_model_len, cfg.block_size)
-        self.limits = Limits(VOCAB, num_blocks, cfg.block_size, cfg.max_model_len, cfg.max_num_seqs)
+        self.batch = InputBatch(cfg.max_num_seqs, cfg.max_model_len, cfg.block_size, num_blocks)
+        self.limits = Limits(VOCAB, num_blocks, cfg.block_size, cfg.max_model_len, cfg.max_num_seqs,
+                             cfg.max_num_batched_tokens)
         self.samples = 0
 
     def run(self, msg):

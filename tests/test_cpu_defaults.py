@@ -65,13 +65,26 @@ def test_without_chunked_prefill_the_automatic_budget_holds_a_whole_prompt():
         s.core_config(16, 8192, "cpu")
 
 
+def test_the_budget_never_exceeds_what_the_executor_computes_in_one_step():
+    """The executor refuses a bigger step, which costs a resync of every request: its cap (from Describe) bounds
+    the budget, a flag's included; 0 (an executor that does not say) bounds nothing."""
+    s = load(SchedulerSettings, ["--max-num-batched-tokens", "16384"])
+    assert s.core_config(16, 8192, "cuda", 0, 8192).max_num_batched_tokens == 8192
+    assert s.core_config(16, 8192, "cuda").max_num_batched_tokens == 16384
+    s = load(SchedulerSettings, [])
+    assert s.core_config(16, 8192, "cpu", 0, 300).max_num_batched_tokens == 300
+    assert s.core_config(16, 8192, "cpu", 0, 8192).max_num_batched_tokens == CPU[0]
+
+
 class _Describes:
-    def __init__(self, device: str):
+    def __init__(self, device: str, max_num_batched_tokens: int = 0):
         self.device = device
+        self.max_num_batched_tokens = max_num_batched_tokens
 
     async def Describe(self, request, timeout=None):  # noqa: N802 (the gRPC method's name)
         return executor_pb2.DescribeResponse(model="/m/SmolLM2", max_model_len=8192, block_size=16, num_blocks=600,
-                                             device=self.device, eos_token_ids=[2])
+                                             device=self.device, eos_token_ids=[2],
+                                             max_num_batched_tokens=self.max_num_batched_tokens)
 
 
 def test_each_executor_link_builds_its_core_from_its_own_describe():
@@ -86,6 +99,15 @@ def test_each_executor_link_builds_its_core_from_its_own_describe():
     cpu, gpu = asyncio.run(connect("cpu")), asyncio.run(connect("cuda"))
     assert (step_knobs(cpu), step_knobs(gpu)) == (CPU, GPU)
     assert (cpu.block_size, cpu.max_model_len) == (16, 8192)
+
+
+def test_an_executor_link_caps_its_budget_by_what_its_executor_describes():
+    async def connect():
+        link = ExecutorLink("cuda:1", load(SchedulerSettings, []), lifecycles=SimpleNamespace(model=""))
+        await link._connect(_Describes("cuda", max_num_batched_tokens=2048))
+        return link.core.config
+
+    assert asyncio.run(connect()).max_num_batched_tokens == 2048
 
 
 def test_a_long_prompt_beside_four_decodes_is_cut_into_capped_chunks_and_the_decodes_run_every_step():

@@ -75,6 +75,7 @@ def test_describe_reports_the_model_and_the_kv_capacity(executor):
     assert (d.architecture, d.block_size, d.num_blocks, d.max_model_len, d.vocab_size) == \
         ("LlamaForCausalLM", 4, 64, 128, 97)
     assert (d.max_num_seqs, d.tensor_parallel_size) == (8, 1)
+    assert d.max_num_batched_tokens == 8192      # the default cap on a step's tokens, past this context
     assert d.instance_id
 
 

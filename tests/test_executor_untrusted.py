@@ -1,7 +1,8 @@
 """The executor treats every field of a Step message as untrusted.
 
 A real executor process gets real steps from a scheduler core, with mutated copies sent before them (handles,
-block ids, token ids, counts, epochs, sampling parameters, truncated or garbage bytes): it never crashes, a
+block ids, token ids, counts, epochs, sampling parameters, blocks named twice or held by another row, steps
+over the executor's token cap, rows grown past the context, truncated or garbage bytes): it never crashes, a
 refused copy changes nothing (the original sent next continues the run to the in-process engine's tokens),
 and a real scheduler connected afterwards still matches the engine. Then the cache-poisoning attack on the
 plaintext port: a stranger's stream writes junk into the KV blocks of a cached prompt, and the scheduler
@@ -14,6 +15,7 @@ import random
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial, update_wrapper
 from pathlib import Path
 
 import pytest
@@ -37,7 +39,11 @@ from stepwire.internal import executor_pb2, sampling_pb2, scheduler_pb2, schedul
 
 ROOT = Path(__file__).resolve().parent.parent
 VOCAB, NUM_BLOCKS, BLOCK, MAX_LEN, MAX_SEQS, BUDGET = TINY["vocab_size"], 64, 4, 128, 8, 16
-LIMITS = Limits(VOCAB, NUM_BLOCKS, BLOCK, MAX_LEN, MAX_SEQS)
+# The executor's cap on a step's tokens: room for the stranger's 251-token step below; the scheduler's own
+# budget (16) is smaller.
+STEP_CAP = 2 * MAX_LEN
+LIMITS = Limits(VOCAB, NUM_BLOCKS, BLOCK, MAX_LEN, MAX_SEQS, STEP_CAP)
+SCHEDULER_BLOCKS = 12   # the small pool's: the executor's blocks from 12 up are never handed out by it
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], list(range(20, 45)), [3, 3, 3, 3, 3, 60, 61, 62, 63, 64, 65, 66]]
 TOKENS = 10
 GREEDY = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
@@ -59,7 +65,8 @@ def executor(tmp_path_factory):
     proc = subprocess.Popen([sys.executable, "-m", "executor_service.server", "--model", str(model),
                              "--address", address, "--block-size", str(BLOCK), "--kv-cache-memory",
                              str(kv_bytes(NUM_BLOCKS)), "--max-num-seqs", str(MAX_SEQS), "--max-model-len",
-                             str(MAX_LEN), "--metrics-address", "", "--threads", "1"], cwd=ROOT,
+                             str(MAX_LEN), "--max-num-batched-tokens", str(STEP_CAP), "--metrics-address", "",
+                             "--threads", "1"], cwd=ROOT,
                             stdout=log, stderr=subprocess.STDOUT)
     channel = grpc.insecure_channel(address)
     wait_grpc_serving(channel, proc, logs=log_path)
@@ -97,7 +104,7 @@ class StepStream:
 def small_pool_scheduler() -> Scheduler:
     """A pool of 12 blocks: the run preempts, resumes, grows and finishes requests, so steps carry every field."""
     sched = Scheduler(SchedulerConfig(block_size=BLOCK, max_model_len=MAX_LEN, max_num_seqs=MAX_SEQS,
-                                      max_num_batched_tokens=BUDGET), num_blocks=12)
+                                      max_num_batched_tokens=BUDGET), num_blocks=SCHEDULER_BLOCKS)
     for i, p in enumerate(PROMPTS):
         sched.add_request(Request(f"r{i}", p, GREEDY))
     return sched
@@ -234,6 +241,53 @@ def odd_but_valid_sampling(msg, table, draw):
     return msg, False
 
 
+def over_the_step_cap(msg, table, draw):
+    """Token counts spread over the scheduled rows, their sum just past the executor's cap or far beyond."""
+    total = STEP_CAP + draw(st.integers(1, 4) | st.integers(1, U32 - STEP_CAP))
+    share = -(-total // len(msg.handles))
+    msg.num_tokens[:] = [min(share, U32)] * len(msg.handles)
+    return msg, True
+
+
+def grown_past_max_model_len(msg, table, draw):
+    """A scheduled row handed blocks beyond what a row of the context can hold (blocks nobody else holds)."""
+    i = draw(st.sampled_from([i for i in range(len(msg.handles)) if i not in msg.grown]))
+    if not msg.grown_block_counts:
+        msg.grown_block_counts.extend([1] * len(msg.grown))
+    n = MAX_LEN // BLOCK + draw(st.integers(0, 3))
+    msg.grown.append(i)
+    msg.grown_block_counts.append(n)
+    msg.grown_block_ids.extend(range(SCHEDULER_BLOCKS, SCHEDULER_BLOCKS + n))
+    return msg, True
+
+
+def _written_blocks(msg) -> list[tuple[object, int]]:
+    """(repeated field, index) of every block id the step hands a row to write: grown blocks, and new rows'
+    blocks past their computed tokens."""
+    at = [(msg.grown_block_ids, i) for i in range(len(msg.grown_block_ids))]
+    for n in msg.new_requests:
+        at += [(n.block_ids, i) for i in range(n.num_computed_tokens // BLOCK, len(n.block_ids))]
+    return at
+
+
+def block_twice_in_a_row(msg, table, draw):
+    n = draw(st.sampled_from([n for n in msg.new_requests if n.block_ids]))
+    if len(n.block_ids) > 1 and draw(st.booleans()):
+        i, j = draw(st.lists(st.integers(0, len(n.block_ids) - 1), min_size=2, max_size=2, unique=True))
+        n.block_ids[j] = n.block_ids[i]
+    else:
+        n.block_ids.append(draw(st.sampled_from(n.block_ids)))
+    return msg, True
+
+
+def block_held_by_a_row(msg, table, draw, held):
+    """A block handed out to write replaced by one that a row the step keeps holds (a shared prefix, a block
+    another row writes, or one of the row's own): two requests' KV in one block."""
+    field, i = draw(st.sampled_from(_written_blocks(msg)))
+    field[i] = draw(st.sampled_from(sorted(held - {field[i]})))
+    return msg, True
+
+
 def older_epoch(msg, table, draw):
     msg.epoch -= draw(st.integers(1, EPOCH))
     return msg, True
@@ -261,9 +315,10 @@ def garbage(msg, table, draw):
     return draw(st.binary(max_size=64)), None
 
 
-def mutations_for(msg, table, step: int) -> tuple[list, list]:
+def mutations_for(msg, table, step: int, held: set[int]) -> tuple[list, list]:
     """The mutations that must be refused and apply to this step (a field must be there to be broken): those
-    any step allows, and those of the fields few steps carry (new, resumed and grown requests)."""
+    any step allows, and those of the fields few steps carry (new, resumed and grown requests). `held`: the
+    blocks held by rows the step keeps (neither added nor dropped by it)."""
     common = [too_many_rows, too_many_tokens, counts_of_wrong_length]
     if step:
         common.append(older_epoch)   # the stream's first step sets its epoch: nothing is older yet
@@ -272,12 +327,16 @@ def mutations_for(msg, table, step: int) -> tuple[list, list]:
     if table.id_of:
         common.append(new_for_a_held_handle)
     if msg.handles:
-        common.append(bad_count)
+        common += [bad_count, over_the_step_cap]
+        if len(msg.grown) < len(msg.handles):
+            common.append(grown_past_max_model_len)
     rare = []
     if msg.new_requests:
         rare += [bad_token_id, uncovered_tokens, bad_sampling]
         if any(n.block_ids for n in msg.new_requests):
-            rare.append(bad_new_block)
+            rare += [bad_new_block, block_twice_in_a_row]
+    if len(held) > 1 and _written_blocks(msg):
+        rare.append(update_wrapper(partial(block_held_by_a_row, held=held), block_held_by_a_row))
     if msg.grown_block_ids:
         rare += [bad_grown_block, bad_grown_fields]
     if msg.resumed:
@@ -291,7 +350,8 @@ def mutations_for(msg, table, step: int) -> tuple[list, list]:
 ENDING = [newer_epoch, truncated, flipped_bytes, garbage]
 REFUSED = [too_many_rows, too_many_tokens, counts_of_wrong_length, older_epoch, unknown_handle, handle_twice,
            new_for_a_held_handle, bad_count, bad_token_id, uncovered_tokens, bad_sampling, bad_new_block,
-           bad_grown_block, bad_grown_fields, bad_resumed_fields, resumed_computed_too_far, bad_resumed_block]
+           bad_grown_block, bad_grown_fields, bad_resumed_fields, resumed_computed_too_far, bad_resumed_block,
+           over_the_step_cap, grown_past_max_model_len, block_twice_in_a_row, block_held_by_a_row]
 
 
 def _result_is_well_formed(reply, msg) -> None:
@@ -316,7 +376,7 @@ def test_the_checks_accept_every_step_the_scheduler_sends(workload, num_blocks, 
         if n + m - 1 <= (num_blocks - 1) * BLOCK:
             sched.add_request(Request(f"r{i}", prompt, SamplingParams(max_tokens=m, temperature=t, top_k=k, logprobs=lp,
                                                                       seed=i if i % 2 else None, ignore_eos=True)))
-    batch, table = InputBatch(MAX_SEQS, MAX_LEN, BLOCK), HandleTable()
+    batch, table = InputBatch(MAX_SEQS, MAX_LEN, BLOCK, NUM_BLOCKS), HandleTable()
     for n in range(500):
         out = sched.schedule()
         step = decode_step(encode_step(out, table, epoch=1, step=n)[0])
@@ -411,6 +471,7 @@ def test_mutated_steps_never_crash_the_executor_and_a_refused_step_changes_nothi
     def fuzz(data, end_with, end_at, turn):
         # Epochs belong to a stream, and every example opens its own: the same epoch serves them all.
         sched, table, stream, got, n = small_pool_scheduler(), HandleTable(), StepStream(channel), {}, 0
+        met: set[str] = set()
         try:
             while sched.has_unfinished_requests():
                 out = sched.schedule()
@@ -418,12 +479,21 @@ def test_mutated_steps_never_crash_the_executor_and_a_refused_step_changes_nothi
                 if end_with is not None and n == end_at:
                     send(stream, end_with, msg, table, data.draw)
                     return
-                # Up to three refused copies before the real step. The kinds take turns, the fields few steps
-                # carry (new, resumed and grown requests) first, so a short run still meets every kind.
-                for _ in range(data.draw(st.integers(0, 3), label=f"copies of step {n}")):
-                    common, rare = mutations_for(msg, table, n)
+                # Up to three refused copies before the real step. A kind this run has not met yet goes first,
+                # then the kinds take turns, the fields few steps carry (new, resumed and grown requests) first,
+                # so a short run still meets every kind.
+                added = {table.id_of[h] for h in [*(r.handle for r in msg.new_requests), *msg.resumed]}
+                held = {b.block_id for rid, blocks in sched.kv.holders().items() if rid not in added for b in blocks}
+                # The steps that carry new or resumed requests are few: they get more copies, or a short run
+                # would not meet every kind of their fields.
+                most = 5 if msg.new_requests or msg.resumed else 3
+                for _ in range(data.draw(st.integers(0, most), label=f"copies of step {n}")):
+                    common, rare = mutations_for(msg, table, n, held)
                     turn += 1
-                    mutate = (rare or common)[turn % len(rare or common)] if turn % 3 else common[turn % len(common)]
+                    unmet = [m for m in rare + common if m.__name__ not in met]
+                    kinds = unmet or (rare or common if turn % 3 else common)
+                    mutate = kinds[turn % len(kinds)]
+                    met.add(mutate.__name__)
                     assert send(stream, mutate, msg, table, data.draw)
                 if msg.new_requests and data.draw(st.integers(0, 3), label="valid") == 0:
                     # Within the contract's rules: accepted, and the greedy tokens stay the same.
@@ -472,8 +542,9 @@ def test_a_stranger_writing_into_cached_blocks_cannot_change_the_schedulers_answ
         hit = executor_pb2.NewRequest(handle=2, prompt_token_ids=prompt, params=probe, block_ids=range(1, 7),
                                       num_computed_tokens=20)
         fresh = executor_pb2.NewRequest(handle=3, prompt_token_ids=prompt, params=probe, block_ids=range(7, 13))
-        reply = attacker.send(executor_pb2.StepRequest(epoch=before.epoch, step=1, new_requests=[hit, fresh],
-                                                       handles=[2, 3], num_tokens=[1, 21]))
+        # The junk rows go first: while they hold the blocks, no other row may write into them.
+        reply = attacker.send(executor_pb2.StepRequest(epoch=before.epoch, step=1, finished=[0, 1],
+                                                       new_requests=[hit, fresh], handles=[2, 3], num_tokens=[1, 21]))
         assert not reply.HasField("resync"), reply.resync.reason
         assert list(reply.logprob_values[:6]) != list(reply.logprob_values[6:12])
         attacker.close()

@@ -1,6 +1,6 @@
 """The persistent batch follows the scheduler's diffs exactly: fed each step through the wire, after any
-sequence of steps its arrays equal a rebuild from the scheduler's own state, and its vectorized inputs
-equal the per-token Python way."""
+sequence of steps its arrays (and its per-block holder counts) equal a rebuild from the scheduler's own
+state, and its vectorized inputs equal the per-token Python way."""
 
 import numpy as np
 from hypothesis import HealthCheck, given, settings
@@ -44,6 +44,10 @@ def check_rows_match_scheduler(batch: InputBatch, sched: Scheduler, just_finishe
         assert batch.block_table[row, :batch.num_blocks[row]].tolist() == blocks
         assert batch.temperature[row] == np.float32(req.sampling_params.temperature)
         assert batch.top_k[row] == req.sampling_params.top_k
+    # The per-block holder counts the step checks rely on equal a count over the live rows' tables.
+    tables = [batch.block_table[r, :batch.num_blocks[r]] for r in batch.row_of.values()]
+    recount = np.bincount(np.concatenate([np.zeros(0, np.int64), *tables]), minlength=len(batch.holders))
+    assert recount.tolist() == batch.holders.tolist()
     parked = {r.request_id for r in sched.waiting if r.status == RequestStatus.PREEMPTED}
     assert {id_of[h] for h in batch.parked} == parked
     for rid in parked:
@@ -61,7 +65,7 @@ def test_batch_arrays_equal_a_rebuild_after_any_sequence_of_diffs(workload, num_
     rng = np.random.default_rng(seed)
     sched = Scheduler(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=budget, max_model_len=64,
                                       block_size=BS, long_prefill_token_threshold=8), num_blocks=num_blocks)
-    batch = InputBatch(max_num_reqs=6, max_model_len=64, block_size=BS)
+    batch = InputBatch(max_num_reqs=6, max_model_len=64, block_size=BS, num_blocks=num_blocks)
     handles = HandleTable()
     pending = [(arrivals[i], Request(f"r{i}", rng.integers(0, 4, n).tolist(),      # tiny vocab: shared blocks
                                      SamplingParams(max_tokens=m, temperature=t, top_k=k, ignore_eos=True)))

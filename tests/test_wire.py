@@ -49,7 +49,7 @@ def test_a_step_and_its_result_survive_serialization_exactly(lengths, num_blocks
     for i, (n, m) in enumerate(lengths):
         sched.add_request(Request(f"r{i}", rng.integers(0, 3, n).tolist(),
                                   SamplingParams(max_tokens=m, ignore_eos=True, seed=i if i % 2 else None)))
-    batch = InputBatch(5, 64, BS)
+    batch = InputBatch(5, 64, BS, num_blocks)
     handles = HandleTable()
     for step in range(300):
         if not sched.has_unfinished_requests():
