@@ -67,7 +67,9 @@ class ExecutorLink:
         self.task: asyncio.Task | None = None
         self.ready = asyncio.Event()
         self.resync_log = Every()         # a peer refusing every step would flood the log
-        self._wake = asyncio.Event()      # set by whoever gives the step loop something to do
+        # Set by whoever gives the step loop something to do; the loop clears it before it looks for work,
+        # so a wake that comes while it looks is kept for its wait, and an idle link sleeps without a timer.
+        self._wake = asyncio.Event()
 
     @property
     def leaving(self) -> bool:
@@ -106,7 +108,8 @@ class ExecutorLink:
         reqs = self.core.abort_requests(request_ids)
         for req in reqs:
             self.lifecycles.finished(req.request_id, "abort", max(req.num_cached_tokens, 0))
-        self._wake.set()
+        if reqs:
+            self._wake.set()       # the executor must hear of it, and freed blocks may let a queued one in
         return reqs
 
     def retire(self) -> bool:
@@ -123,6 +126,7 @@ class ExecutorLink:
     def rejoin(self) -> None:
         """Back in the membership before its drain ended: it takes requests again."""
         self._drain.retiring = False
+        self._wake.set()
 
     async def run(self) -> None:
         while True:
@@ -194,7 +198,7 @@ class ExecutorLink:
         call = stub.Step()
         # An idle link reads nothing, so it learns that the executor is gone from the call ending.
         broken = asyncio.Event()
-        call.add_done_callback(lambda _: broken.set())
+        call.add_done_callback(lambda _: (broken.set(), self._wake.set()))
         core = self.core
         # Async scheduling: step N+1 is scheduled and sent while the executor runs step N, so the hop, the
         # scheduler's Python and the executor's decoding hide behind the forward pass. The executor runs the
@@ -202,32 +206,33 @@ class ExecutorLink:
         depth = 2 if self.settings.async_scheduling else 1
         sent: deque[SentStep] = deque()
         while True:
+            self._wake.clear()          # before looking for work: a wake from here on ends the wait below
             if self.leaving and core.has_unfinished_requests() and self._drain.seconds_left() == 0:
                 log.warning("executor %s: drain period over; moving %d requests", self.address, len(core.requests))
                 self.on_drain(self, True)    # the answers to steps in flight are read and dropped
-            if not sent:
-                if self.leaving and not core.has_unfinished_requests():
-                    await call.done_writing()   # nothing left here: the executor may exit now
-                    await broken.wait()
-                    raise ConnectionError("drained")
-                if not core.has_unfinished_requests() and not core.finished_req_ids:
-                    self._wake.clear()
-                    waits = [asyncio.ensure_future(self._wake.wait()), asyncio.ensure_future(broken.wait())]
-                    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-                    for w in waits:
-                        w.cancel()
-                    if broken.is_set():
-                        raise ConnectionError("the step stream ended while idle")
-                    continue
-            if len(sent) < depth:
+            if not sent and self.leaving and not core.has_unfinished_requests():
+                await call.done_writing()   # nothing left here: the executor may exit now
+                await broken.wait()
+                raise ConnectionError("drained")
+            if len(sent) < depth and (sent or core.has_unfinished_requests() or core.finished_req_ids):
                 step = await self._send(call, core)
                 if step is not None:
                     sent.append(step)
                     continue
-                if not sent:
-                    await asyncio.sleep(0.001)     # nothing can run yet (e.g. waiting on admission)
-                    continue
-            await self._receive(call, core, sent)
+            if sent:
+                await self._receive(call, core, sent)
+            else:
+                await self._wait_for_work(broken)   # idle, or nothing can run yet (e.g. no blocks free)
+
+    async def _wait_for_work(self, broken: asyncio.Event) -> None:
+        """Sleep until the link is given work, the stream ends, or a drain period with requests here ends."""
+        timeout = self._drain.seconds_left() if self.leaving and self.core.has_unfinished_requests() else None
+        try:
+            await asyncio.wait_for(self._wake.wait(), timeout)
+        except TimeoutError:
+            pass
+        if broken.is_set():
+            raise ConnectionError("the step stream ended while idle")
 
     async def _send(self, call, core: Scheduler) -> SentStep | None:
         """Schedule a step and write it; None when there is nothing to tell the executor."""
