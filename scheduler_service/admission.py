@@ -43,15 +43,12 @@ def admit(fleet: Fleet, submit, max_waiting: int) -> str:
             fleet.lifecycles.admitted(req, submit.traceparent, "")
             fleet.wait_for_executor(req)
             return rid
-        core = link.core
-        if len(core.waiting) >= max_waiting:
-            raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"{len(core.waiting)} requests already waiting; retry later")
-        core.add_request(req)
+        waiting = len(link.core.waiting)
+        if waiting >= max_waiting:
+            raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{waiting} requests already waiting; retry later")
+        link.admit(req)
     except InvalidRequestError as e:
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
     fleet.lifecycles.admitted(req, submit.traceparent, link.address)
     fleet.lifecycles.routed(rid, link.address, hit, "new")
-    link.num_routed += 1
-    link.wakeup.set()
     return rid

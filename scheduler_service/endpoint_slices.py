@@ -18,7 +18,7 @@ from kubernetes import client, config, watch
 from kubernetes.client.exceptions import ApiException
 from kubernetes.config.config_exception import ConfigException
 
-from scheduler_service.membership import join_host_port
+from scheduler_service.addresses import join_host_port
 from scheduler_service.settings import SchedulerSettings
 
 log = logging.getLogger("stepwire.scheduler")

@@ -5,10 +5,8 @@ pool from the answer, then loop schedule -> step -> update while there is work, 
 beyond the one running (async scheduling; `--no-async-scheduling` waits for each answer). If the stream breaks (or
 keepalive finds the executor gone), `on_lost` moves its requests to other executors; if the executor asks
 for a resync, the link preempts what it ran there (recompute) and opens a new epoch. Either way clients
-see their streams continue. A reply marked `draining` starts a drain: nothing new comes here, queued
-requests move at once, running ones finish until the drain period ends and move then; the link closes the
-stream when nothing is left, which lets the executor exit. A link the membership source retires (its
-endpoint terminating or gone) drains the same way and then ends instead of reconnecting.
+see their streams continue. A draining link (drain.py) closes the stream once nothing is left, which lets
+the executor exit; one that membership retired then ends instead of reconnecting.
 """
 
 from __future__ import annotations
@@ -19,17 +17,17 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import grpc
-from opentelemetry.trace import Link
 
 from observability import tracing
 from observability.log_limits import Every, held_note
+from scheduler_service import migration
+from scheduler_service.drain import Drain
 from scheduler_service.lifecycle import Lifecycles
-from scheduler_service.output import SchedulerOutput
 from scheduler_service.request import Request
 from scheduler_service.scheduler import Scheduler
+from scheduler_service.sent_step import SentStep, step_span
 from scheduler_service.settings import SchedulerSettings
 from scheduler_service.wire import HandleTable, decode_result, encode_step
 from security import tls
@@ -38,76 +36,97 @@ from stepwire.internal import executor_pb2, executor_pb2_grpc
 log = logging.getLogger("stepwire.scheduler")
 
 
-@dataclass(slots=True)
-class _Sent:
-    """A step written to the executor and not yet answered."""
-
-    out: SchedulerOutput
-    order: list[str]
-    t0: float
-    span: object | None
-    size: int
-    forward: float | None = None
-    stale: bool = False              # a resync came in after it was sent: its answer is read and dropped
-
-    def end(self) -> None:
-        if self.span is not None:
-            self.span.set_attribute("stepwire.step.wire_bytes", self.size)
-            if self.forward is not None:
-                self.span.set_attribute("stepwire.step.forward_seconds", self.forward)
-            self.span.end()
-
-
-@dataclass
 class ExecutorLink:
-    address: str
-    settings: SchedulerSettings
-    core: Scheduler | None = None
-    epoch: int = 0
-    step: int = 0
-    wire_bytes: int = 0
-    wire_request_steps: int = 0
-    forward_seconds: float = 0.0              # executor time inside execute(), summed over steps
-    connected: bool = False
-    draining: bool = False                    # the executor said so (SIGTERM)
-    retiring: bool = False                    # membership dropped it: drain, then end the link
-    drain_deadline: float = 0.0
-    num_migrated_out: int = 0
-    num_routed: int = 0                       # requests the router gave it (new and moved)
-    eos_token_ids: tuple[int, ...] = ()
-    vocab_size: int = 0
-    streams: dict[str, asyncio.Queue] = field(default_factory=dict)   # the fleet's, shared by every link
-    task: asyncio.Task | None = None          # the one running run(), once the fleet started it
-    wakeup: asyncio.Event = field(default_factory=asyncio.Event)
-    resync_log: Every = field(default_factory=Every)   # a peer refusing every step would flood the log
-    ready: asyncio.Event = field(default_factory=asyncio.Event)
-    lifecycles: Lifecycles | None = None
-    on_change: Callable[[], None] = lambda: None   # called when the link connects, drops or drains
-    on_lost: Callable[[ExecutorLink], None] = lambda link: None            # move its requests elsewhere
-    on_drain: Callable[[ExecutorLink, bool], None] = lambda link, everything: None
+    """Its state is its own: the fleet, admission and migration give it work and take work off it through
+    the methods below, and only read the rest (counters for Stats and metrics, `core` for routing)."""
+
+    def __init__(self, address: str, settings: SchedulerSettings, lifecycles: Lifecycles | None = None,
+                 streams: dict[str, asyncio.Queue] | None = None, on_change: Callable[[], None] = lambda: None,
+                 on_lost: Callable[[ExecutorLink], None] = lambda link: None,
+                 on_drain: Callable[[ExecutorLink, bool], None] = lambda link, everything: None):
+        self.address = address
+        self.settings = settings
+        self.lifecycles = lifecycles
+        self.streams = {} if streams is None else streams   # the fleet's, shared by every link
+        self.on_change = on_change        # called when the link connects, drops or drains
+        self.on_lost = on_lost            # move its requests elsewhere
+        self.on_drain = on_drain          # move its queue (or, `everything`, all its requests) elsewhere
+        self.core: Scheduler | None = None
+        self.eos_token_ids: tuple[int, ...] = ()
+        self.vocab_size = 0
+        self.epoch = 0
+        self.handles = HandleTable()
+        self.step = 0
+        self.wire_bytes = 0
+        self.wire_request_steps = 0
+        self.forward_seconds = 0.0        # executor time inside execute(), summed over steps
+        self.num_routed = 0               # requests the router gave it (new and moved)
+        self.num_migrated_out = 0
+        self.connected = False
+        self._drain = Drain()
+        self.task: asyncio.Task | None = None
+        self.ready = asyncio.Event()
+        self.resync_log = Every()         # a peer refusing every step would flood the log
+        # Set by whoever gives the step loop something to do; the loop clears it before it looks for work,
+        # so a wake that comes while it looks is kept for its wait, and an idle link sleeps without a timer.
+        self._wake = asyncio.Event()
 
     @property
     def leaving(self) -> bool:
         """Takes nothing new: draining on its own or retired by membership."""
-        return self.draining or self.retiring
+        return self._drain.leaving
 
-    def start_drain(self, retiring: bool) -> None:
-        """Begin a drain, because the executor said so or (`retiring`) membership dropped it. A link already
-        leaving for the other reason keeps its earlier deadline."""
-        deadline = time.monotonic() + self.settings.drain_seconds
-        self.drain_deadline = min(self.drain_deadline, deadline) if self.leaving else deadline
-        if retiring:
-            self.retiring = True
-        else:
-            self.draining = True
+    @property
+    def retiring(self) -> bool:
+        return self._drain.retiring
+
+    def start(self) -> asyncio.Task:
+        self.task = asyncio.get_running_loop().create_task(self.run())
+        return self.task
+
+    def admit(self, req: Request) -> None:
+        """A new request the router chose this executor for; raises InvalidRequestError, changing nothing."""
+        self.core.add_request(req)
+        self.num_routed += 1
+        self._wake.set()
+
+    def adopt(self, moved: list[Request]) -> list[Request]:
+        """Requests moved here from another executor; returns those this one cannot hold."""
+        self.num_routed += len(moved)
+        refused = migration.adopt(self.core, moved)
+        self._wake.set()
+        return refused
+
+    def move_out(self, everything: bool) -> list[Request]:
+        """Take requests off this executor to run elsewhere: its queue, or (`everything`) all of them."""
+        moved = migration.take_all(self.core, only_waiting=not everything)
+        self.num_migrated_out += len(moved)
+        return moved
 
     def abort(self, request_ids) -> list[Request]:
         """Abort at the core (blocks freed now) and close the requests' lives; the caller tells the streams."""
         reqs = self.core.abort_requests(request_ids)
         for req in reqs:
             self.lifecycles.finished(req.request_id, "abort", max(req.num_cached_tokens, 0))
-        self.wakeup.set()
+        if reqs:
+            self._wake.set()       # the executor must hear of it, and freed blocks may let a queued one in
         return reqs
+
+    def retire(self) -> bool:
+        """Membership dropped it. True: it drains (its queue should move now) and ends once empty; False:
+        it was not connected, so nothing runs there, and it ends now."""
+        if not self.connected:
+            self._drain.retiring = True
+            self.task.cancel()
+            return False
+        self._drain.start(retiring=True, seconds=self.settings.drain_seconds)
+        self._wake.set()
+        return True
+
+    def rejoin(self) -> None:
+        """Back in the membership before its drain ended: it takes requests again."""
+        self._drain.retiring = False
+        self._wake.set()
 
     async def run(self) -> None:
         while True:
@@ -170,7 +189,7 @@ class ExecutorLink:
         self.epoch = max(self.epoch + 1, time.time_ns())
         self.handles = HandleTable()
         self.connected = True
-        self.draining = False                    # it answered Describe, which a draining executor refuses
+        self._drain.draining = False             # it answered Describe, which a draining executor refuses
         self.ready.set()
         self.on_change()
         log.info("executor %s connected: %d blocks of %d tokens, tensor parallel %d, epoch %d", self.address,
@@ -180,42 +199,43 @@ class ExecutorLink:
         call = stub.Step()
         # An idle link reads nothing, so it learns that the executor is gone from the call ending.
         broken = asyncio.Event()
-        call.add_done_callback(lambda _: broken.set())
+        call.add_done_callback(lambda _: (broken.set(), self._wake.set()))
         core = self.core
         # Async scheduling: step N+1 is scheduled and sent while the executor runs step N, so the hop, the
         # scheduler's Python and the executor's decoding hide behind the forward pass. The executor runs the
         # steps in order and holds the tokens N samples, which N+1 feeds back in (the core's placeholders).
         depth = 2 if self.settings.async_scheduling else 1
-        sent: deque[_Sent] = deque()
+        sent: deque[SentStep] = deque()
         while True:
-            if self.leaving and core.has_unfinished_requests() and time.monotonic() >= self.drain_deadline:
+            self._wake.clear()          # before looking for work: a wake from here on ends the wait below
+            if self.leaving and core.has_unfinished_requests() and self._drain.seconds_left() == 0:
                 log.warning("executor %s: drain period over; moving %d requests", self.address, len(core.requests))
                 self.on_drain(self, True)    # the answers to steps in flight are read and dropped
-            if not sent:
-                if self.leaving and not core.has_unfinished_requests():
-                    await call.done_writing()   # nothing left here: the executor may exit now
-                    await broken.wait()
-                    raise ConnectionError("drained")
-                if not core.has_unfinished_requests() and not core.finished_req_ids:
-                    self.wakeup.clear()
-                    waits = [asyncio.ensure_future(self.wakeup.wait()), asyncio.ensure_future(broken.wait())]
-                    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-                    for w in waits:
-                        w.cancel()
-                    if broken.is_set():
-                        raise ConnectionError("the step stream ended while idle")
-                    continue
-            if len(sent) < depth:
+            if not sent and self.leaving and not core.has_unfinished_requests():
+                await call.done_writing()   # nothing left here: the executor may exit now
+                await broken.wait()
+                raise ConnectionError("drained")
+            if len(sent) < depth and (sent or core.has_unfinished_requests() or core.finished_req_ids):
                 step = await self._send(call, core)
                 if step is not None:
                     sent.append(step)
                     continue
-                if not sent:
-                    await asyncio.sleep(0.001)     # nothing can run yet (e.g. waiting on admission)
-                    continue
-            await self._receive(call, core, sent)
+            if sent:
+                await self._receive(call, core, sent)
+            else:
+                await self._wait_for_work(broken)   # idle, or nothing can run yet (e.g. no blocks free)
 
-    async def _send(self, call, core: Scheduler) -> _Sent | None:
+    async def _wait_for_work(self, broken: asyncio.Event) -> None:
+        """Sleep until the link is given work, the stream ends, or a drain period with requests here ends."""
+        timeout = self._drain.seconds_left() if self.leaving and self.core.has_unfinished_requests() else None
+        try:
+            await asyncio.wait_for(self._wake.wait(), timeout)
+        except TimeoutError:
+            pass
+        if broken.is_set():
+            raise ConnectionError("the step stream ended while idle")
+
+    async def _send(self, call, core: Scheduler) -> SentStep | None:
         """Schedule a step and write it; None when there is nothing to tell the executor."""
         t0 = time.perf_counter()
         start_ns = time.time_ns()
@@ -224,28 +244,20 @@ class ExecutorLink:
             return None
         self.lifecycles.scheduled(out)
         msg, order = encode_step(out, self.handles, self.epoch, self.step)
-        span = self._step_span(out, start_ns) if tracing.tracer() is not None else None
-        if span is not None:
+        span = None
+        if tracing.tracer() is not None:
+            span = step_span(self.lifecycles, out, start_ns, self.address, self.step, self.epoch, core.kv.usage)
             msg.traceparent = tracing.traceparent(span)
         self.step += 1
         size = msg.ByteSize()
         self.wire_bytes += size
         self.wire_request_steps += len(order)
         self.lifecycles.metrics.wire_bytes.observe(size)
-        step = _Sent(out, order, t0, span, size)
-        try:
-            await call.write(msg)
-        except asyncio.InvalidStateError as e:
-            # The executor ended the call while this step was being scheduled (with a step in flight, the
-            # write can come after the end): the stream is lost, like a failed read.
-            step.end()
-            raise ConnectionError(f"the step stream ended ({e})") from None
-        except BaseException:
-            step.end()
-            raise
+        step = SentStep(out, order, t0, span, size)
+        await step.write(call, msg)
         return step
 
-    async def _receive(self, call, core: Scheduler, sent: deque[_Sent]) -> None:
+    async def _receive(self, call, core: Scheduler, sent: deque[SentStep]) -> None:
         """Read the answer to the oldest step in flight and apply it."""
         step = sent.popleft()
         lives = self.lifecycles
@@ -267,8 +279,8 @@ class ExecutorLink:
                 for later in sent:
                     later.stale = True
                 return
-            if reply.draining and not self.draining:
-                self.start_drain(retiring=False)
+            if reply.draining and not self._drain.draining:
+                self._drain.start(retiring=False, seconds=self.settings.drain_seconds)
                 log.info("executor %s is draining: %d requests running there get %.0fs to finish",
                          self.address, len(core.running), self.settings.drain_seconds)
                 self.on_change()
@@ -284,23 +296,3 @@ class ExecutorLink:
         finally:
             step.end()
         lives.metrics.step_duration.observe(time.perf_counter() - step.t0)
-
-    def _step_span(self, out, start_ns: int):
-        """`scheduler.step`: the batch's facts, linked to the span of every request it serves."""
-        lives = self.lifecycles
-        links = []
-        for rid in out.num_scheduled_tokens:
-            sp = lives.span_of(rid)
-            if sp is not None:
-                links.append(Link(sp.get_span_context()))
-        cached = out.scheduled_cached_reqs
-        return tracing.tracer().start_span("scheduler.step", start_time=start_ns, links=links, attributes={
-            "stepwire.executor": self.address, "stepwire.step": self.step, "stepwire.epoch": self.epoch,
-            "stepwire.step.num_requests": len(out.num_scheduled_tokens),
-            "stepwire.step.scheduled_tokens": out.total_num_scheduled_tokens,
-            "stepwire.step.new_requests": len(out.scheduled_new_reqs),
-            "stepwire.step.cached_requests": len(cached.req_ids),
-            "stepwire.step.resumed_requests": len(cached.resumed_req_ids),
-            "stepwire.step.preempted_requests": len(out.preempted_req_ids),
-            "stepwire.step.finished_requests": len(out.finished_req_ids),
-            "stepwire.kv_cache.usage": self.core.kv.usage})

@@ -18,7 +18,6 @@ import grpc
 
 from scheduler_service.executor_link import ExecutorLink
 from scheduler_service.lifecycle import Lifecycles
-from scheduler_service.migration import adopt, take_all
 from scheduler_service.request import Request
 from scheduler_service.routing import pick
 from scheduler_service.settings import SchedulerSettings
@@ -60,7 +59,7 @@ class Fleet:
             if link is None:
                 self.add(address)
             elif link.retiring:
-                link.retiring = False        # back before it had gone: keep it
+                link.rejoin()                # back before it had gone: keep it
                 log.info("executor %s is back in the membership", address)
                 self._changed()
         for address, link in list(self.links.items()):
@@ -72,24 +71,19 @@ class Fleet:
         link = ExecutorLink(address, self.settings, streams=self.streams, lifecycles=self.lifecycles,
                             on_change=self._changed, on_lost=self.evacuate, on_drain=self.drain_queue)
         self.links[address] = link
-        link.task = asyncio.get_running_loop().create_task(link.run())
-        link.task.add_done_callback(lambda _: self._ended(link))
+        link.start().add_done_callback(lambda _: self._ended(link))
         log.info("executor %s joined the fleet", address)
         return link
 
     def retire(self, link: ExecutorLink) -> None:
         """`link` left the membership: nothing new goes there, its queue moves now, its running requests get
         the drain period, then the link closes its stream and ends."""
-        if not link.connected:               # nothing runs there: its requests moved when it dropped
-            link.retiring = True
+        if not link.retire():                # nothing runs there: its requests moved when it dropped
             log.info("executor %s left the fleet", link.address)
-            link.task.cancel()
             return
         log.info("executor %s left the membership: draining it", link.address)
-        link.start_drain(retiring=True)
         self._changed()
         self.drain_queue(link, everything=False)
-        link.wakeup.set()
 
     def _ended(self, link: ExecutorLink) -> None:
         if self.links.get(link.address) is link:
@@ -129,12 +123,9 @@ class Fleet:
             by_link.setdefault(link.address, []).append(req)
             self.lifecycles.routed(req.request_id, link.address, hit, "moved")
         for address, moved in by_link.items():
-            link = self.links[address]
-            link.num_routed += len(moved)
-            for req in adopt(link.core, moved):
+            for req in self.links[address].adopt(moved):
                 self.fail(req.request_id, grpc.StatusCode.UNAVAILABLE,
                           f"{req.num_tokens} tokens do not fit the context of the executors left")
-            link.wakeup.set()
 
     def place_orphans(self) -> None:
         if self.orphans and self.live():
@@ -161,24 +152,23 @@ class Fleet:
         """`link`'s executor is gone: every request on it moves to the others (or waits for one)."""
         if link.core is None:
             return
-        moved = take_all(link.core)
+        moved = link.move_out(everything=True)
         if moved:
-            self._count_moved(link, moved)
+            self._count_moved(moved)
             log.warning("executor %s lost: moving %d requests", link.address, len(moved))
             self.lifecycles.preempted([r.request_id for r in moved])
             self.place(moved, exclude=link)
 
     def drain_queue(self, link: ExecutorLink, everything: bool) -> None:
         """`link` is draining: what has not started there moves now; at the end of the drain period, all."""
-        moved = take_all(link.core, only_waiting=not everything)
+        moved = link.move_out(everything)
         if moved:
-            self._count_moved(link, moved)
+            self._count_moved(moved)
             log.info("executor %s draining: moving %d requests", link.address, len(moved))
             self.place(moved, exclude=link)
 
-    def _count_moved(self, link: ExecutorLink, moved: list[Request]) -> None:
+    def _count_moved(self, moved: list[Request]) -> None:
         self.num_migrated += len(moved)
-        link.num_migrated_out += len(moved)
         self.lifecycles.metrics.migrations.inc(len(moved))
 
     # ------------------------------------------------------------------ ending requests

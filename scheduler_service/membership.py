@@ -22,20 +22,10 @@ import dns.asyncresolver
 import dns.exception
 import dns.resolver
 
+from scheduler_service.addresses import host_port, join_host_port
 from scheduler_service.settings import SchedulerSettings
 
 log = logging.getLogger("stepwire.scheduler")
-
-
-def host_port(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"{address!r} is not host:port")
-    return host.strip("[]"), int(port)
-
-
-def join_host_port(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def resolver(nameserver: str) -> dns.asyncresolver.Resolver:
