@@ -8,7 +8,7 @@ is rank 0's time inside all-reduces over its step time, waiting for the slower r
 --deterministic, where o and down gather instead of summing, the all-gathers' time as well).
 
 In float32 the two agree; in bfloat16 (`--dtype bfloat16`) they agree only with `--deterministic`, where no
-rank adds another's partial sums (README, "Deterministic mode").
+rank adds another's partial sums (docs/operations.md, "Deterministic mode").
 
 Prints a table and `RESULT tp=2 identical=<yes|no> tok_s_ratio=<TP2 / TP1> allreduce_share=<x>`.
 

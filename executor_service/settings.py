@@ -58,7 +58,8 @@ class ExecutorSettings(RoleSettings):
 
     deterministic: bool = Field(False, description="batch-invariant kernels: a request's tokens (greedy or seeded) "
                                 "do not depend on its batch, its prompt's chunks, prefix-cache hits, or which "
-                                "executor runs it, in bfloat16 as in float32; costs some throughput (README)")
+                                "executor runs it, in bfloat16 as in float32; costs some throughput "
+                                "(docs/operations.md)")
 
     def runner_config(self) -> RunnerConfig:
         return RunnerConfig(**{f.name: getattr(self, f.name) for f in fields(RunnerConfig)})

@@ -51,7 +51,7 @@ class ServeSettings(ServiceSettings):
                          "between all ranks of all executors")
     kv_cache_memory: int = Field(1 << 30, ge=1, description="bytes for each executor's KV cache")
     deterministic: bool = Field(False, description="executors with batch-invariant kernels: the same tokens in "
-                                "any batch, chunking or executor, in bfloat16 as in float32 (README)")
+                                "any batch, chunking or executor, in bfloat16 as in float32 (docs/operations.md)")
     scheduler_metrics_port: int = Field(9091, description="Prometheus /metrics of the scheduler")
     executor_metrics_port: int = Field(9092, description="Prometheus /metrics of the first executor (then +1)")
     tls: bool = Field(True, description="mTLS between the services, with a development CA (--no-tls: plaintext "

@@ -4,7 +4,7 @@ Each step, running requests go first (each capped by the long-prefill threshold,
 and max_model_len); when the pool cannot give one its blocks, requests are preempted from the tail (LIFO
 under fcfs, lowest rank under priority) and recomputed later. Waiting requests are admitted only in a
 step that preempted nothing, within max_num_seqs, after a prefix-cache lookup; an allocation failure
-while admitting stops admission and never preempts. Semantics follow vLLM v1 (see README for the few
+while admitting stops admission and never preempts. Semantics follow vLLM v1 (see docs/scheduler.md for the few
 deliberate differences).
 
 One Scheduler owns one block pool, so a scheduler service keeps one instance per executor. No
