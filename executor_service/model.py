@@ -159,12 +159,12 @@ def _slice_and_whole(rnd, rows_held: int, full_shape: tuple[int, int], rows: lis
     rank's kernel on its slice of the same numbers (`mine`, rows_held rows: the LM head's last slice is padded
     with zero rows, whose columns it drops here)."""
     full_w, full_b = rnd(*full_shape), (rnd(full_shape[0]) if bias else None)
+    whole_k = fixed_kernel(full_w, full_b)
+    if len(rows) == full_shape[0] == rows_held:   # one rank: its layer is the whole one (no copy of it)
+        return whole_k, whole_k
     mine_w = full_w.new_zeros(rows_held, full_shape[1])
     mine_w[:len(rows)] = full_w[rows]
     mine_k = fixed_kernel(mine_w, None if full_b is None else F.pad(full_b[rows], (0, rows_held - len(rows))))
-    whole_k = fixed_kernel(full_w, full_b)
-    if len(rows) == full_shape[0] == rows_held:
-        return mine_k, whole_k
     idx = torch.tensor(rows, device=full_w.device)
     return (lambda x: mine_k(x)[:, :len(rows)]), (lambda x: whole_k(x)[:, idx])
 
