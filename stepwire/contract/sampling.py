@@ -40,6 +40,9 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None  # top-n logprobs per sampled token
+    # What the output must be (JSON schema, regex, choice, grammar, tool-call tags); None: unconstrained. The
+    # wire message itself: it is passed on as is, and the executor compiles it (`structured/`).
+    structured_output: sampling_pb2.StructuredOutput | None = None
 
     def validate(self) -> SamplingParams:
         check_sampling(self)
@@ -54,6 +57,8 @@ class SamplingParams:
             msg.seed = self.seed
         if self.logprobs is not None:
             msg.logprobs = self.logprobs
+        if self.structured_output is not None:
+            msg.structured_output.CopyFrom(self.structured_output)
         return msg
 
 
@@ -80,6 +85,31 @@ def check_sampling(sp) -> None:
         # A cap, as vLLM's max_logprobs: 256 rows asking for the whole vocabulary would make one step's reply
         # larger than the message limit and break the executor's stream.
         integer("logprobs", sp.logprobs, 0, MAX_LOGPROBS)
+    so = _structured_of(sp)
+    if so is not None:
+        check_structured_size(so)
+
+
+# A grammar crosses to the scheduler and the executor once per request and is compiled there; the cap keeps
+# one request from making every hop hold (and every compile chew on) megabytes.
+MAX_STRUCTURED_BYTES = 256 * 1024
+
+
+def _structured_of(sp):
+    if isinstance(sp, sampling_pb2.SamplingParams):
+        return sp.structured_output if sp.HasField("structured_output") else None
+    return sp.structured_output
+
+
+def check_structured_size(so: sampling_pb2.StructuredOutput) -> None:
+    """Exactly one kind, and small enough to carry; whether the library can compile it is checked where the
+    tokenizer is (the gateway), not here."""
+    if so.WhichOneof("kind") is None:
+        raise InvalidRequestError("structured_output", "names no kind (json_schema, json_object, regex, choice, "
+                                  "grammar or tags)")
+    size = so.ByteSize()
+    if size > MAX_STRUCTURED_BYTES:
+        raise InvalidRequestError("structured_output", f"at most {MAX_STRUCTURED_BYTES} bytes, got {size}")
 
 
 def check_stop(stop: Sequence[str]) -> None:
