@@ -1,1 +1,2 @@
-"""stepwire executor: model, KV-cache tensors, persistent batch, sampler (arrives with issue #3)."""
+"""stepwire executor: the model, its KV-cache tensors, the persistent batch and the sampler, behind the Executor
+gRPC service that runs the scheduler's steps."""

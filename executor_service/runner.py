@@ -17,7 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from executor_service.attention import GatherScratch, build_attention_metadata
 from executor_service.collectives import Collectives, RankFailure, join, leave
 from executor_service.input_batch import InputBatch, RequestState, StepInputs
-from executor_service.kv_cache import allocate_kv_caches, num_blocks_for_budget
+from executor_service.kv_tensors import allocate_kv_caches, num_blocks_for_budget
 from executor_service.linear import cpu_has_native_bf16
 from executor_service.loader import load_model
 from executor_service.memory import keep_freed_memory

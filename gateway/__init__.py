@@ -1,1 +1,2 @@
-"""stepwire gateway: client gRPC API and OpenAI-compatible HTTP (arrives with issue #4)."""
+"""stepwire gateway: the client-facing edge. gRPC `stepwire.v1` and OpenAI-compatible HTTP over one `Backend`
+(backend.py), and the scheduler session that carries their requests."""

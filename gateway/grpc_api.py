@@ -6,7 +6,7 @@ import uuid
 
 import grpc
 
-from gateway.core import Backend, GenerationParams, Usage
+from gateway.backend import Backend, GenerationParams, Usage
 from gateway.session import SchedulerError
 from gateway.telemetry import GatewayMetrics, Observation
 from stepwire.contract import InvalidRequestError, SamplingParams

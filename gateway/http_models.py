@@ -1,4 +1,5 @@
-"""Request models the HTTP routes share: strictness, and chat messages with their content parts."""
+"""The OpenAI request bodies, as pydantic models: strictness, the sampling fields every route shares, chat
+messages with their content parts. Ranges are stated for the OpenAPI schema; stepwire.contract checks them."""
 
 from __future__ import annotations
 
@@ -6,8 +7,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from gateway.backend import MAX_N
 from stepwire.contract import InvalidRequestError
+from stepwire.contract.limits import FLOAT32_MAX, INT32_MAX, INT32_MIN, UINT32_MAX, UINT64_MAX
 from stepwire.contract.requests import CHAT_ROLES
+from stepwire.contract.sampling import MAX_LOGPROBS, MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS
 
 
 def documented(default: Any = ..., **schema) -> Any:
@@ -32,6 +36,49 @@ class ChatMessage(Strict):
     role: str = documented(enum=list(CHAT_ROLES))   # checked with the gRPC API's rule, in the backend
     content: str | list[ContentPart] | None = None
     name: str | None = None
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class Sampling(Strict):
+    model: str
+    max_tokens: int | None = documented(None, minimum=1, maximum=UINT32_MAX)
+    temperature: float = documented(1.0, minimum=0, maximum=FLOAT32_MAX)
+    top_p: float = documented(1.0, exclusiveMinimum=0, maximum=1)
+    n: int = documented(1, minimum=1, maximum=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = documented(None, maxItems=MAX_STOP, maxLength=MAX_STOP_CHARS)
+    seed: int | None = documented(None, minimum=0, maximum=UINT64_MAX)
+    user: str | None = None
+    # Only 0 is supported yet.
+    presence_penalty: float = documented(0.0, minimum=0, maximum=0)
+    frequency_penalty: float = documented(0.0, minimum=0, maximum=0)
+    # Beyond OpenAI, as vLLM accepts them.
+    top_k: int = documented(-1, minimum=-1, maximum=INT32_MAX)
+    min_p: float = documented(0.0, minimum=0, maximum=1)
+    min_tokens: int = documented(0, minimum=0, maximum=UINT32_MAX)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = Field(default_factory=list, json_schema_extra={
+        "maxItems": MAX_STOP_TOKEN_IDS, "items": {"type": "integer", "minimum": 0, "maximum": UINT32_MAX}})
+    priority: int = documented(0, minimum=INT32_MIN, maximum=INT32_MAX)
+    cache_salt: str | None = None
+
+
+class CompletionRequest(Sampling):
+    prompt: str | list[int]
+    logprobs: int | None = documented(None, minimum=0, maximum=MAX_LOGPROBS)
+    echo: bool = documented(False, enum=[False])   # not supported
+
+
+class ChatRequest(Sampling):
+    messages: list[ChatMessage] = documented(minItems=1)
+    max_completion_tokens: int | None = documented(None, minimum=1, maximum=UINT32_MAX)
+    logprobs: bool = False
+    top_logprobs: int | None = documented(None, minimum=0, maximum=MAX_LOGPROBS)
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict]:

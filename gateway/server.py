@@ -14,8 +14,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from gateway.auth import ApiKeys, GrpcKeys, require_key_beyond_loopback
+from gateway.backend import Backend
 from gateway.connection_limits import ConnectionLimits, LimitedH11Protocol
-from gateway.core import Backend
 from gateway.grpc_api import SERVICE, GenerationService
 from gateway.http_api import build_app, build_health_app
 from gateway.settings import GatewaySettings

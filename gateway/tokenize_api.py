@@ -8,7 +8,7 @@ from typing import Annotated
 from fastapi import Body, FastAPI
 from pydantic import BaseModel, Discriminator, Tag
 
-from gateway.core import Backend
+from gateway.backend import Backend
 from gateway.http_models import ChatMessage, Strict, message_dicts
 
 

@@ -24,7 +24,7 @@ from gateway_stack import tiny_model_with_tokenizer
 from helpers import free_ports, log_tail, stop_processes, wait_grpc_serving, wait_http_ready, wait_until
 from tiny_model import kv_bytes
 
-from gateway.core import SCHEDULER_GONE
+from gateway.backend import SCHEDULER_GONE
 from stepwire.v1 import generation_pb2 as g
 from stepwire.v1 import generation_pb2_grpc
 

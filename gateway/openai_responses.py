@@ -1,0 +1,148 @@
+"""OpenAI's response shapes: a whole completion or an SSE stream of chunks, usage, logprobs, and errors in
+OpenAI's {"error": {...}} body (a scheduler refusal mapped to its HTTP status)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+import grpc
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from gateway.backend import Backend, GenerationParams, Usage
+from gateway.session import SchedulerError
+from gateway.telemetry import Observation
+
+
+def error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+           code: str | None = None, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(status_code=status, headers=headers, content={
+        "error": {"message": message, "type": kind, "param": param, "code": code}})
+
+
+async def respond(backend: Backend, raw: Request, req, prompt: list[int], p: GenerationParams, chat: bool,
+                   obs: Observation):
+    if not backend.max_model_len:
+        await backend.refresh()
+    backend.check(prompt, p)
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    created = int(time.time())
+    usage = Usage()
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return StreamingResponse(_sse(backend, prompt, p, usage, rid, created, chat, include_usage, obs),
+                                 media_type="text/event-stream")
+    texts = [""] * p.n
+    finish: list[str | None] = [None] * p.n
+    lps: list[list] = [[] for _ in range(p.n)]
+    gen = backend.generate(prompt, p, usage, obs)
+    task = asyncio.ensure_future(_collect(gen, texts, finish, lps))
+    # A client that hangs up on a non-streaming call still frees its blocks: watch for it.
+    while not task.done():
+        await asyncio.wait([task], timeout=0.25)
+        if not task.done() and await raw.is_disconnected():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            obs.end(499, usage, finish, error="client disconnected")
+            return JSONResponse({}, status_code=499)
+    try:
+        task.result()
+    except SchedulerError as e:
+        response = _rpcerror(e)
+        obs.end(response.status_code, error=e.details())
+        return response
+    obs.end(200, usage, finish)
+    choices = []
+    for i in range(p.n):
+        if chat:
+            choices.append({"index": i, "message": {"role": "assistant", "content": texts[i]},
+                            "logprobs": _chat_lp(backend, lps[i]) if p.sampling.logprobs is not None else None,
+                            "finish_reason": finish[i]})
+        else:
+            choices.append({"index": i, "text": texts[i], "finish_reason": finish[i],
+                            "logprobs": _completion_lp(backend, lps[i]) if p.sampling.logprobs is not None else None})
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+            "model": backend.model_name, "choices": choices, "usage": _usage(usage)}
+
+
+async def _collect(gen, texts, finish, lps) -> None:
+    async for c in gen:
+        texts[c.index] += c.text
+        lps[c.index] += c.logprobs or []
+        if c.finish_reason is not None:
+            finish[c.index] = c.finish_reason
+
+
+async def _sse(backend, prompt, p, usage, rid, created, chat, include_usage, obs: Observation):
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def event(choices, **extra):
+        body = {"id": rid, "object": obj, "created": created, "model": backend.model_name, "choices": choices}
+        body.update(extra)
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    want_lp = p.sampling.logprobs is not None
+    if chat:
+        for i in range(p.n):
+            yield event([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None}])
+    finish: list[str | None] = [None] * p.n
+    error = None
+    try:
+        async for c in backend.generate(prompt, p, usage, obs):
+            if c.finish_reason is not None:
+                finish[c.index] = c.finish_reason
+            if chat:
+                choice = {"index": c.index, "delta": {"content": c.text} if c.text else {},
+                          "logprobs": _chat_lp(backend, c.logprobs or []) if want_lp else None,
+                          "finish_reason": c.finish_reason}
+            else:
+                choice = {"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
+                          "logprobs": _completion_lp(backend, c.logprobs or []) if want_lp else None}
+            if c.text or c.finish_reason is not None or c.logprobs:
+                yield event([choice])
+        if include_usage:
+            yield event([], usage=_usage(usage))
+        yield "data: [DONE]\n\n"
+    except SchedulerError as e:
+        error = e.details()
+        yield f"data: {_rpcerror(e).body.decode()}\n\n"
+    finally:
+        # Also when the client hangs up mid-stream (the generator is closed): the span still ends.
+        obs.end(200, usage, finish, error=error if error is not None else
+                (None if all(f is not None for f in finish) else "client disconnected"))
+
+
+def _usage(u: Usage) -> dict:
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens}}
+
+
+def _completion_lp(backend, per_token) -> dict:
+    tt = backend.tokenizer.token_text
+    return {"tokens": [tt(pairs[0][0]) for pairs in per_token],
+            "token_logprobs": [pairs[0][1] for pairs in per_token],
+            "top_logprobs": [{tt(t): v for t, v in pairs[1:]} for pairs in per_token],
+            "text_offset": []}
+
+
+def _chat_lp(backend, per_token) -> dict:
+    tt = backend.tokenizer.token_text
+    return {"content": [{"token": tt(pairs[0][0]), "logprob": pairs[0][1],
+                         "bytes": list(tt(pairs[0][0]).encode()),
+                         "top_logprobs": [{"token": tt(t), "logprob": v, "bytes": list(tt(t).encode())}
+                                          for t, v in pairs[1:]]} for pairs in per_token]}
+
+
+def _rpcerror(e: SchedulerError) -> JSONResponse:
+    # The details are the scheduler's own words for one request, or gateway.session's fixed message when
+    # the link broke: never grpc's transport details.
+    if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+        return error(400, e.details())
+    if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return error(429, e.details(), kind="rate_limit_error")
+    return error(503, e.details(), kind="server_error")
