@@ -25,15 +25,15 @@ from scheduler_service.output import (
     SchedulerOutput,
     SchedulerStats,
 )
-from scheduler_service.request import Request, RequestStatus
+from scheduler_service.request import FINISH_REASONS, Request, RequestStatus
 from scheduler_service.request_checks import check_new_request
 from scheduler_service.request_queue import make_queue
+from scheduler_service.stopping import append_sampled
+from scheduler_service.waiting_phase import admit_waiting
 
 _WAITING = RequestStatus.WAITING
 _RUNNING = RequestStatus.RUNNING
 _PREEMPTED = RequestStatus.PREEMPTED
-_STOPPED = RequestStatus.FINISHED_STOPPED
-_LENGTH = RequestStatus.FINISHED_LENGTH_CAPPED
 _ABORTED = RequestStatus.FINISHED_ABORTED
 
 
@@ -207,43 +207,8 @@ class Scheduler:
 
         # Waiting requests, only if nothing was preempted: admitting while evicting would just thrash.
         if not preempted:
-            waiting = self.waiting
-            max_num_seqs = cfg.max_num_seqs
-            chunked = cfg.enable_chunked_prefill
-            while waiting and token_budget > 0 and len(running) < max_num_seqs:
-                req = waiting.peek()
-                hit_blocks, num_hit = kv.get_computed_blocks(req)
-                n = len(req.all_token_ids) - num_hit
-                if 0 < threshold < n:
-                    n = threshold
-                if n > token_budget:
-                    if not chunked:
-                        break
-                    n = token_budget
-                if allocate(req, n, num_hit, hit_blocks) is None:
-                    break
-                kv.record_prefix_cache_stats(req, num_hit)
-                waiting.pop()
-                running.append(req)
-                rid = req.request_id
-                block_ids = kv.get_block_ids(rid)
-                if req.status == _WAITING or req.resend_in_full:
-                    if req.num_cached_tokens < 0:
-                        req.num_cached_tokens = num_hit
-                    req.resend_in_full = False
-                    new_reqs.append(NewRequestData(rid, req.prompt_token_ids, req.output_token_ids,
-                                                   req.sampling_params, block_ids, num_hit))
-                else:
-                    c_ids.append(rid)
-                    c_blocks.append(block_ids)
-                    c_computed.append(num_hit)
-                    cached.resumed_req_ids.add(rid)
-                req.status = _RUNNING
-                req.num_computed_tokens = num_hit + n
-                if num_hit + n == len(req.all_token_ids):
-                    req.num_output_placeholders += 1
-                num_scheduled[rid] = n
-                token_budget -= n
+            token_budget = admit_waiting(cfg, kv, self.waiting, running, token_budget, threshold, new_reqs, cached,
+                                         num_scheduled)
 
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
@@ -284,33 +249,14 @@ class Scheduler:
                 # Preempted by a step scheduled while this one ran (async scheduling). The token is real: the
                 # executor parked it with the request's other tokens, and a resume recomputes it all.
                 late_preempted.append(req)
-            all_ids = req.all_token_ids
-            finish = None
-            for k, tok in enumerate(tokens):
-                all_ids.append(tok)
-                num_tokens = len(all_ids)
-                if caching and num_tokens % block_size == 0:
-                    req.update_block_hashes(block_size)
-                # EOS and stop ids before length, as vLLM does: a request ending both ways "stopped".
-                if tok in req.stop_ids and num_tokens >= req.min_stop_len:
-                    finish = _STOPPED
-                elif num_tokens >= req.length_limit:
-                    finish = _LENGTH
-                else:
-                    continue
-                if k + 1 < len(tokens):
-                    tokens = tokens[:k + 1]
-                    if lps is not None:
-                        lps = lps[:k + 1]
-                break
+            tokens, lps, finish = append_sampled(req, tokens, lps, block_size if caching else 0)
             if finish is None:
                 deltas.append(RequestDelta(rid, tokens, None, req.num_cached_tokens, lps))
             else:
                 req.status = finish
                 self._release(req)
                 any_finished = True
-                deltas.append(RequestDelta(rid, tokens, "stop" if finish is _STOPPED else "length",
-                                           req.num_cached_tokens, lps))
+                deltas.append(RequestDelta(rid, tokens, FINISH_REASONS[finish], req.num_cached_tokens, lps))
         if any_finished:
             self.running = [r for r in self.running if r.status is _RUNNING]
             ended = [r for r in late_preempted if r.is_finished]

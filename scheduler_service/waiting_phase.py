@@ -1,0 +1,62 @@
+"""The second half of a step: waiting requests admitted into what the running ones left of the token budget.
+
+In queue order (FCFS, or priority), each after a prefix-cache lookup, within max_num_seqs; a request that
+does not fit whole is chunked (when chunked prefill is on), and the first one whose blocks cannot be
+allocated stops admission: admitting never preempts. A request seen for the first time, or one whose
+executor lost its state, is sent in full; a preempted one resumes by its id and its new block table.
+"""
+
+from __future__ import annotations
+
+from scheduler_service.config import SchedulerConfig
+from scheduler_service.kv_cache.manager import KVCacheManager
+from scheduler_service.output import CachedRequestData, NewRequestData
+from scheduler_service.request import Request, RequestStatus
+
+_WAITING = RequestStatus.WAITING
+_RUNNING = RequestStatus.RUNNING
+
+
+def admit_waiting(config: SchedulerConfig, kv: KVCacheManager, waiting, running: list[Request], token_budget: int,
+                  threshold: int, new_reqs: list[NewRequestData], cached: CachedRequestData,
+                  num_scheduled: dict[str, int]) -> int:
+    """Move what fits into `token_budget` from `waiting` (a request_queue) to `running`, appending to this
+    step's output; returns the budget left."""
+    allocate = kv.allocate_slots
+    max_num_seqs = config.max_num_seqs
+    chunked = config.enable_chunked_prefill
+    while waiting and token_budget > 0 and len(running) < max_num_seqs:
+        req = waiting.peek()
+        hit_blocks, num_hit = kv.get_computed_blocks(req)
+        n = len(req.all_token_ids) - num_hit
+        if 0 < threshold < n:
+            n = threshold
+        if n > token_budget:
+            if not chunked:
+                break
+            n = token_budget
+        if allocate(req, n, num_hit, hit_blocks) is None:
+            break
+        kv.record_prefix_cache_stats(req, num_hit)
+        waiting.pop()
+        running.append(req)
+        rid = req.request_id
+        block_ids = kv.get_block_ids(rid)
+        if req.status == _WAITING or req.resend_in_full:
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            req.resend_in_full = False
+            new_reqs.append(NewRequestData(rid, req.prompt_token_ids, req.output_token_ids,
+                                           req.sampling_params, block_ids, num_hit))
+        else:
+            cached.req_ids.append(rid)
+            cached.new_block_ids.append(block_ids)
+            cached.num_computed_tokens.append(num_hit)
+            cached.resumed_req_ids.add(rid)
+        req.status = _RUNNING
+        req.num_computed_tokens = num_hit + n
+        if num_hit + n == len(req.all_token_ids):
+            req.num_output_placeholders += 1
+        num_scheduled[rid] = n
+        token_budget -= n
+    return token_budget
