@@ -12,6 +12,7 @@ from stepwire.contract import InvalidRequestError
 JSON_TYPES = frozenset({"object", "array", "string", "number", "integer", "boolean", "null"})
 # Deeper than any real tool's arguments, shallow enough that walking it cannot exhaust Python's stack.
 MAX_DEPTH = 32
+MAX_NESTING = 2 * MAX_DEPTH + 8   # objects and lists, keywords included (a schema level is two of them)
 _SCHEMA = ("items", "additionalProperties", "additionalItems", "not", "contains", "propertyNames", "if", "then",
            "else", "unevaluatedProperties", "unevaluatedItems")
 _SCHEMA_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
@@ -25,6 +26,10 @@ def check_parameters(schema, field: str) -> None:
     "object"), and every part of it has the shape JSON Schema gives that keyword."""
     if not isinstance(schema, dict):
         raise InvalidRequestError(field, "must be a JSON Schema object")
+    if _nesting(schema) > MAX_NESTING:
+        # Counted without recursion: any part (a default, an enum) that deep would break the recursive code
+        # that later writes the schema out (json.dumps, the template), with a 500 instead of this 400.
+        raise InvalidRequestError(field, f"nested deeper than {MAX_NESTING} levels")
     if schema.get("type", "object") != "object":
         raise InvalidRequestError(f"{field}.type", f'a function\'s arguments are a JSON object: the type must '
                                                    f'be "object", got {_short(schema.get("type"))}')
@@ -82,6 +87,18 @@ def _check_values(schema: dict, path: str) -> None:
     for key in ("pattern", "$ref", "format"):
         if key in schema and not isinstance(schema[key], str):
             raise InvalidRequestError(f"{path}.{key}", "must be a string")
+
+
+def _nesting(value) -> int:
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        node, depth = todo.pop()
+        deepest = max(deepest, depth)
+        if isinstance(node, dict):
+            todo.extend((v, depth + 1) for v in node.values())
+        elif isinstance(node, list):
+            todo.extend((v, depth + 1) for v in node)
+    return deepest
 
 
 def _short(value, limit: int = 60) -> str:

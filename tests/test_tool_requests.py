@@ -55,6 +55,8 @@ TOOLS = [fn("get_weather", WEATHER, description="Weather at a city"), fn("order"
      "tools[0].function.parameters.properties.a.maxLength", "non-negative"),
     ([fn("f", {"type": "object", "properties": {"a": json.loads('{"items":' * 40 + "{}" + "}" * 40)}})], None,
      "tools[0].function.parameters.properties.a", "nested deeper"),
+    ([fn("f", {"type": "object", "default": json.loads("[" * 900 + "]" * 900)})], "required",
+     "tools[0].function.parameters", "nested deeper"),   # where no schema is walked, and json.dumps would fail
     ([fn(f"f{i}") for i in range(MAX_TOOLS + 1)], None, "tools", f"at most {MAX_TOOLS}"),
     ([fn("f", {"type": "object", "description": "x" * MAX_STRUCTURED_BYTES})], "required", "tools", "too large"),
     ([fn("f", description=7)], None, "tools[0].function.description", "string"),
