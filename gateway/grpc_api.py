@@ -170,7 +170,7 @@ def _tool_fields(request) -> tuple[list[dict], object, bool | None]:
     for i, t in enumerate(request.tools):
         try:
             parameters = json.loads(t.parameters) if t.parameters else None
-        except ValueError:
+        except (ValueError, RecursionError):   # nested past what the parser takes counts as not JSON
             raise InvalidRequestError(f"tools[{i}].parameters", "is not valid JSON") from None
         tools.append({"type": "function", "function": {"name": t.name, "description": t.description,
                                                        "parameters": parameters}})

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 
 from gateway.tool_calls import END, TRIGGER, ToolPlan
+from gateway.tool_schema import check_nesting
 from stepwire.contract import InvalidRequestError
 
 TOOLS_PROMPT = """\
@@ -99,8 +100,9 @@ def _call(c: dict, field: str) -> dict:
         raise InvalidRequestError(f"{field}.function.name", "a tool call needs the name of its function")
     try:
         parsed = json.loads(arguments) if isinstance(arguments, str) and arguments.strip() else {}
-    except ValueError:
+    except (ValueError, RecursionError):
         raise InvalidRequestError(f"{field}.function.arguments", "must be a JSON object, as a string") from None
     if not isinstance(parsed, dict):
         raise InvalidRequestError(f"{field}.function.arguments", "must be a JSON object, as a string")
+    check_nesting(parsed, f"{field}.function.arguments")
     return {"id": c.get("id") or "", "type": "function", "function": {"name": name, "arguments": parsed}}

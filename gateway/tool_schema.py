@@ -26,10 +26,7 @@ def check_parameters(schema, field: str) -> None:
     "object"), and every part of it has the shape JSON Schema gives that keyword."""
     if not isinstance(schema, dict):
         raise InvalidRequestError(field, "must be a JSON Schema object")
-    if _nesting(schema) > MAX_NESTING:
-        # Counted without recursion: any part (a default, an enum) that deep would break the recursive code
-        # that later writes the schema out (json.dumps, the template), with a 500 instead of this 400.
-        raise InvalidRequestError(field, f"nested deeper than {MAX_NESTING} levels")
+    check_nesting(schema, field)
     if schema.get("type", "object") != "object":
         raise InvalidRequestError(f"{field}.type", f'a function\'s arguments are a JSON object: the type must '
                                                    f'be "object", got {_short(schema.get("type"))}')
@@ -87,6 +84,13 @@ def _check_values(schema: dict, path: str) -> None:
     for key in ("pattern", "$ref", "format"):
         if key in schema and not isinstance(schema[key], str):
             raise InvalidRequestError(f"{path}.{key}", "must be a string")
+
+
+def check_nesting(value, field: str) -> None:
+    """Counted without recursion: any part (a default, an enum, a call's arguments) nested deeper would break
+    the recursive code that later writes it out (json.dumps, the template) with a 500 instead of this 400."""
+    if _nesting(value) > MAX_NESTING:
+        raise InvalidRequestError(field, f"nested deeper than {MAX_NESTING} levels")
 
 
 def _nesting(value) -> int:

@@ -251,7 +251,10 @@ def test_grpc_named_choice_and_bad_tools(backend):
     for bad, words in ((grpc_request(tool_choice=g.ToolChoice(function="nope")), "names no tool"),
                        (g.GenerateRequest(text="hi", tools=[g.Tool(name="f")]), "chat prompt"),
                        (g.GenerateRequest(chat=g.Chat(messages=[g.ChatMessage(role="user", content="x")]),
-                                          tools=[g.Tool(name="f", parameters="{")]), "tools[0].parameters")):
+                                          tools=[g.Tool(name="f", parameters="{")]), "tools[0].parameters"),
+                       (g.GenerateRequest(chat=g.Chat(messages=[g.ChatMessage(role="user", content="x")]),
+                                          tools=[g.Tool(name="f", parameters="[" * 10**5 + "]" * 10**5)]),
+                        "tools[0].parameters")):
         with pytest.raises(grpc.aio.AioRpcError) as e:
             grpc_call(backend, lambda stub, bad=bad: stub.Generate(bad))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in e.value.details()

@@ -119,6 +119,12 @@ def test_a_template_that_only_mentions_tools_in_text_is_not_taken_for_one_that_k
      "messages[0].tool_calls[0].function.arguments"),
     ({"role": "assistant", "content": "", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "[1]"}}]},
      "messages[0].tool_calls[0].function.arguments"),
+    ({"role": "assistant", "content": "", "tool_calls": [{"id": "c", "function": {
+        "name": "f", "arguments": '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}"}}]},
+     "messages[0].tool_calls[0].function.arguments"),   # past the JSON parser's depth
+    ({"role": "assistant", "content": "", "tool_calls": [{"id": "c", "function": {
+        "name": "f", "arguments": '{"a": ' + "[" * 500 + "]" * 500 + "}"}}]},
+     "messages[0].tool_calls[0].function.arguments"),   # parsed, but too deep to render safely
 ])
 def test_bad_tool_history_is_refused_naming_the_field(message, field):
     with pytest.raises(InvalidRequestError) as e:
