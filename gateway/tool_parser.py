@@ -1,13 +1,10 @@
 """Tool calling, the response side: model text, as it streams, turned into content and tool calls.
 
-One incremental parser serves streaming and whole responses alike, for the three formats of
-gateway.tool_calls ("auto" tags, "required" JSON, a named function's arguments). A call is announced (id,
-name) as soon as its name is read, and its arguments are passed on piece by piece as they are generated: the
-parser tracks only JSON nesting and strings to see where they end, never parses them. Text that might be the
-start of "<tool_call>" is held back until it is clear it is not. A whole response is checked once more at the
-end: if any call is malformed (cut off, arguments not a JSON object), the whole text is the content, as
-vLLM's parsers answer; a stream cannot take back what it sent, so there a call goes out as generated (with the
-constraint on, every call is well formed)."""
+One incremental parser serves streams and whole responses, for the three formats of gateway.tool_calls. A call
+is announced (id, name) once its name is read, and its arguments go out piece by piece as generated: only JSON
+nesting and strings are tracked, to see where they end. Text that might start "<tool_call>" is held back until
+it is clear. A whole response is checked at the end: if any call is malformed, all of the text is content (as
+vLLM answers); a stream cannot take back what it sent (with the constraint on, no call is malformed)."""
 
 from __future__ import annotations
 
