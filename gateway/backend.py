@@ -129,10 +129,10 @@ class Backend:
         return await self._off_loop(self._encode, text, add_special_tokens, await self._text_limit())
 
     async def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                          add_special_tokens: bool = False) -> list[int]:
-        check_chat(messages)
+                          add_special_tokens: bool = False, tools: list[dict] | None = None) -> list[int]:
+        check_chat(messages)   # `tools`: the template's variable (gateway.tool_rendering)
         return await self._off_loop(self._encode_chat, messages, add_generation_prompt, add_special_tokens,
-                                    await self._text_limit())
+                                    await self._text_limit(), tools)
 
     async def decode(self, token_ids: list[int]) -> str:
         """The text of token ids the model knows, special tokens included (as vLLM's /detokenize gives it)."""
@@ -145,9 +145,9 @@ class Backend:
         return self.tokenizer.encode(text, add_special_tokens)
 
     def _encode_chat(self, messages: list[dict], add_generation_prompt: bool, add_special_tokens: bool,
-                     limit: int) -> list[int]:
+                     limit: int, tools: list[dict] | None = None) -> list[int]:
         try:
-            text = self.tokenizer.render_chat(messages, add_generation_prompt)
+            text = self.tokenizer.render_chat(messages, add_generation_prompt, tools)
         except ChatTemplateError as e:
             raise InvalidRequestError("messages", str(e)) from None
         self._refuse_oversize(text, limit, "messages")

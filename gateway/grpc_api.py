@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 
 import grpc
@@ -9,12 +10,17 @@ import grpc
 from gateway.backend import Backend, GenerationParams, Usage
 from gateway.session import SchedulerError
 from gateway.telemetry import GatewayMetrics, Observation
+from gateway.tool_calls import ToolPlan, constraint, tool_plan
+from gateway.tool_output import finish_reason, parsers
+from gateway.tool_parser import Delta, parse
+from gateway.tool_rendering import chat_for_template
 from stepwire.contract import InvalidRequestError, SamplingParams
 from stepwire.v1 import generation_pb2, generation_pb2_grpc
 
 SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 FINISH = {None: generation_pb2.FINISH_REASON_UNSPECIFIED, "stop": generation_pb2.FINISH_REASON_STOP,
-          "length": generation_pb2.FINISH_REASON_LENGTH, "abort": generation_pb2.FINISH_REASON_ABORT}
+          "length": generation_pb2.FINISH_REASON_LENGTH, "abort": generation_pb2.FINISH_REASON_ABORT,
+          "tool_calls": generation_pb2.FINISH_REASON_TOOL_CALLS}
 
 
 class GenerationService(generation_pb2_grpc.GenerationServicer):
@@ -27,19 +33,24 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         return Observation(self.metrics, "grpc", f"{SERVICE}/{method}", operation,
                            dict(context.invocation_metadata() or ()), self.backend.model_name)
 
-    async def _prepare(self, request, context, obs: Observation) -> tuple[list[int], GenerationParams]:
+    async def _prepare(self, request, context, obs: Observation) -> tuple[list[int], GenerationParams, ToolPlan]:
         b = self.backend
         try:
             b.check_model(request.model)
             params = _params(request)
             b.check_params(params)   # before tokenizing: a request refused anyway costs no tokenizer time
             which = request.WhichOneof("prompt")
+            tools = tool_plan(*_tool_fields(request))
+            if tools is not None and which != "chat":
+                raise InvalidRequestError("tools", "tools need a chat prompt")
+            params.sampling.structured_output = constraint(tools)
             if which == "text":
                 prompt = await b.encode(request.text)
             elif which == "token_ids":
                 prompt = list(request.token_ids.ids)
             elif which == "chat":
-                prompt = await b.encode_chat(_messages(request.chat))
+                messages, template_tools = chat_for_template(_messages(request.chat), tools, b.tokenizer.knows_tools)
+                prompt = await b.encode_chat(messages, tools=template_tools)
             else:
                 raise InvalidRequestError("prompt", "one of text, token_ids or chat is required")
             if not b.max_model_len:
@@ -48,7 +59,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         except InvalidRequestError as e:
             obs.end(grpc.StatusCode.INVALID_ARGUMENT.name, error=str(e))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        return prompt, params
+        return prompt, params, tools
 
     def _logprobs(self, per_token) -> list:
         tt = self.backend.tokenizer.token_text
@@ -62,7 +73,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
     async def Generate(self, request, context):
         obs = self._observe(context, "Generate", request)
-        prompt, params = await self._prepare(request, context, obs)
+        prompt, params, tools = await self._prepare(request, context, obs)
         usage = Usage()
         comps = [generation_pb2.Completion(index=i) for i in range(params.n)]
         finish: list[str | None] = [None] * params.n
@@ -76,6 +87,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                     finish[c.index] = c.finish_reason
                     comp.finish_reason = FINISH[c.finish_reason]
                     comp.stop = c.stop or ""
+            if tools is not None and tools.choice != "none":
+                for comp, reason in zip(comps, finish, strict=True):
+                    _with_calls(comp, reason, tools)
             obs.end("OK", usage, finish)
         except SchedulerError as e:
             obs.end(e.code().name, error=e.details())
@@ -87,9 +101,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
     async def GenerateStream(self, request, context):
         obs = self._observe(context, "GenerateStream", request)
-        prompt, params = await self._prepare(request, context, obs)
+        prompt, params, tools = await self._prepare(request, context, obs)
         usage = Usage()
         rid = f"gen-{uuid.uuid4().hex}"
+        calls = parsers(tools, params.n)
         last = None
         finish: list[str | None] = [None] * params.n
         try:
@@ -98,9 +113,14 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                     finish[c.index] = c.finish_reason
                 if last is not None:
                     yield last
+                got, reason = Delta(c.text), c.finish_reason
+                if calls is not None:   # tool calls out of the text, and text held back in case it is one
+                    got = calls[c.index].feed(c.text)
+                    if reason is not None:
+                        reason = finish_reason(reason, calls[c.index].merge_finish(got))
                 last = generation_pb2.GenerateStreamResponse(
-                    id=rid, index=c.index, text=c.text, token_ids=c.token_ids, finish_reason=FINISH[c.finish_reason],
-                    stop=c.stop or "", logprobs=self._logprobs(c.logprobs))
+                    id=rid, index=c.index, text=got.content, token_ids=c.token_ids, finish_reason=FINISH[reason],
+                    stop=c.stop or "", logprobs=self._logprobs(c.logprobs), tool_calls=_pieces(got))
             if last is not None:
                 last.usage.CopyFrom(_usage(usage))   # usage rides on the very last message
                 yield last
@@ -134,7 +154,44 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
 
 def _messages(chat) -> list[dict]:
-    return [{"role": m.role, "content": m.content} for m in chat.messages]
+    out = []
+    for m in chat.messages:
+        d = {"role": m.role, "content": m.content, "tool_call_id": m.tool_call_id, "name": m.name}
+        if m.tool_calls:
+            d["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                               for c in m.tool_calls]
+        out.append(d)
+    return out
+
+
+def _tool_fields(request) -> tuple[list[dict], object, bool | None]:
+    """The request's tool fields in OpenAI's shapes, for gateway.tool_calls.tool_plan."""
+    tools = []
+    for i, t in enumerate(request.tools):
+        try:
+            parameters = json.loads(t.parameters) if t.parameters else None
+        except (ValueError, RecursionError):   # nested past what the parser takes counts as not JSON
+            raise InvalidRequestError(f"tools[{i}].parameters", "is not valid JSON") from None
+        tools.append({"type": "function", "function": {"name": t.name, "description": t.description,
+                                                       "parameters": parameters}})
+    which = request.tool_choice.WhichOneof("choice") if request.HasField("tool_choice") else None
+    choice = {"mode": request.tool_choice.mode, None: None,
+              "function": {"type": "function", "function": {"name": request.tool_choice.function}}}[which]
+    return tools, choice, request.parallel_tool_calls if request.HasField("parallel_tool_calls") else None
+
+
+def _with_calls(comp: generation_pb2.Completion, reason: str | None, tools: ToolPlan) -> None:
+    content, calls = parse(comp.text, tools)
+    if calls:
+        comp.text = content or ""
+        comp.tool_calls.extend(generation_pb2.ToolCall(index=i, id=c.id, name=c.name, arguments=c.arguments)
+                               for i, c in enumerate(calls))
+        comp.finish_reason = FINISH[finish_reason(reason, True)]
+
+
+def _pieces(d: Delta) -> list:
+    return [generation_pb2.ToolCall(index=c.index, id=c.id or "", name=c.name or "", arguments=c.arguments)
+            for c in d.calls]
 
 
 def _params(request) -> GenerationParams:

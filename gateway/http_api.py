@@ -15,10 +15,12 @@ from starlette.middleware.authentication import AuthenticationMiddleware
 from gateway.auth import ApiKeys, HttpKeys, KeyRefused
 from gateway.backend import Backend, GenerationParams
 from gateway.body_limit import BodyLimit
-from gateway.http_models import ChatRequest, CompletionRequest, Sampling, message_dicts
+from gateway.http_models import ChatRequest, CompletionRequest, Sampling, message_dicts, tool_fields
 from gateway.openai_responses import error, respond
 from gateway.telemetry import GatewayMetrics, Observation
 from gateway.tokenize_api import add_tokenize_routes
+from gateway.tool_calls import constraint, tool_plan
+from gateway.tool_rendering import chat_for_template
 from stepwire.contract import InvalidRequestError, SamplingParams
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})   # probes and Prometheus carry no API key
@@ -142,8 +144,13 @@ def build_app(backend: Backend, metrics: GatewayMetrics, api_keys: ApiKeys | Non
             if req.top_logprobs is not None and not req.logprobs:
                 raise InvalidRequestError("top_logprobs", "top_logprobs needs logprobs: true")
             p = _params(backend, req, req.max_completion_tokens or req.max_tokens, n_lp)
-            prompt = await backend.encode_chat(message_dicts(req.messages))
-            return await respond(backend, raw, req, prompt, p, True, obs)
+            tools = tool_plan(*tool_fields(req))
+            if tools is not None:
+                p.sampling.structured_output = constraint(tools)
+            messages, template_tools = chat_for_template(message_dicts(req.messages), tools,
+                                                         backend.tokenizer.knows_tools)
+            prompt = await backend.encode_chat(messages, tools=template_tools)
+            return await respond(backend, raw, req, prompt, p, True, obs, tools)
         except InvalidRequestError as e:
             obs.end(400, error=str(e))
             raise

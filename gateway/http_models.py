@@ -3,11 +3,12 @@ messages with their content parts. Ranges are stated for the OpenAPI schema; ste
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.backend import MAX_N
+from gateway.tool_calls import MAX_TOOLS
 from stepwire.contract import InvalidRequestError
 from stepwire.contract.limits import FLOAT32_MAX, INT32_MAX, INT32_MIN, UINT32_MAX, UINT64_MAX
 from stepwire.contract.requests import CHAT_ROLES
@@ -32,10 +33,46 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class Lenient(BaseModel):
+    # What agents send back as they received it (an SDK's snapshot may add index, parsed_arguments, ...).
+    model_config = ConfigDict(extra="ignore")
+
+
+class CalledFunction(Lenient):
+    name: str
+    arguments: str
+
+
+class ToolCall(Lenient):
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(Strict):
     role: str = documented(enum=list(CHAT_ROLES))   # checked with the gRPC API's rule, in the backend
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None   # an assistant's earlier calls
+    tool_call_id: str | None = None            # the call a tool message answers
+    # Sent back by agents as the openai SDK gave them (its stream snapshots hold every one); not rendered.
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: dict[str, Any] | None = None
+    parsed: Any = None
+    function_call: None = None   # the deprecated form of tool_calls is not supported
+
+
+class FunctionSpec(Strict):
+    name: str = documented(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None   # a JSON Schema object; checked in gateway.tool_schema
+    strict: bool | None = None   # accepted; the constraint applies to every call (docs/tool_calling.md)
+
+
+class ToolSpec(Strict):
+    type: Literal["function"]
+    function: FunctionSpec
 
 
 class StreamOptions(Strict):
@@ -79,11 +116,29 @@ class ChatRequest(Sampling):
     max_completion_tokens: int | None = documented(None, minimum=1, maximum=UINT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = documented(None, minimum=0, maximum=MAX_LOGPROBS)
+    tools: list[ToolSpec] | None = documented(None, maxItems=MAX_TOOLS)
+    # "none", "auto", "required" or {"type": "function", "function": {"name": ...}}: gateway.tool_calls checks it,
+    # with an answer clearer than a union's.
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None   # None: true, as OpenAI
+
+
+def tool_fields(req: ChatRequest) -> tuple[list[dict] | None, Any, bool | None]:
+    """tools, tool_choice and parallel_tool_calls as plain JSON, for gateway.tool_calls.tool_plan."""
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools is not None else None
+    return tools, req.tool_choice, req.parallel_tool_calls
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict]:
-    """What the chat template renders: each message's role and its text."""
-    return [{"role": m.role, "content": _text(m.content)} for m in messages]
+    """What the chat template renders: each message's role and its text, and the tool fields it has."""
+    out = []
+    for m in messages:
+        d = {"role": m.role, "content": _text(m.content)}
+        if m.tool_calls:
+            d["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+        d.update({k: v for k, v in (("tool_call_id", m.tool_call_id), ("name", m.name)) if v})
+        out.append(d)
+    return out
 
 
 def _text(content: str | list[ContentPart] | None) -> str:

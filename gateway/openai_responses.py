@@ -15,6 +15,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from gateway.backend import Backend, GenerationParams, Usage
 from gateway.session import SchedulerError
 from gateway.telemetry import Observation
+from gateway.tool_calls import ToolPlan
+from gateway.tool_output import chat_message, delta_dict, finish_reason, parsers
 
 
 def error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
@@ -24,7 +26,8 @@ def error(status: int, message: str, param: str | None = None, kind: str = "inva
 
 
 async def respond(backend: Backend, raw: Request, req, prompt: list[int], p: GenerationParams, chat: bool,
-                   obs: Observation):
+                   obs: Observation, tools: ToolPlan | None = None):
+    """`tools`: the chat request's tools, whose calls are parsed out of the text (gateway.tool_output)."""
     if not backend.max_model_len:
         await backend.refresh()
     backend.check(prompt, p)
@@ -33,7 +36,7 @@ async def respond(backend: Backend, raw: Request, req, prompt: list[int], p: Gen
     usage = Usage()
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_sse(backend, prompt, p, usage, rid, created, chat, include_usage, obs),
+        return StreamingResponse(_sse(backend, prompt, p, usage, rid, created, chat, include_usage, obs, tools),
                                  media_type="text/event-stream")
     texts = [""] * p.n
     finish: list[str | None] = [None] * p.n
@@ -58,9 +61,12 @@ async def respond(backend: Backend, raw: Request, req, prompt: list[int], p: Gen
     choices = []
     for i in range(p.n):
         if chat:
-            choices.append({"index": i, "message": {"role": "assistant", "content": texts[i]},
+            message, called = {"role": "assistant", "content": texts[i]}, False
+            if tools is not None and tools.choice != "none":
+                message, called = chat_message(texts[i], tools)
+            choices.append({"index": i, "message": message,
                             "logprobs": _chat_lp(backend, lps[i]) if p.sampling.logprobs is not None else None,
-                            "finish_reason": finish[i]})
+                            "finish_reason": finish_reason(finish[i], called)})
         else:
             choices.append({"index": i, "text": texts[i], "finish_reason": finish[i],
                             "logprobs": _completion_lp(backend, lps[i]) if p.sampling.logprobs is not None else None})
@@ -76,7 +82,7 @@ async def _collect(gen, texts, finish, lps) -> None:
             finish[c.index] = c.finish_reason
 
 
-async def _sse(backend, prompt, p, usage, rid, created, chat, include_usage, obs: Observation):
+async def _sse(backend, prompt, p, usage, rid, created, chat, include_usage, obs: Observation, tools=None):
     obj = "chat.completion.chunk" if chat else "text_completion"
 
     def event(choices, **extra):
@@ -90,19 +96,27 @@ async def _sse(backend, prompt, p, usage, rid, created, chat, include_usage, obs
             yield event([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None}])
     finish: list[str | None] = [None] * p.n
+    calls = parsers(tools, p.n) if chat else None
     error = None
     try:
         async for c in backend.generate(prompt, p, usage, obs):
             if c.finish_reason is not None:
                 finish[c.index] = c.finish_reason
             if chat:
-                choice = {"index": c.index, "delta": {"content": c.text} if c.text else {},
+                delta, reason = {"content": c.text} if c.text else {}, c.finish_reason
+                if calls is not None:   # tool calls out of the text, and text held back in case it is one
+                    parser = calls[c.index]
+                    got = parser.feed(c.text)
+                    if c.finish_reason is not None:
+                        reason = finish_reason(c.finish_reason, parser.merge_finish(got))
+                    delta = delta_dict(got)
+                choice = {"index": c.index, "delta": delta,
                           "logprobs": _chat_lp(backend, c.logprobs or []) if want_lp else None,
-                          "finish_reason": c.finish_reason}
+                          "finish_reason": reason}
             else:
                 choice = {"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
                           "logprobs": _completion_lp(backend, c.logprobs or []) if want_lp else None}
-            if c.text or c.finish_reason is not None or c.logprobs:
+            if (choice["delta"] if chat else c.text) or c.finish_reason is not None or c.logprobs:
                 yield event([choice])
         if include_usage:
             yield event([], usage=_usage(usage))

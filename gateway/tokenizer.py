@@ -6,7 +6,7 @@ import json
 from datetime import datetime
 from pathlib import Path
 
-from jinja2 import TemplateError
+from jinja2 import TemplateError, meta
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
@@ -34,7 +34,13 @@ class ModelTokenizer:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        # Templates write tools and call arguments with tojson, meaning plain JSON (Jinja's own escapes < > & '
+        # for HTML, which would put "\u003c" in front of the model instead of "<").
+        env.filters["tojson"] = _tojson
         self.chat_template = env.from_string(template) if template else None
+        # Whether the template renders tools itself (it reads the `tools` variable); gateway.tool_rendering
+        # renders them into the system prompt for one that does not.
+        self.knows_tools = bool(template) and "tools" in meta.find_undeclared_variables(env.parse(template))
         self.max_token_bytes = _longest_token_bytes(self.tokenizer)
 
     @property
@@ -62,12 +68,14 @@ class ModelTokenizer:
             size = min(size, len(self.tokenizer.normalizer.normalize_str(text).encode()))
         return size
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> str:
         if self.chat_template is None:
             raise ChatTemplateError("the model has no chat template; use completions instead")
         try:
             return self.chat_template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                             bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+                                             bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                                             tools=tools)
         except TemplateError as e:   # the sandbox's refusals included
             raise ChatTemplateError(f"the chat template failed: {e}") from None
 
@@ -95,6 +103,10 @@ def _longest_token_bytes(tokenizer: Tokenizer) -> int:
     start = len(tokenizer.decode(before, skip_special_tokens=False).encode())
     decoded = tokenizer.decode_batch([[*before, i] for i in vocab.values()], skip_special_tokens=False)
     return max(len(s.encode()) for s in decoded) - start
+
+
+def _tojson(value, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _token_text(value) -> str | None:

@@ -29,27 +29,27 @@ class Stack(NamedTuple):
     logs: list[Path]
 
 
-def tiny_model_with_tokenizer(path: Path) -> Path:
+def tiny_model_with_tokenizer(path: Path, **overrides) -> Path:
     """The tiny random Llama, sized to the embedded model's vocabulary, with its tokenizer and chat template."""
     if not (EMBEDDED / "tokenizer.json").exists():
         pytest.skip("embedded model not prepared (make model): its tokenizer is needed")
-    model = write_tiny_llama(path, vocab_size=VOCAB)
+    model = write_tiny_llama(path, vocab_size=VOCAB, **overrides)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(EMBEDDED / name, model / name)
     return model
 
 
 @contextlib.contextmanager
-def tiny_stack(tmp: Path, gateway_args: list[str] = (), env: dict | None = None):
+def tiny_stack(tmp: Path, gateway_args: list[str] = (), env: dict | None = None, max_model_len: int = MAX_MODEL_LEN):
     """Executor, scheduler and gateway (with `gateway_args` and extra environment `env`), ready; stopped on
-    exit, failing if one of them died meanwhile."""
-    model = tiny_model_with_tokenizer(tmp / "model")
+    exit, failing if one of them died meanwhile. The KV cache holds 1024 tokens."""
+    model = tiny_model_with_tokenizer(tmp / "model", max_position_embeddings=max(max_model_len, 256))
     ex, sc, http, gw, ex_metrics, sc_metrics = free_ports(6)
     py = sys.executable
     cmds = {
         "executor": [py, "-m", "executor_service.server", "--model", str(model), "--address", f"127.0.0.1:{ex}",
                      "--block-size", "4", "--kv-cache-memory", str(kv_bytes(256)), "--max-num-seqs", "8",
-                     "--max-model-len", str(MAX_MODEL_LEN), "--metrics-address", f"127.0.0.1:{ex_metrics}"],
+                     "--max-model-len", str(max_model_len), "--metrics-address", f"127.0.0.1:{ex_metrics}"],
         "scheduler": [py, "-m", "scheduler_service.server", "--executors", f"127.0.0.1:{ex}", "--address",
                       f"127.0.0.1:{sc}", "--metrics-address", f"127.0.0.1:{sc_metrics}"],
         "gateway": [py, "-m", "gateway.server", "--model", str(model), "--scheduler", f"127.0.0.1:{sc}",
