@@ -20,12 +20,15 @@ import subprocess
 import sys
 
 _PR_SET_PDEATHSIG = 1
+# Looked up once, here: between fork and exec in a process with threads (a test's gRPC channels), the child may
+# only call what takes no lock another thread could have held at the fork, and loading a library takes one.
+_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
 
 
 def _die_with(parent: int) -> None:
     """Runs in the child between fork and exec."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != parent:   # the parent died before the signal was armed: nobody would send it now
         os.kill(os.getpid(), signal.SIGTERM)
 
