@@ -1,13 +1,9 @@
-"""The services as processes on this machine: how a service's command line is built, and `Stack`, which starts
-a list of services, waits until they serve, hands out their addresses, lets a test hurt one of them (kill,
-SIGTERM, SIGSTOP, restart) and stops them all at the end.
+"""The services as processes on this machine: a service's command line (`command`, which `stepwire serve` uses
+too), and `Stack`, which starts a list of services, waits until they serve, hands out their addresses, lets a
+test hurt one of them (kill, SIGTERM, SIGSTOP, restart) and stops them all. Every test and benchmark starts its
+services here, so a new flag or fault hook is written once, and a fault test runs serve's very command lines.
 
-`stepwire serve` (local_stack.py) builds its commands with `command`, and every test and benchmark starts its
-services through `Stack`: a new flag, a new service or a new fault is written here once, and a test of a fault
-runs the very command lines that serve runs. Outside the services themselves, `MODULE` is the only place that
-names their modules.
-
-A Stack's members die with the process that started them, and in one process group (tethered.py): a pytest
+A Stack's members share one process group and die with the process that started them (tethered.py): a pytest
 killed mid-run leaves no executor behind. The parent-death signal follows the thread that started a member,
 so start members from the thread that outlives the stack (pytest's, a benchmark's main thread).
 """
@@ -62,8 +58,7 @@ class Service:
     """One service process: its kind, its name in the stack, its flags and the environment it adds."""
     kind: str                                    # "executor", "scheduler" or "gateway"
     name: str = ""                               # unique in its stack (and its log's name); default: the kind
-    flags: dict = field(default_factory=dict)    # flag -> value; True: the bare flag; None or False: left out.
-    #                                              Command-line words are read into one (flag_dict).
+    flags: dict = field(default_factory=dict)    # flag -> value (True: bare; None, False: left out), or words
     env: dict = field(default_factory=dict)      # over the parent's environment; None removes a variable
     autostart: bool = True                       # False: the stack starts it when asked (Stack.start)
 
@@ -83,13 +78,6 @@ class Service:
         """A gateway's HTTP root."""
         return f"http://127.0.0.1:{self.flags['--port']}"
 
-    @property
-    def metrics(self) -> str:
-        """Where its Prometheus metrics are read."""
-        if self.kind == "gateway":
-            return self.url + "/metrics"
-        return f"http://{_dialable(self.flags['--metrics-address'])}/metrics"
-
 
 def command(service: Service) -> list[str]:
     """This Python running the service's module with its flags."""
@@ -103,8 +91,7 @@ def command(service: Service) -> list[str]:
 
 
 def free_ports(n: int) -> list[int]:
-    """`n` distinct loopback ports nothing listens on right now: all are held while they are picked, so none is
-    handed out twice."""
+    """`n` distinct free loopback ports: all are held while they are picked, so none is handed out twice."""
     with contextlib.ExitStack() as held:
         socks = [held.enter_context(socket.socket()) for _ in range(n)]
         for s in socks:
@@ -129,17 +116,16 @@ def place(services: list[Service]) -> None:
 
 
 class Stack:
-    """Services as processes, started in the given order (each logging to `<workdir>/<name>.log`) and, with
-    `wait`, each waited for until it serves. `stack[name]` is a member's Service (its addresses filled in),
-    `stack.procs[name]` its process. Leaving the `with` block stops them all; it fails if a member had died
-    without the test asking for it (kill, terminate, restart and wait say a member may be gone)."""
+    """Services started in the given order (logging to `<workdir>/<name>.log`), with `wait` each waited for
+    until it serves. `stack[name]` is a member's Service (addresses filled in), `stack.procs[name]` its process.
+    Leaving the `with` block stops all; it fails if a member died unasked (kill, terminate, restart, wait ask)."""
 
     def __init__(self, services: list[Service], workdir: str | Path, *, wait: bool = True,
-                 seconds: float = READY_SECONDS, cwd: str | Path = ROOT):
+                 seconds: float = READY_SECONDS):
         self.services = {s.name: s for s in services}
         if len(self.services) != len(services):
             raise ValueError(f"two services share a name: {[s.name for s in services]}")
-        self.workdir, self.cwd, self.seconds = Path(workdir), cwd, seconds
+        self.workdir, self.seconds = Path(workdir), seconds
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, subprocess.Popen] = {}
         self.up: set[str] = set()       # started and not stopped on purpose: an exit of one of these is a fault
@@ -165,8 +151,6 @@ class Stack:
     def __exit__(self, exc_type, *_) -> None:
         self.close(check=exc_type is None)
 
-    # --- one member -------------------------------------------------------------------------------------------
-
     def start(self, name: str) -> subprocess.Popen:
         """Start a member that is not running (one never started, or one that was stopped)."""
         if self.alive(name):
@@ -176,7 +160,7 @@ class Stack:
         with open(self.log(name), "a") as log:     # append: a restarted member goes on with its log
             log.write(f"=== launcher {time.strftime('%H:%M:%S')}: start {name}\n")
             log.flush()
-            self.procs[name] = self.group.popen(command(s), cwd=self.cwd, stdout=log, stderr=subprocess.STDOUT,
+            self.procs[name] = self.group.popen(command(s), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                                 env={k: v for k, v in env.items() if v is not None})
         self.up.add(name)
         return self.procs[name]
@@ -218,8 +202,6 @@ class Stack:
         time.sleep(pause)
         return self.start(name)
 
-    # --- waiting and failing ------------------------------------------------------------------------------------
-
     def wait_until(self, predicate, what, seconds: float | None = None, interval: float = 0.2):
         """Poll `predicate` until it returns something truthy, and return that. Fails, with the members' log
         tails, when `seconds` (the stack's own by default) pass, or at once when a member dies on its own.
@@ -237,26 +219,19 @@ class Stack:
             time.sleep(interval)
 
     def wait_ready(self, name: str, seconds: float | None = None) -> None:
-        """Until it serves: a gateway's /health answers 200, another service's gRPC health says SERVING (over
-        TLS, with the member's own certificate, when it has a --tls-dir)."""
+        """Until it serves: a gateway's /health answers 200, another service's gRPC health says SERVING."""
         s = self.services[name]
-        if s.kind == "gateway":
-            self.wait_until(lambda: _http_ok(s.url + "/health"), f"{name}'s {s.url}/health to answer 200", seconds,
-                            interval=0.3)
-            return
-        from grpc_health.v1 import health_pb2
-
-        with _channel(s) as channel:
-            self.wait_until(lambda: _grpc_health(channel) == health_pb2.HealthCheckResponse.SERVING,
-                            f"{name}'s gRPC health to report SERVING", seconds)
+        with contextlib.nullcontext() if s.kind == "gateway" else _channel(s) as channel:
+            self.wait_until(lambda: _serving(s, channel), f"{name} to serve (/health 200, or gRPC health SERVING)",
+                            seconds, interval=0.3 if channel is None else 0.2)
 
     def exited(self) -> dict[str, int]:
         """The members that exited though nobody stopped them: name -> exit code."""
         return {n: self.procs[n].returncode for n in sorted(self.up) if self.procs[n].poll() is not None}
 
     def check_alive(self) -> None:
-        dead = self.exited()
-        assert not dead, f"exited on their own: {dead}\n" + self.tails()
+        if dead := self.exited():
+            raise AssertionError(f"exited on their own: {dead}\n" + self.tails())
 
     def log(self, name: str) -> Path:
         return self.workdir / f"{name}.log"
@@ -265,9 +240,11 @@ class Stack:
         return [self.log(n) for n in self.services if self.log(n).exists()]
 
     def tails(self, lines: int = 40) -> str:
-        return "\n".join(_tail(p, lines) for p in self.logs())
-
-    # --- the end ------------------------------------------------------------------------------------------------
+        """The end of each member's log, for failure messages."""
+        out = []
+        for p in self.logs():
+            out += [f"--- the last lines of {p}:", *p.read_text(errors="replace").splitlines()[-lines:]]
+        return "\n".join(out)
 
     def close(self, check: bool = True, seconds: float = STOP_SECONDS) -> None:
         """SIGTERM to every member at once (a service stops only after its grace period while a peer still holds
@@ -295,36 +272,27 @@ class Stack:
             raise AssertionError("; ".join(why) + "\n" + self.tails())
 
 
-def _tail(path: Path, lines: int) -> str:
-    text = path.read_text(errors="replace").splitlines()[-lines:]
-    return f"--- last {len(text)} lines of {path}:\n" + "\n".join(text)
-
-
-def _http_ok(url: str) -> bool:
-    import httpx
-
-    try:
-        return httpx.get(url, timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 def _channel(s: Service):
+    """A channel to a member, over mTLS with its own certificate when it has a --tls-dir (health answers any
+    certificate from the CA)."""
     import grpc
 
-    tls = s.flags.get("--tls-dir")
-    if not tls:
+    if not s.flags.get("--tls-dir"):
         return grpc.insecure_channel(s.address)
-    d = Path(tls)
+    d = Path(s.flags["--tls-dir"])
     creds = grpc.ssl_channel_credentials(*((d / f).read_bytes() for f in ("ca.crt", "tls.key", "tls.crt")))
     return grpc.secure_channel(s.address, creds, options=[("grpc.ssl_target_name_override", f"stepwire-{s.kind}")])
 
 
-def _grpc_health(channel) -> int | None:
+def _serving(s: Service, channel) -> bool:
     import grpc
+    import httpx
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     try:
-        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1).status
-    except grpc.RpcError:
-        return None
+        if channel is None:
+            return httpx.get(s.url + "/health", timeout=1).status_code == 200
+        status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1).status
+        return status == health_pb2.HealthCheckResponse.SERVING
+    except (httpx.HTTPError, grpc.RpcError):
+        return False
