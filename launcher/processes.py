@@ -23,6 +23,7 @@ from pathlib import Path
 from launcher.tethered import ProcessGroup
 
 ROOT = Path(__file__).resolve().parent.parent
+# The one place that puts a service's module on a command line (test_import_graph.py holds tests and benches to it).
 MODULE = {"executor": "executor_service.server", "scheduler": "scheduler_service.server", "gateway": "gateway.server"}
 # What each kind listens on: a Stack gives each of these flags a free loopback port unless the caller set it
 # (to an address of its choice, or to "" where the service allows none, e.g. --metrics-address "").
