@@ -19,7 +19,6 @@ import random
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -31,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(1, str(ROOT / "tests"))     # the tiny test model and the port/health helpers
 sys.path.insert(2, str(ROOT / "bench"))
 
-from fleet import Outcome, account  # noqa: E402
+from fleet import Outcome, account, note_exits  # noqa: E402
 
 NUM_PROMPTS = 48
 MIN_SECONDS = 120
@@ -42,61 +41,18 @@ def prompt_text(i: int) -> str:
     return f"Request {i}: write about the number {i * 13} and the colour of the sea."
 
 
-class Stack:
-    def __init__(self, tmp: Path, model: str | None, clients: int):
-        from gateway_stack import tiny_model_with_tokenizer
-        from helpers import free_ports
-        from tiny_model import kv_bytes
+def services(tmp: Path, model: str | None, clients: int) -> list:
+    """Executor, scheduler and gateway (launcher/processes.py gives them their ports and wires them up)."""
+    from gateway_stack import tiny_model_with_tokenizer
+    from tiny_model import kv_bytes
 
-        self.tmp = tmp
-        self.model = str(tiny_model_with_tokenizer(tmp / "model")) if model is None else model
-        tiny = ["--block-size", "4", "--kv-cache-memory", str(kv_bytes(4096)), "--max-model-len", "256"] \
-            if model is None else []
-        ex, self.sc, http, gw = free_ports(4)
-        self.grpc_address = f"127.0.0.1:{gw}"
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.commands = {
-            "executor": ["executor_service.server", "--model", self.model, "--address", f"127.0.0.1:{ex}",
-                         "--metrics-address", "", "--max-num-seqs", str(clients), *tiny],
-            "scheduler": ["scheduler_service.server", "--executors", f"127.0.0.1:{ex}", "--address",
-                          f"127.0.0.1:{self.sc}", "--metrics-address", "", "--retry-seconds", "0.2"],
-            "gateway": ["gateway.server", "--model", self.model, "--scheduler", f"127.0.0.1:{self.sc}",
-                        "--port", str(http), "--grpc-address", self.grpc_address, "--scheduler-wait-seconds", "60"]}
-        self.unexpected_exits: list[str] = []
+    from launcher.processes import Service
 
-    def start(self, name: str, note: str = "start") -> None:
-        out = open(self.tmp / f"{name}.log", "a")
-        out.write(f"=== bench/chaos.py {time.strftime('%H:%M:%S')}: {note}\n")
-        out.flush()
-        self.procs[name] = subprocess.Popen([sys.executable, "-m", *self.commands[name]], cwd=ROOT, stdout=out,
-                                            stderr=subprocess.STDOUT)
-
-    def restart_scheduler(self, sig: int) -> None:
-        p = self.procs["scheduler"]
-        if p.poll() is not None:
-            self.unexpected_exits.append(f"the scheduler had exited with code {p.returncode} before its kill")
-        p.send_signal(sig)
-        p.wait(timeout=30)
-        self.start("scheduler", f"restart after {signal.Signals(sig).name}")
-
-    def check_alive(self) -> None:
-        for name, p in self.procs.items():
-            if p.poll() is not None and not any(e.startswith(name) for e in self.unexpected_exits):
-                self.unexpected_exits.append(f"{name} exited on its own with code {p.returncode}")
-
-    def logs(self) -> list[Path]:
-        return sorted(self.tmp.glob("*.log"))
-
-    def stop(self) -> None:
-        live = [p for p in self.procs.values() if p.poll() is None]
-        for p in live:
-            p.send_signal(signal.SIGTERM)
-        for p in live:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+    tiny = {"--block-size": 4, "--kv-cache-memory": kv_bytes(4096), "--max-model-len": 256} if model is None else {}
+    model = str(tiny_model_with_tokenizer(tmp / "model")) if model is None else model
+    return [Service("executor", flags={"--model": model, "--metrics-address": "", "--max-num-seqs": clients, **tiny}),
+            Service("scheduler", flags={"--metrics-address": "", "--retry-seconds": 0.2}),
+            Service("gateway", flags={"--model": model, "--scheduler-wait-seconds": 60})]
 
 
 def stream(address: str, outcome: Outcome, tokens: int) -> Outcome:
@@ -154,7 +110,7 @@ def extra_latency_ms(outcomes: list[Outcome], kills: list[float]) -> tuple[float
 
 
 def main() -> None:
-    from helpers import wait_http_ready
+    from launcher.processes import Stack
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--clients", type=int, default=32)
@@ -168,33 +124,31 @@ def main() -> None:
     if args.seconds < MIN_SECONDS:
         print(f"# note: --seconds {args.seconds:g} < {MIN_SECONDS}: this RESULT does not count")
     tmp = Path(tempfile.mkdtemp(prefix="stepwire-chaos-"))
-    stack = Stack(tmp, args.model, args.clients)
+    stack, unexpected_exits = None, []
     keep_logs = True
     try:
-        for name in ("executor", "scheduler", "gateway"):
-            stack.start(name)
-        url = "http://127.0.0.1:" + stack.commands["gateway"][stack.commands["gateway"].index("--port") + 1]
-        wait_http_ready(url, stack.procs, seconds=300, logs=stack.logs())
+        stack = Stack(services(tmp, args.model, args.clients), tmp, seconds=300)
+        address = stack["gateway"].address
         t0 = time.monotonic()
-        ref = reference(stack.grpc_address, args.clients, args.tokens)
+        ref = reference(address, args.clients, args.tokens)
         print(f"# reference: {len(ref)} requests in {time.monotonic() - t0:.1f}s; logs in {tmp}")
         outcomes: list[Outcome] = []
         start = time.monotonic()
         until = start + args.seconds
-        threads = [threading.Thread(target=client, args=(stack.grpc_address, c, until, args.tokens, outcomes),
-                                    daemon=True) for c in range(args.clients)]
+        threads = [threading.Thread(target=client, args=(address, c, until, args.tokens, outcomes), daemon=True)
+                   for c in range(args.clients)]
         for t in threads:
             t.start()
         kills: list[float] = []
         while (next_kill := start + (len(kills) + 1) * args.kill_every) < until:
             time.sleep(max(0.0, next_kill - time.monotonic()))
-            stack.check_alive()
+            note_exits(stack, unexpected_exits)
             kills.append(time.monotonic())
-            stack.restart_scheduler(sig)
+            stack.restart("scheduler", sig)
         for t in threads:
             t.join(max(0.0, until - time.monotonic()) + REQUEST_TIMEOUT + 30)
         elapsed = time.monotonic() - start
-        stack.check_alive()
+        note_exits(stack, unexpected_exits)
         acc = account(outcomes, ref, kills)
         p99, n_hit = extra_latency_ms(outcomes, kills)
         identical = "yes" if acc["mismatched"] == 0 else "no"
@@ -206,14 +160,15 @@ def main() -> None:
             print(f"# failures by code: {dict(acc['errors'])}")
         for o in acc["examples"]:
             print(f"#   differs: prompt {o.prompt} seeded={o.seeded} got {len(o.tokens)} tokens, error={o.error}")
-        for line in stack.unexpected_exits:
+        for line in unexpected_exits:
             print(f"# {line}")
-        keep_logs = bool(acc["failed"] or acc["mismatched"] or stack.unexpected_exits)
+        keep_logs = bool(acc["failed"] or acc["mismatched"] or unexpected_exits)
         ratio = acc["completed"] / acc["submitted"] if acc["submitted"] else 0.0
         print(f"RESULT scheduler_chaos completed_ratio={ratio:.4f} lost_tokens={acc['lost']} "
               f"duplicated_tokens={acc['duplicated']} identical={identical} p99_extra_ms={p99:.0f}")
     finally:
-        stack.stop()
+        if stack is not None:
+            stack.close(check=False, seconds=20)
         if keep_logs:
             print(f"# process logs kept in {tmp}")
         else:

@@ -185,78 +185,28 @@ class Outcome:
     ended: float | None = None         # None while (or if forever) in flight
 
 
-class Fleet:
-    """Executors and a scheduler as processes on loopback, each logging to its own file in `tmp`."""
+def fleet_services(tmp: Path, model: str | None) -> list:
+    """Executors and a scheduler (launcher/processes.py gives them their ports and the scheduler its list)."""
+    from tiny_model import kv_bytes, write_tiny_llama
 
-    def __init__(self, tmp: Path, model: str | None):
-        from helpers import free_ports
-        from tiny_model import kv_bytes, write_tiny_llama
+    from launcher.processes import Service
 
-        self.tmp = tmp
-        self.procs: dict[str, subprocess.Popen] = {}
-        tiny = model is None
-        self.model = str(write_tiny_llama(tmp / "llama")) if tiny else model
-        # The tiny model's executors hold 8 rows, so the scheduler's cores must not run more than that.
-        self.executor_flags = (["--block-size", "4", "--kv-cache-memory", str(kv_bytes(TINY_KV_BLOCKS)),
-                                "--max-num-seqs", "8", "--max-model-len", "128"] if tiny else [])
-        self.scheduler_flags = ["--max-num-seqs", "8"] if tiny else []
-        *ports, sc_port = free_ports(NUM_EXECUTORS + 1)
-        self.addresses = [f"127.0.0.1:{p}" for p in ports]
-        self.sc_addr = f"127.0.0.1:{sc_port}"
-        self.unexpected_exits: list[str] = []
+    tiny = model is None
+    model = str(write_tiny_llama(tmp / "llama")) if tiny else model
+    # The tiny model's executors hold 8 rows, so the scheduler's cores must not run more than that.
+    small = {"--block-size": 4, "--kv-cache-memory": kv_bytes(TINY_KV_BLOCKS), "--max-num-seqs": 8,
+             "--max-model-len": 128} if tiny else {}
+    return [*(Service("executor", f"executor-{i}", {"--model": model, "--metrics-address": "", "--threads": 1,
+                                                    **small}) for i in range(NUM_EXECUTORS)),
+            Service("scheduler", flags={"--metrics-address": "", "--retry-seconds": 0.2, "--executor-wait-seconds": 60,
+                                        **({"--max-num-seqs": 8} if tiny else {})})]
 
-    def log(self, name: str, note: str):
-        f = open(self.tmp / f"{name}.log", "a")     # append: a restarted executor continues its log
-        f.write(f"=== bench/fleet.py {time.strftime('%H:%M:%S')}: {note}\n")
-        f.flush()
-        return f
 
-    def logs(self) -> list[Path]:
-        return sorted(self.tmp.glob("*.log"))
-
-    def start_executor(self, i: int, note: str = "start") -> None:
-        with self.log(f"executor-{i}", note) as out:
-            self.procs[f"executor-{i}"] = subprocess.Popen(
-                [sys.executable, "-m", "executor_service.server", "--model", self.model, "--address",
-                 self.addresses[i], "--metrics-address", "", "--threads", "1", *self.executor_flags],
-                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-
-    def start(self) -> None:
-        for i in range(NUM_EXECUTORS):
-            self.start_executor(i)
-        with self.log("scheduler", "start") as out:
-            self.procs["scheduler"] = subprocess.Popen(
-                [sys.executable, "-m", "scheduler_service.server", "--executors", ",".join(self.addresses),
-                 "--address", self.sc_addr, "--metrics-address", "", "--retry-seconds", "0.2",
-                 "--executor-wait-seconds", "60", *self.scheduler_flags],
-                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-
-    def kill_and_restart(self, i: int) -> None:
-        p = self.procs[f"executor-{i}"]
-        if p.poll() is not None:
-            self.unexpected_exits.append(f"executor-{i} had exited with code {p.returncode} before its kill")
-        p.kill()
-        p.wait()
-        self.start_executor(i, "restart after SIGKILL")
-
-    def check_alive(self) -> None:
-        """Note any process that died on its own (our kills restart at once, so none should be found dead)."""
-        for name, p in self.procs.items():
-            if p.poll() is not None and not any(e.startswith(name + " ") for e in self.unexpected_exits):
-                self.unexpected_exits.append(f"{name} exited on its own with code {p.returncode}")
-
-    def stop(self, grace: float = 20) -> None:
-        """SIGTERM to all at once (an executor exits when the scheduler's stream closes), then SIGKILL."""
-        live = [p for p in self.procs.values() if p.poll() is None]
-        for p in live:
-            p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        for p in live:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+def note_exits(stack, notes: list[str]) -> None:
+    """Note each process that died on its own, once (our kills restart at once, so none should be found dead)."""
+    for name, code in stack.exited().items():
+        if not any(n.startswith(name + " ") for n in notes):
+            notes.append(f"{name} exited on its own with code {code}")
 
 
 def submit(stub, rid: str, prompt: list[int], outcome: Outcome, seed: int) -> Outcome:
@@ -311,14 +261,12 @@ def client(stub, c: int, prompts: list[list[int]], until: float, outcomes: list[
         n += 1
 
 
-def wait_connected(fleet: Fleet, stub, seconds: float) -> None:
-    from helpers import wait_until
-
+def wait_connected(fleet, stub, seconds: float) -> None:
     from stepwire.internal import scheduler_pb2
 
-    want = set(fleet.addresses)
-    wait_until(lambda: {e.address for e in stub.Stats(scheduler_pb2.StatsRequest()).executors if e.connected} == want,
-               seconds, f"all of {sorted(want)} to be connected", procs=fleet.procs, logs=fleet.logs())
+    want = {fleet[f"executor-{i}"].address for i in range(NUM_EXECUTORS)}
+    fleet.wait_until(lambda: {e.address for e in stub.Stats(scheduler_pb2.StatsRequest()).executors
+                              if e.connected} == want, f"all of {sorted(want)} to be connected", seconds)
 
 
 def account(outcomes: list[Outcome], ref: dict[tuple[int, bool], list[int]], kills: list[float]) -> dict:
@@ -346,22 +294,21 @@ def account(outcomes: list[Outcome], ref: dict[tuple[int, bool], list[int]], kil
 
 def run_chaos(args) -> str:
     import grpc
-    from helpers import wait_grpc_serving
     from tiny_model import TINY
 
+    from launcher.processes import Stack
     from stepwire.internal import scheduler_pb2, scheduler_pb2_grpc
 
     if args.seconds < MIN_CHAOS_SECONDS:
         print(f"# note: --seconds {args.seconds:g} < {MIN_CHAOS_SECONDS}: this chaos RESULT does not count")
     t_part = time.monotonic()
     tmp = Path(tempfile.mkdtemp(prefix="stepwire-fleet-"))
-    fleet = Fleet(tmp, args.model)
-    channel = grpc.insecure_channel(fleet.sc_addr)
-    stub = scheduler_pb2_grpc.SchedulerStub(channel)
+    fleet, channel, unexpected_exits = None, None, []
     keep_logs = True
     try:
-        fleet.start()
-        wait_grpc_serving(channel, fleet.procs, seconds=300, logs=fleet.logs())
+        fleet = Stack(fleet_services(tmp, args.model), tmp, seconds=300)
+        channel = grpc.insecure_channel(fleet["scheduler"].address)
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
         wait_connected(fleet, stub, 300)
         prompts = make_prompts(TINY["vocab_size"])
         t0 = time.monotonic()
@@ -378,13 +325,13 @@ def run_chaos(args) -> str:
         kills: list[float] = []
         while (next_kill := start + (len(kills) + 1) * args.kill_every) < until:
             time.sleep(max(0.0, next_kill - time.monotonic()))
-            fleet.check_alive()
-            fleet.kill_and_restart(len(kills) % NUM_EXECUTORS)
+            note_exits(fleet, unexpected_exits)
+            fleet.restart(f"executor-{len(kills) % NUM_EXECUTORS}", signal.SIGKILL)
             kills.append(time.monotonic())
         for t in threads:
             t.join(max(0.0, until - time.monotonic()) + REQUEST_TIMEOUT + 30)
         elapsed = time.monotonic() - start
-        fleet.check_alive()
+        note_exits(fleet, unexpected_exits)
         acc = account(outcomes, ref, kills)
         # The killed executors should all be back; a fleet that never heals is worth knowing about.
         try:
@@ -409,18 +356,20 @@ def run_chaos(args) -> str:
             for o in acc["examples"]:
                 print(f"#   prompt {o.prompt} seeded={o.seeded} got {len(o.tokens)} tokens, error={o.error}, "
                       f"t={o.started - start:.1f}..{(o.ended or float('nan')) - start:.1f}s")
-        for line in fleet.unexpected_exits:
+        for line in unexpected_exits:
             print(f"# {line}")
         print(f"# chaos took {time.monotonic() - t_part:.1f}s")
-        keep_logs = bool(acc["failed"] or acc["mismatched"] or fleet.unexpected_exits or healed != "yes")
+        keep_logs = bool(acc["failed"] or acc["mismatched"] or unexpected_exits or healed != "yes")
         completed_ratio = acc["completed"] / acc["submitted"] if acc["submitted"] else 0.0
         return (f"RESULT chaos completed_ratio={completed_ratio:.4f} lost_tokens={acc['lost']} "
                 f"duplicated_tokens={acc['duplicated']} identical={identical}")
     finally:
-        channel.close()
-        fleet.stop()
+        if channel is not None:
+            channel.close()
+        if fleet is not None:
+            fleet.close(check=False, seconds=20)   # at once: an executor exits when the scheduler's stream closes
         if keep_logs:
-            print(f"# process logs kept in {tmp}: {', '.join(p.name for p in fleet.logs())}")
+            print(f"# process logs kept in {tmp}: {', '.join(p.name for p in sorted(tmp.glob('*.log')))}")
         else:
             shutil.rmtree(tmp, ignore_errors=True)
 

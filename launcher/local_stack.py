@@ -28,6 +28,7 @@ import httpx
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
+from launcher.processes import Service, command
 from launcher.tethered import ProcessGroup
 from stepwire.contract.settings import ServiceSettings, load
 
@@ -87,27 +88,25 @@ def threads_per_executor(a: ServeSettings) -> int:
 
 
 def children(a: ServeSettings, certs: Path | None = None) -> tuple[list[Child], list[Child]]:
-    """(executors, the rest) as commands; every service is this Python running its module, with its own
-    certificate from `certs` (a `stepwire certs` folder) when given."""
-    py = sys.executable
+    """(executors, the rest) as commands, built as every test's stack builds them (processes.py), each with its
+    own certificate from `certs` (a `stepwire certs` folder) when given."""
 
-    def tls(service: str) -> list[str]:
-        return ["--tls-dir", str(certs / service)] if certs is not None else []
+    def child(kind: str, name: str, flags: dict) -> Child:
+        tls = {"--tls-dir": certs / kind} if certs is not None else {}
+        return Child(name, command(Service(kind, name, flags | tls)))
 
     addresses = [f"127.0.0.1:{a.executor_port + i}" for i in range(a.executors)]
     sc = f"127.0.0.1:{a.scheduler_port}"
     threads = threads_per_executor(a)
-    executors = [Child(f"executor-{i}", [
-        py, "-m", "executor_service.server", "--model", a.model, "--address", address,
-        "--kv-cache-memory", str(a.kv_cache_memory), "--threads", str(threads),
-        "--tensor-parallel-size", str(a.tensor_parallel_size), *(["--deterministic"] if a.deterministic else []),
-        "--metrics-address", f"127.0.0.1:{a.executor_metrics_port + i}", *tls("executor")])
-        for i, address in enumerate(addresses)]
+    executors = [child("executor", f"executor-{i}", {
+        "--model": a.model, "--address": address, "--kv-cache-memory": a.kv_cache_memory, "--threads": threads,
+        "--tensor-parallel-size": a.tensor_parallel_size, "--deterministic": a.deterministic,
+        "--metrics-address": f"127.0.0.1:{a.executor_metrics_port + i}"}) for i, address in enumerate(addresses)]
     stack = [
-        Child("scheduler", [py, "-m", "scheduler_service.server", "--executors", ",".join(addresses), "--address", sc,
-                            "--metrics-address", f"127.0.0.1:{a.scheduler_metrics_port}", *tls("scheduler")]),
-        Child("gateway", [py, "-m", "gateway.server", "--model", a.model, "--scheduler", sc, "--port", str(a.port),
-                          "--grpc-address", f"127.0.0.1:{a.grpc_port}", *tls("gateway")]),
+        child("scheduler", "scheduler", {"--executors": ",".join(addresses), "--address": sc,
+                                         "--metrics-address": f"127.0.0.1:{a.scheduler_metrics_port}"}),
+        child("gateway", "gateway", {"--model": a.model, "--scheduler": sc, "--port": a.port,
+                                     "--grpc-address": f"127.0.0.1:{a.grpc_port}"}),
     ]
     return executors, stack
 

@@ -13,21 +13,24 @@
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
 import subprocess
 import sys
 
-_PR_SET_PDEATHSIG = 1
+# The parent-death signal is armed by the child itself, in a few lines of Python that then exec the command (the
+# pid stays, so does the signal), rather than in a preexec_fn: with one, subprocess forks instead of vforking,
+# which runs the parent's at-fork handlers in the child, and gRPC's (a test's or a benchmark's channels) restart
+# a poller there that aborts the child once subprocess closes its descriptors.
+_ARM = ("import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGTERM)\n"   # 1: PR_SET_PDEATHSIG
+        # The parent died before the signal was armed: nobody would send it now.
+        "if os.getppid() != int(sys.argv[1]): os.kill(os.getpid(), signal.SIGTERM)\n"
+        "os.execvp(sys.argv[2], sys.argv[2:])")
 
 
-def _die_with(parent: int) -> None:
-    """Runs in the child between fork and exec."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != parent:   # the parent died before the signal was armed: nobody would send it now
-        os.kill(os.getpid(), signal.SIGTERM)
+def _tethered(command: list[str]) -> list[str]:
+    if not sys.platform.startswith("linux"):
+        return command
+    return [sys.executable, "-S", "-c", _ARM, str(os.getpid()), *command]
 
 
 class ProcessGroup:
@@ -37,18 +40,16 @@ class ProcessGroup:
         self.pgid: int | None = None
 
     def popen(self, command: list[str], **kw) -> subprocess.Popen:
-        parent = os.getpid()
         if self.pgid is not None and not self.alive():
             self.pgid = None
         try:
-            proc = subprocess.Popen(command, process_group=self.pgid or 0, preexec_fn=lambda: _die_with(parent),
-                                    **kw)
+            proc = subprocess.Popen(_tethered(command), process_group=self.pgid or 0, **kw)
         except (OSError, subprocess.SubprocessError):
             if self.pgid is None:
                 raise
             # Its last member exited between the check and the fork: start a new group.
             self.pgid = None
-            proc = subprocess.Popen(command, process_group=0, preexec_fn=lambda: _die_with(parent), **kw)
+            proc = subprocess.Popen(_tethered(command), process_group=0, **kw)
         if self.pgid is None:
             self.pgid = proc.pid
         return proc

@@ -1,4 +1,4 @@
-import subprocess
+import contextlib
 import sys
 from pathlib import Path
 from typing import NamedTuple
@@ -56,6 +56,16 @@ def http_status(url: str) -> int | None:
         return None
 
 
+@pytest.fixture
+def launch(tmp_path):
+    """Start services as one launcher.processes.Stack: `launch(Service(...), ..., wait=True)`, logging in this
+    test's folder; every stack is stopped when the test ends, failing it if a member died on its own."""
+    from launcher.processes import Stack
+
+    with contextlib.ExitStack() as stacks:
+        yield lambda *services, **kw: stacks.enter_context(Stack(list(services), kw.pop("workdir", tmp_path), **kw))
+
+
 @pytest.fixture(scope="session")
 def http_stack(tmp_path_factory) -> HttpStack:
     """The three services from the default model, started in the wrong order on purpose; shared by every
@@ -64,38 +74,27 @@ def http_stack(tmp_path_factory) -> HttpStack:
     openai = pytest.importorskip("openai")
     import grpc
     from grpc_health.v1 import health_pb2
-    from helpers import free_port, grpc_health, stop_processes, wait_http_ready, wait_until
+    from helpers import grpc_health
+
+    from launcher.processes import Service, Stack
 
     if not (MODEL / "conversion.json").exists():
         pytest.skip("embedded model not converted (make model)")
-    logs = tmp_path_factory.mktemp("logs")
-    ex, sc, http, gw = free_port(), free_port(), free_port(), free_port()
-    py = sys.executable
     # Deliberately the wrong way round: gateway, then scheduler, then executor. Each waits for the next.
-    order = [("gateway", [py, "-m", "gateway.server", "--model", str(MODEL), "--scheduler", f"127.0.0.1:{sc}",
-                          "--port", str(http), "--grpc-address", f"127.0.0.1:{gw}"]),
-             ("scheduler", [py, "-m", "scheduler_service.server", "--executors", f"127.0.0.1:{ex}",
-                            "--address", f"127.0.0.1:{sc}", "--metrics-address", f"127.0.0.1:{free_port()}"]),
-             ("executor", [py, "-m", "executor_service.server", "--model", str(MODEL), "--address",
-                           f"127.0.0.1:{ex}", "--kv-cache-memory", str(256 << 20), "--max-model-len", "2048",
-                           "--metrics-address", f"127.0.0.1:{free_port()}"])]
-    url = f"http://127.0.0.1:{http}"
-    sc_channel = grpc.insecure_channel(f"127.0.0.1:{sc}")
-    log_files = [logs / f"{name}.log" for name, _ in order]
-    # Each is up, and not ready because the next one is missing, before the next one starts.
-    up_and_waiting = {
-        "gateway": (lambda: http_status(url + "/health") == 503, "the gateway to answer /health with 503"),
-        "scheduler": (lambda: grpc_health(sc_channel) == health_pb2.HealthCheckResponse.NOT_SERVING,
-                      "the scheduler to report NOT_SERVING"),
-    }
-    procs = {}
-    for name, cmd in order:
-        procs[name] = subprocess.Popen(cmd, cwd=ROOT, stdout=open(logs / f"{name}.log", "w"),
-                                       stderr=subprocess.STDOUT)
-        if name in up_and_waiting:
-            ready, what = up_and_waiting[name]
-            wait_until(ready, 120, what, procs=procs, logs=log_files)
-    sc_channel.close()
-    wait_http_ready(url, procs, logs=log_files)
-    yield HttpStack(url, openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0), sc, gw)
-    stop_processes(procs)
+    services = [Service("executor", flags={"--model": MODEL, "--kv-cache-memory": 256 << 20,
+                                           "--max-model-len": 2048}, autostart=False),
+                Service("scheduler", autostart=False),
+                Service("gateway", flags={"--model": MODEL}, autostart=False)]
+    with Stack(services, tmp_path_factory.mktemp("logs"), wait=False) as stack:
+        url, sc = stack["gateway"].url, stack["scheduler"].address
+        # Each is up, and not ready because the next one is missing, before the next one starts.
+        with grpc.insecure_channel(sc) as sc_channel:
+            stack.start("gateway")
+            stack.wait_until(lambda: http_status(url + "/health") == 503, "the gateway to answer /health with 503")
+            stack.start("scheduler")
+            stack.wait_until(lambda: grpc_health(sc_channel) == health_pb2.HealthCheckResponse.NOT_SERVING,
+                             "the scheduler to report NOT_SERVING")
+        stack.start("executor")
+        stack.wait_ready("gateway")
+        yield HttpStack(url, openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0),
+                        int(sc.rsplit(":", 1)[1]), int(stack["gateway"].address.rsplit(":", 1)[1]))

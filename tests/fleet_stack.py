@@ -1,19 +1,16 @@
 """A scheduler and its executors as processes on loopback, and streams read on threads: the fleet tests'
 harness."""
 
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import grpc
-from helpers import free_ports, stop_processes, wait_grpc_serving, wait_until
 from tiny_model import kv_bytes, write_tiny_llama
 
+from launcher.processes import Service, Stack, flag_dict, free_ports
 from stepwire.internal import sampling_pb2, scheduler_pb2, scheduler_pb2_grpc
 
-ROOT = Path(__file__).resolve().parent.parent
 BUDGET = 16
 TOKENS = 60           # long enough that a fault lands mid-stream on the tiny model
 PROMPTS = [[5 + i, 6, 7, 8 + i] for i in range(16)]
@@ -27,56 +24,47 @@ class Fleet:
                  started: int | None = None, same_port: bool = False, port: int | None = None,
                  flags_of: dict[int, tuple[str, ...]] | None = None, env: dict | None = None):
         self.tmp, self.model = tmp, write_tiny_llama(tmp / "llama")
-        self.flags_of = flags_of or {}     # executor index -> flags for that executor only
-        self.env = env
-        self.procs: dict[str, subprocess.Popen] = {}
-        *ports, sc_port = free_ports(num_executors + 1)
-        # Same port on 127.0.0.1, .2, .3...: one executor per pod IP, as a headless Service has them.
-        self.addresses = ([f"127.0.0.{i + 1}:{port or ports[0]}" for i in range(num_executors)] if same_port
-                          else [f"127.0.0.1:{port}" for port in ports])
-        self.executor_flags = executor_flags
+        flags_of = flags_of or {}     # executor index -> flags for that executor only
+        same = {}
+        if same_port:   # the same port on 127.0.0.1, .2, .3...: one executor per pod IP, as a headless Service has
+            port = port or free_ports(1)[0]
+            same = {i: {"--address": f"127.0.0.{i + 1}:{port}"} for i in range(num_executors)}
         started = num_executors if started is None else started
-        for i in range(started):
-            self.start_executor(i)
-        self.sc_addr = f"127.0.0.1:{sc_port}"
-        self.procs["scheduler"] = subprocess.Popen(
-            [sys.executable, "-m", "scheduler_service.server", "--address", self.sc_addr,
-             *(discovery or ("--executors", ",".join(self.addresses))),
-             "--max-num-batched-tokens", str(BUDGET), "--max-num-seqs", "8", "--metrics-address", "",
-             "--retry-seconds", "0.2", *scheduler_flags], cwd=ROOT, env=self.env, stdout=self.log("scheduler"),
-            stderr=subprocess.STDOUT)
+        executors = [Service("executor", f"executor-{i}", {
+            "--model": self.model, **same.get(i, {}), "--block-size": 4, "--kv-cache-memory": kv_bytes(64),
+            "--max-num-seqs": 8, "--max-model-len": 128, "--metrics-address": "", "--threads": 1,
+            **flag_dict(executor_flags), **flag_dict(flags_of.get(i, ()))}, env=env or {}, autostart=i < started)
+            for i in range(num_executors)]
+        scheduler = Service("scheduler", flags={
+            **flag_dict(discovery), "--max-num-batched-tokens": BUDGET, "--max-num-seqs": 8, "--metrics-address": "",
+            "--retry-seconds": 0.2, **flag_dict(scheduler_flags)}, env=env or {})
+        self.stack = Stack([*executors, scheduler], tmp)
+        self.procs = self.stack.procs
+        self.addresses = [e.address for e in executors]
+        self.sc_addr = scheduler.address
         self.channel = grpc.insecure_channel(self.sc_addr)
         self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
-        wait_grpc_serving(self.channel, self.procs, logs=self.logs())
         self.wait_connected(self.addresses[:started])
 
     def wait_connected(self, addresses) -> None:
-        wait_until(lambda: {e.address for e in self.stats().executors if e.connected} == set(addresses), 60,
-                   f"exactly {sorted(addresses)} to be connected", procs=self.procs, logs=self.logs())
+        self.stack.wait_until(lambda: {e.address for e in self.stats().executors if e.connected} == set(addresses),
+                              f"exactly {sorted(addresses)} to be connected", 60)
 
     def steps(self) -> dict[str, int]:
         return {e.address: e.num_steps for e in self.stats().executors}
 
     def start_executor(self, i: int) -> None:
-        self.procs[f"executor-{i}"] = subprocess.Popen(
-            [sys.executable, "-m", "executor_service.server", "--model", str(self.model), "--address",
-             self.addresses[i], "--block-size", "4", "--kv-cache-memory", str(kv_bytes(64)), "--max-num-seqs", "8",
-             "--max-model-len", "128", "--metrics-address", "", "--threads", "1", *self.executor_flags,
-             *self.flags_of.get(i, ())], cwd=ROOT, env=self.env, stdout=self.log(f"executor-{i}"),
-            stderr=subprocess.STDOUT)
-
-    def log(self, name: str):
-        return open(self.tmp / f"{name}.log", "a")
+        self.stack.start(f"executor-{i}")
 
     def logs(self) -> list[Path]:
-        return sorted(self.tmp.glob("*.log"))
+        return self.stack.logs()
 
     def stats(self) -> scheduler_pb2.StatsResponse:
         return self.stub.Stats(scheduler_pb2.StatsRequest())
 
     def stop(self) -> None:
         self.channel.close()
-        stop_processes([p for p in self.procs.values() if p.poll() is None])
+        self.stack.close(check=False)
 
 
 class Streams:

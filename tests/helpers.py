@@ -55,15 +55,10 @@ def free_port() -> int:
 
 
 def free_ports(n: int) -> list[int]:
-    """`n` distinct such ports: all are held while they are picked, so none is handed out twice."""
-    import contextlib
-    import socket
+    """`n` distinct such ports (the launcher's, which gives services theirs)."""
+    from launcher.processes import free_ports
 
-    with contextlib.ExitStack() as held:
-        socks = [held.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
+    return free_ports(n)
 
 
 def log_tail(path, lines: int = 40) -> str:
@@ -145,15 +140,6 @@ def grpc_health(channel, timeout: float = 1) -> int | None:
         return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout).status
     except grpc.RpcError:
         return None
-
-
-def wait_grpc_serving(channel, proc, seconds: float = 60, logs=()) -> None:
-    """Poll the standard gRPC health service until SERVING; fail early if `proc` (one Popen, or a name -> Popen
-    dict) died, showing the tail of each of `logs`."""
-    from grpc_health.v1 import health_pb2
-
-    wait_until(lambda: grpc_health(channel) == health_pb2.HealthCheckResponse.SERVING, seconds,
-               "the gRPC health service to report SERVING", procs=proc, logs=logs, interval=0.2)
 
 
 def wait_executor_idle(stub, seconds: float = 10):

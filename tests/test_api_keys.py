@@ -3,8 +3,6 @@ STEPWIRE_API_KEY; health and metrics stay open, also on a port of their own; and
 the network refuses to start without a key unless told --insecure."""
 
 import os
-import subprocess
-import sys
 
 import grpc
 import pytest
@@ -16,6 +14,7 @@ from helpers import free_port, wait_until  # noqa: E402
 
 from gateway import auth  # noqa: E402
 from gateway.auth import ApiKeys, bearer, require_key_beyond_loopback  # noqa: E402
+from launcher.processes import Service, flag_dict  # noqa: E402
 
 NAME = "model"
 HANG = 20
@@ -162,44 +161,35 @@ def test_an_api_beyond_loopback_needs_a_key_or_insecure(addresses, refused):
 
 # --- the gateway process ---------------------------------------------------------------------------------------
 
-def gateway(args: list[str], tmp_path) -> tuple[subprocess.Popen, object]:
+def gateway(launch, args: list[str]):
     """A gateway alone (no scheduler), with no STEPWIRE_API_KEY in its environment; it reads only the
     embedded model's tokenizer."""
     from gateway_stack import EMBEDDED
 
     if not (EMBEDDED / "tokenizer.json").exists():
         pytest.skip("embedded model not prepared (make model)")
-    env = {k: v for k, v in os.environ.items() if k != "STEPWIRE_API_KEY"}
-    log = tmp_path / "gateway.log"
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.server", "--model", str(EMBEDDED), "--scheduler",
-                             f"127.0.0.1:{free_port()}", *args], env=env, stdout=open(log, "w"),
-                            stderr=subprocess.STDOUT)
-    return proc, log
+    return launch(Service("gateway", flags={"--model": EMBEDDED, "--scheduler": f"127.0.0.1:{free_port()}",
+                                            **flag_dict(args)}, env={"STEPWIRE_API_KEY": None}), wait=False)
 
 
 @pytest.mark.parametrize("where", [["--host", "0.0.0.0"], ["--grpc-address", "[::]:0"]], ids=["http", "grpc"])
-def test_a_gateway_beyond_loopback_without_a_key_refuses_to_start(tmp_path, where):
-    proc, log = gateway(["--port", str(free_port()), "--grpc-address", f"127.0.0.1:{free_port()}", *where], tmp_path)
-    assert proc.wait(timeout=60) != 0
-    text = log.read_text()
+def test_a_gateway_beyond_loopback_without_a_key_refuses_to_start(launch, where):
+    stack = gateway(launch, where)
+    assert stack.wait("gateway", 60) != 0
+    text = stack.log("gateway").read_text()
     assert "refusing to serve the API" in text and "--insecure" in text, text
 
 
-def test_with_insecure_a_gateway_beyond_loopback_starts_without_a_key(tmp_path):
-    port = free_port()
-    proc, log = gateway(["--host", "0.0.0.0", "--port", str(port), "--grpc-address", f"127.0.0.1:{free_port()}",
-                         "--insecure"], tmp_path)
-    try:
-        def answers():
-            try:
-                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 503   # no scheduler
-            except httpx.HTTPError:
-                return False
+def test_with_insecure_a_gateway_beyond_loopback_starts_without_a_key(launch):
+    stack = gateway(launch, ["--host", "0.0.0.0", "--insecure"])
 
-        wait_until(answers, 60, "the gateway to answer /health", procs=proc, logs=log)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=15)
+    def answers():
+        try:
+            return httpx.get(stack["gateway"].url + "/health", timeout=1).status_code == 503   # no scheduler
+        except httpx.HTTPError:
+            return False
+
+    stack.wait_until(answers, "the gateway to answer /health", 60)
 
 
 # --- a stack with keys -----------------------------------------------------------------------------------------

@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import queue
-import subprocess
-import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import grpc
 import pytest
-from helpers import free_port, stop_processes, wait_grpc_serving
+from helpers import free_port
 
+from launcher.processes import Service
 from stepwire.internal import (
     executor_pb2,
     executor_pb2_grpc,
@@ -29,7 +27,6 @@ from stepwire.internal import (
     scheduler_pb2_grpc,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
 PAUSE = 0.3          # how long the probe waits for a next step before answering anyway
 
 
@@ -99,34 +96,27 @@ def probe():
     server.stop(0)
 
 
-def run_requests(executor: str, *flags: str) -> list[list[int]]:
-    address = f"127.0.0.1:{free_port()}"
-    proc = subprocess.Popen([sys.executable, "-m", "scheduler_service.server", "--executors", executor,
-                             "--address", address, "--metrics-address", "", *flags], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        channel = grpc.insecure_channel(address)
-        wait_grpc_serving(channel, {"scheduler": proc})
+def run_requests(launch, executor: str, *flags: str) -> list[list[int]]:
+    scheduler = launch(Service("scheduler", flags=["--executors", executor, "--metrics-address", "", *flags]))
+    with grpc.insecure_channel(scheduler["scheduler"].address) as channel:
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
         params = sampling_pb2.SamplingParams(max_tokens=12, temperature=0.0, top_p=1.0, top_k=-1, ignore_eos=True)
         calls = [stub.Submit(scheduler_pb2.SubmitRequest(request_id=f"r{i}", prompt_token_ids=[1, 2, 3 + i],
                                                          params=params), timeout=60) for i in range(3)]
         return [[t for out in call for t in out.token_ids] for call in calls]
-    finally:
-        stop_processes([proc])
 
 
-def test_the_scheduler_sends_the_next_step_before_the_last_one_is_answered(probe):
+def test_the_scheduler_sends_the_next_step_before_the_last_one_is_answered(probe, launch):
     executor, address = probe
-    assert run_requests(address) == [[7] * 12] * 3
+    assert run_requests(launch, address) == [[7] * 12] * 3
     assert executor.most_in_flight == 2
     # Only the last step of the run waits out the pause: every other answer had its successor in hand.
     assert executor.answered_alone <= 2 < executor.steps
 
 
-def test_without_async_scheduling_each_step_waits_for_the_answer_to_the_last(probe):
+def test_without_async_scheduling_each_step_waits_for_the_answer_to_the_last(probe, launch):
     executor, address = probe
-    assert run_requests(address, "--no-async-scheduling") == [[7] * 12] * 3
+    assert run_requests(launch, address, "--no-async-scheduling") == [[7] * 12] * 3
     assert executor.most_in_flight == 1
     # Each answer waited out the pause, but the last, which the scheduler's exit may have hurried.
     assert executor.answered_alone >= executor.steps - 1

@@ -1,25 +1,21 @@
 """The executor service as a real process on a loopback port: health, Describe, the Step stream, resync."""
 
 import queue
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 grpc = pytest.importorskip("grpc")
 pytest.importorskip("torch")
 
-from helpers import free_port, log_tail, wait_grpc_serving  # noqa: E402
 from tiny_model import kv_bytes, reference_greedy, write_tiny_llama  # noqa: E402
 
+from launcher.processes import Service, Stack  # noqa: E402
 from scheduler_service import Request, Scheduler, SchedulerConfig  # noqa: E402
 from scheduler_service.wire import HandleTable, decode_result, encode_step  # noqa: E402
 from stepwire.contract import SamplingParams  # noqa: E402
 from stepwire.internal import executor_pb2, executor_pb2_grpc, sampling_pb2  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 KV_BYTES = kv_bytes(64)
 
 
@@ -35,23 +31,11 @@ def fresh_epoch() -> int:
 def executor(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tiny")
     model = write_tiny_llama(tmp / "llama")
-    log_path = tmp / "executor.log"
-    log = open(log_path, "w")   # a file, not a pipe nobody reads: a chatty child would block on a full pipe
-    address = f"127.0.0.1:{free_port()}"
-    proc = subprocess.Popen([sys.executable, "-m", "executor_service.server", "--model", str(model),
-                             "--address", address, "--block-size", "4", "--kv-cache-memory", str(KV_BYTES),
-                             "--max-num-seqs", "8", "--max-model-len", "128",
-                             "--metrics-address", f"127.0.0.1:{free_port()}"], cwd=ROOT,
-                            stdout=log, stderr=subprocess.STDOUT)
-    channel = grpc.insecure_channel(address)
-    wait_grpc_serving(channel, proc, logs=log_path)
-    yield model, channel
-    channel.close()
-    crashed = proc.poll()
-    proc.terminate()
-    proc.wait(timeout=10)
-    log.close()
-    assert crashed is None, f"the executor exited (code {crashed}) during the tests\n{log_tail(log_path)}"
+    # Stopped at the end, failing if it exited during the tests.
+    with Stack([Service("executor", flags={"--model": model, "--block-size": 4, "--kv-cache-memory": KV_BYTES,
+                                           "--max-num-seqs": 8, "--max-model-len": 128})], tmp) as stack, \
+            grpc.insecure_channel(stack["executor"].address) as channel:
+        yield model, channel
 
 
 class StepStream:

@@ -9,11 +9,10 @@ plaintext port: a stranger's stream writes junk into the KV blocks of a cached p
 must not reuse them.
 """
 
+import contextlib
 import logging
 import queue
 import random
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial, update_wrapper
 from pathlib import Path
@@ -24,7 +23,7 @@ grpc = pytest.importorskip("grpc")
 pytest.importorskip("torch")
 
 from grpc_health.v1 import health_pb2  # noqa: E402
-from helpers import free_port, grpc_health, log_tail, stop_processes, wait_executor_idle, wait_grpc_serving  # noqa: E402
+from helpers import grpc_health, log_tail, wait_executor_idle  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from tiny_model import TINY, kv_bytes, reference_greedy, write_tiny_llama  # noqa: E402
@@ -32,12 +31,12 @@ from tiny_model import TINY, kv_bytes, reference_greedy, write_tiny_llama  # noq
 from executor_service.input_batch import InputBatch  # noqa: E402
 from executor_service.step_checks import Limits, check_step  # noqa: E402
 from executor_service.wire import decode_step  # noqa: E402
+from launcher.processes import Service, Stack  # noqa: E402
 from scheduler_service import Request, RunnerOutput, Scheduler, SchedulerConfig  # noqa: E402
 from scheduler_service.wire import HandleTable, decode_result, encode_step  # noqa: E402
 from stepwire.contract import SamplingParams  # noqa: E402
 from stepwire.internal import executor_pb2, sampling_pb2, scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 VOCAB, NUM_BLOCKS, BLOCK, MAX_LEN, MAX_SEQS, BUDGET = TINY["vocab_size"], 64, 4, 128, 8, 16
 # The executor's cap on a step's tokens: room for the stranger's 251-token step below; the scheduler's own
 # budget (16) is smaller.
@@ -59,23 +58,12 @@ pytestmark = pytest.mark.processes   # starts services as separate processes: no
 def executor(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("untrusted")
     model = write_tiny_llama(tmp / "llama")
-    log_path = tmp / "executor.log"
-    log = open(log_path, "w")
-    address = f"127.0.0.1:{free_port()}"
-    proc = subprocess.Popen([sys.executable, "-m", "executor_service.server", "--model", str(model),
-                             "--address", address, "--block-size", str(BLOCK), "--kv-cache-memory",
-                             str(kv_bytes(NUM_BLOCKS)), "--max-num-seqs", str(MAX_SEQS), "--max-model-len",
-                             str(MAX_LEN), "--max-num-batched-tokens", str(STEP_CAP), "--metrics-address", "",
-                             "--threads", "1"], cwd=ROOT,
-                            stdout=log, stderr=subprocess.STDOUT)
-    channel = grpc.insecure_channel(address)
-    wait_grpc_serving(channel, proc, logs=log_path)
-    yield model, address, channel, proc, log_path
-    channel.close()
-    crashed = proc.poll()
-    stop_processes([proc])
-    log.close()
-    assert crashed is None, f"the executor exited (code {crashed}) during the tests\n{log_tail(log_path)}"
+    # Stopped at the end, failing if it exited during the tests.
+    with Stack([Service("executor", flags={
+            "--model": model, "--block-size": BLOCK, "--kv-cache-memory": kv_bytes(NUM_BLOCKS), "--max-num-seqs":
+            MAX_SEQS, "--max-model-len": MAX_LEN, "--max-num-batched-tokens": STEP_CAP, "--metrics-address": "",
+            "--threads": 1})], tmp) as stack, grpc.insecure_channel(stack["executor"].address) as channel:
+        yield model, stack["executor"].address, channel, stack.procs["executor"], stack.log("executor")
 
 
 @pytest.fixture(scope="module")
@@ -559,29 +547,15 @@ def test_a_stranger_writing_into_cached_blocks_cannot_change_the_schedulers_answ
 
 # ---------------------------------------------------------------------------------------------- a scheduler
 
-class scheduler_on:
-    """A scheduler process driving the executor at `address`, as a context manager yielding its stub."""
-
-    def __init__(self, address: str, tmp: Path):
-        self.log_path = tmp / "scheduler.log"
-        self.log = open(self.log_path, "w")
-        self.address = f"127.0.0.1:{free_port()}"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "scheduler_service.server", "--executors", address, "--address", self.address,
-             "--max-num-batched-tokens", str(BUDGET), "--max-num-seqs", str(MAX_SEQS), "--metrics-address", "",
-             "--retry-seconds", "0.2"], cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
-        self.channel = grpc.insecure_channel(self.address)
-
-    def __enter__(self):
-        wait_grpc_serving(self.channel, self.proc, logs=self.log_path)
-        return scheduler_pb2_grpc.SchedulerStub(self.channel)
-
-    def __exit__(self, *exc):
-        self.channel.close()
-        alive = self.proc.poll() is None
-        stop_processes([self.proc])
-        self.log.close()
-        assert alive, f"the scheduler exited\n{log_tail(self.log_path)}"
+@contextlib.contextmanager
+def scheduler_on(address: str, tmp: Path):
+    """A scheduler process driving the executor at `address`, ready, yielding its stub; stopped on exit,
+    failing if it exited meanwhile."""
+    with Stack([Service("scheduler", flags={
+            "--executors": address, "--max-num-batched-tokens": BUDGET, "--max-num-seqs": MAX_SEQS,
+            "--metrics-address": "", "--retry-seconds": 0.2})], tmp) as stack, \
+            grpc.insecure_channel(stack["scheduler"].address) as channel:
+        yield scheduler_pb2_grpc.SchedulerStub(channel)
 
 
 def submit(stub, prompt) -> tuple[list[int], list[float], int]:

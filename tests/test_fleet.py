@@ -1,7 +1,6 @@
 """The executor fleet as real processes on loopback: executors die, drain and get hostile messages under load,
 and no request is lost, duplicated or left hanging."""
 
-import signal
 import socket
 import time
 
@@ -41,7 +40,7 @@ def _kill_executor_0_mid_stream(fleet, seeded: dict) -> tuple[Streams, Streams]:
     greedy, sampled = Streams(fleet.stub, PROMPTS), Streams(fleet.stub, PROMPTS[:8], **seeded)
     wait_until(lambda: greedy.started() and sampled.started(), 30, "every stream's first token")
     assert fleet.stats().executors[0].num_running > 0
-    fleet.procs["executor-0"].kill()
+    fleet.stack.kill("executor-0")
     greedy.join()
     sampled.join()
     assert greedy.errors == [None] * 16 and sampled.errors == [None] * 8
@@ -86,13 +85,13 @@ def test_an_executor_that_stops_answering_is_found_by_keepalive_and_its_requests
         streams = Streams(fleet.stub, PROMPTS)
         wait_until(streams.started, 30, "every stream's first token")
         assert fleet.stats().executors[0].num_running > 0
-        fleet.procs["executor-0"].send_signal(signal.SIGSTOP)
+        fleet.stack.pause("executor-0")
         streams.join()
         assert streams.errors == [None] * 16 and streams.tokens == expected
         stats = fleet.stats()
         assert not stats.executors[0].connected and stats.executors[0].num_migrated_out > 0
     finally:
-        fleet.procs["executor-0"].send_signal(signal.SIGCONT)
+        fleet.stack.resume("executor-0")
         fleet.stop()
 
 
@@ -110,12 +109,12 @@ def test_sigterm_drains_an_executor_under_load_and_no_client_sees_an_error(two):
     streams = Streams(two.stub, PROMPTS)
     wait_until(streams.started, 30, "every stream's first token")
     t0 = time.monotonic()
-    two.procs["executor-0"].send_signal(signal.SIGTERM)
+    two.stack.terminate("executor-0")
     # While it drains, the executor opens nothing new: Describe (and so a new Step stream) is refused.
     refused = None
     with grpc.insecure_channel(two.addresses[0]) as channel:
         describe = executor_pb2_grpc.ExecutorStub(channel).Describe
-        while refused is None and two.procs["executor-0"].poll() is None:
+        while refused is None and two.stack.alive("executor-0"):
             try:
                 describe(executor_pb2.DescribeRequest(), timeout=1)
             except grpc.RpcError as e:
@@ -123,7 +122,7 @@ def test_sigterm_drains_an_executor_under_load_and_no_client_sees_an_error(two):
             time.sleep(0.02)
     assert refused is not None and refused.code() == grpc.StatusCode.UNAVAILABLE
     assert "draining" in refused.details()
-    assert two.procs["executor-0"].wait(timeout=20) == 0
+    assert two.stack.wait("executor-0", 20) == 0
     assert time.monotonic() - t0 < 15          # within its drain period
     streams.join()
     assert streams.errors == [None] * 16 and streams.tokens == expected
@@ -138,7 +137,7 @@ def test_with_no_executor_left_open_and_new_requests_end_unavailable_within_the_
     try:
         streams = Streams(fleet.stub, PROMPTS[:8])
         wait_until(streams.started, 30, "every stream's first token")
-        fleet.procs["executor-0"].kill()
+        fleet.stack.kill("executor-0")
         killed = time.monotonic()
         late = Streams(fleet.stub, PROMPTS[8:10])
         streams.join(10)
@@ -172,7 +171,7 @@ def test_hostile_messages_on_an_executor_port_leave_the_fleet_serving(two):
     stranger.close()
     # The scheduler's own stream took the executor back; both serve, and the answers are right.
     assert _no_fault(two, PROMPTS) == reference_greedy(two.model, PROMPTS, max_tokens=TOKENS, budget=BUDGET)
-    assert all(p.poll() is None for p in two.procs.values())
+    two.stack.check_alive()
     stats = two.stats().executors
     assert all(e.num_steps > 0 for e in stats)                  # both executors ran some of the requests
     wait_until(lambda: all(e.num_free_blocks == e.num_total_blocks for e in two.stats().executors), 10,
@@ -204,7 +203,7 @@ def _joins_under_load_then_one_leaves(fleet, add, remove=None):
     assert first.tokens == second.tokens == expected and third.tokens == expected[:4]
     if remove is not None:
         assert fleet.addresses[0] not in fleet.steps()
-        assert fleet.procs["executor-0"].poll() is None   # it left the membership; nobody killed it
+        assert fleet.stack.alive("executor-0")   # it left the membership; nobody killed it
 
 
 def test_kubernetes_endpoint_slices_add_and_drain_executors_under_load(tmp_path):

@@ -6,8 +6,6 @@ One stack with the tiny model (a context of 128 tokens) serves the whole module.
 
 import asyncio
 import json
-import subprocess
-import sys
 import threading
 
 import grpc
@@ -21,6 +19,7 @@ from helpers import free_ports, wait_until  # noqa: E402
 
 from gateway.backend import SCHEDULER_GONE, Backend  # noqa: E402
 from gateway.tokenizer import ModelTokenizer  # noqa: E402
+from launcher.processes import Service  # noqa: E402
 from stepwire.contract import InvalidRequestError, SamplingParams, check_sampling, check_stop  # noqa: E402
 from stepwire.contract.sampling import MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS  # noqa: E402
 from stepwire.v1 import generation_pb2 as g  # noqa: E402
@@ -255,43 +254,37 @@ def test_after_every_hostile_grpc_request_a_good_one_is_served_and_the_gateway_l
 
 # --- the link to the scheduler --------------------------------------------------------------------------------
 
-def test_a_client_never_sees_the_schedulers_address_only_a_fixed_message_and_the_gateway_logs_it(tmp_path):
+def test_a_client_never_sees_the_schedulers_address_only_a_fixed_message_and_the_gateway_logs_it(tmp_path, launch):
     model = tiny_model_with_tokenizer(tmp_path / "model")
-    sc, http, gw = free_ports(3)   # nothing listens on the scheduler's port
-    log = tmp_path / "gateway.log"
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.server", "--model", str(model), "--scheduler",
-                             f"127.0.0.1:{sc}", "--port", str(http), "--grpc-address", f"127.0.0.1:{gw}",
-                             "--scheduler-wait-seconds", "1"],
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{http}"
+    (sc,) = free_ports(1)   # nothing listens on the scheduler's port
+    stack = launch(Service("gateway", flags={"--model": model, "--scheduler": f"127.0.0.1:{sc}",
+                                             "--scheduler-wait-seconds": 1}), wait=False)
+    url, log = stack["gateway"].url, stack.log("gateway")
     gone = SCHEDULER_GONE.format(1)   # requests wait a second for a scheduler, then get this
-    try:
-        def up():
-            try:
-                return httpx.get(url + "/health", timeout=1).status_code == 503
-            except httpx.HTTPError:
-                return False
 
-        wait_until(up, 60, "the gateway to answer /health (503: no scheduler)", procs=proc, logs=log)
-        leaks = ("127.0.0.1", str(sc), "ipv4", "failed to connect", "addresses")
-        r = httpx.post(url + C, json={"model": NAME, "prompt": "Hi", "max_tokens": 2}, timeout=HANG)
-        assert r.status_code == 503 and r.json()["error"]["message"] == gone, r.text
-        with httpx.stream("POST", url + C, json={"model": NAME, "prompt": "Hi", "max_tokens": 2, "stream": True},
-                          timeout=HANG) as s:
-            events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
-        assert [e["error"]["message"] for e in events] == [gone]
-        with grpc.insecure_channel(f"127.0.0.1:{gw}") as channel:
-            with pytest.raises(grpc.RpcError) as e:
-                generation_pb2_grpc.GenerationStub(channel).Generate(g.GenerateRequest(text="Hi"), timeout=HANG)
-        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and e.value.details() == gone
-        for text in (r.text, json.dumps(events), e.value.details()):
-            assert not any(leak in text for leak in leaks), text
-        # The operator still learns what went wrong, from the gateway's log.
-        wait_until(lambda: "failed to connect" in log.read_text(), 10, "grpc's details in the gateway's log")
-        assert proc.poll() is None
-    finally:
-        proc.terminate()
-        proc.wait(timeout=15)
+    def up():
+        try:
+            return httpx.get(url + "/health", timeout=1).status_code == 503
+        except httpx.HTTPError:
+            return False
+
+    stack.wait_until(up, "the gateway to answer /health (503: no scheduler)", 60)
+    leaks = ("127.0.0.1", str(sc), "ipv4", "failed to connect", "addresses")
+    r = httpx.post(url + C, json={"model": NAME, "prompt": "Hi", "max_tokens": 2}, timeout=HANG)
+    assert r.status_code == 503 and r.json()["error"]["message"] == gone, r.text
+    with httpx.stream("POST", url + C, json={"model": NAME, "prompt": "Hi", "max_tokens": 2, "stream": True},
+                      timeout=HANG) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert [e["error"]["message"] for e in events] == [gone]
+    with grpc.insecure_channel(stack["gateway"].address) as channel:
+        with pytest.raises(grpc.RpcError) as e:
+            generation_pb2_grpc.GenerationStub(channel).Generate(g.GenerateRequest(text="Hi"), timeout=HANG)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and e.value.details() == gone
+    for text in (r.text, json.dumps(events), e.value.details()):
+        assert not any(leak in text for leak in leaks), text
+    # The operator still learns what went wrong, from the gateway's log.
+    wait_until(lambda: "failed to connect" in log.read_text(), 10, "grpc's details in the gateway's log")
+    assert stack.alive("gateway")
 
 
 # --- the pieces, without a stack ------------------------------------------------------------------------------

@@ -148,3 +148,37 @@ def test_the_cycle_check_finds_a_cycle_through_three_modules(tmp_path):
     (pkg / "c.py").write_text("def later():\n    from gateway.a import x\n")
     (pkg / "d.py").write_text("import gateway.a\n")
     assert cycles(module_graph(tmp_path, ["gateway"])) == [["gateway.a", "gateway.b", "gateway.c"]]
+
+
+# ---- one launcher ------------------------------------------------------------------------------------------------
+
+def hand_built_command_lines(root: Path, folders=("tests", "bench")) -> list[str]:
+    """Strings in test and benchmark code that run a service's module themselves (the module's name as a word
+    of a command line, or after `-m` in one string): every stack starts through launcher/processes.py, which
+    alone knows the modules, so that a new flag or fault hook is written once and serve and the tests run the
+    same lines."""
+    from launcher.processes import MODULE
+
+    out = []
+    for path in sorted(p for folder in folders for p in (root / folder).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Constant) and isinstance(node.value, str | bytes)):
+                continue
+            text = node.value.decode(errors="replace") if isinstance(node.value, bytes) else node.value
+            if any(text == m or f"-m {m}" in text for m in MODULE.values()):
+                out.append(f"{path.relative_to(root)}:{node.lineno} {text!r}")
+    return out
+
+
+def test_no_test_or_benchmark_builds_a_service_command_line_by_hand():
+    assert hand_built_command_lines(ROOT) == []
+
+
+def test_the_command_line_check_finds_one_built_by_hand(tmp_path):
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_x.py").write_text(
+        '"""Talks to executor_service.server directly."""\nfrom executor_service.server import main\n'
+        'cmd = [sys.executable, "-m", "scheduler_service.server", "--address", a]\n'
+        'shell = f"python -m gateway' + '.server --port {port}"\n')   # (split: this file must pass the check)
+    assert hand_built_command_lines(tmp_path, ("tests",)) == [
+        "tests/test_x.py:3 'scheduler_service.server'", "tests/test_x.py:4 'python -m gateway" + ".server --port '"]

@@ -7,8 +7,6 @@ import itertools
 import os
 import socket
 import ssl
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,9 +19,10 @@ pytest.importorskip("cryptography")
 from cryptography import x509  # noqa: E402
 from cryptography.hazmat.primitives import hashes  # noqa: E402
 from google.protobuf.message import Message  # noqa: E402
-from helpers import free_ports, stop_processes, wait_grpc_serving, wait_until  # noqa: E402
+from helpers import free_ports  # noqa: E402
 from tiny_model import kv_bytes, reference_greedy, write_tiny_llama  # noqa: E402
 
+from launcher.processes import Service, Stack  # noqa: E402
 from security.dev_certs import issue, load_ca, make_dev_certs, write_secret  # noqa: E402
 from stepwire.internal import executor_pb2, executor_pb2_grpc, sampling_pb2, scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
 
@@ -55,32 +54,25 @@ def stack(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("mtls")
     certs = make_dev_certs(tmp / "certs")
     model = write_tiny_llama(tmp / "llama")
-    ex_port, sc_port, health_port = free_ports(3)
-    ex, sc = f"127.0.0.1:{ex_port}", f"127.0.0.1:{sc_port}"
-    logs = {n: open(tmp / f"{n}.log", "a") for n in ("executor", "scheduler")}
-    procs = {
-        "executor": subprocess.Popen(
-            [sys.executable, "-m", "executor_service.server", "--model", str(model), "--address", ex,
-             "--block-size", "4", "--kv-cache-memory", str(kv_bytes(64)), "--max-num-seqs", "8",
-             "--max-model-len", "128", "--metrics-address", "", "--threads", "1", "--tls-dir",
-             str(certs / "executor"), "--health-address", f"127.0.0.1:{health_port}"],
-            cwd=ROOT, stdout=logs["executor"], stderr=subprocess.STDOUT),
-        "scheduler": subprocess.Popen(
-            [sys.executable, "-m", "scheduler_service.server", "--address", sc, "--executors", ex,
-             "--metrics-address", "", "--retry-seconds", "0.2", "--tls-dir", str(certs / "scheduler")],
-            cwd=ROOT, stdout=logs["scheduler"], stderr=subprocess.STDOUT)}
-    # The test speaks to the scheduler as the gateway does, with the gateway's certificate, and reads Stats as
-    # the operator.
-    channel = secure_channel(sc, credentials(certs / "gateway"), "stepwire-scheduler")
-    operator = secure_channel(sc, credentials(certs / "operator"), "stepwire-scheduler")
-    wait_grpc_serving(channel, procs, logs=[tmp / "executor.log", tmp / "scheduler.log"])
-    yield {"expected": reference_greedy(model, [PROMPT], 8)[0], "tmp": tmp, "certs": certs, "model": model,
-           "executor": ex, "scheduler": sc, "procs": procs,
-           "stub": scheduler_pb2_grpc.SchedulerStub(channel), "operator": scheduler_pb2_grpc.SchedulerStub(operator),
-           "health_port": health_port}
-    channel.close()
-    operator.close()
-    stop_processes(procs)
+    (health_port,) = free_ports(1)
+    # Each waited for over mTLS with its own certificate (health answers any from the CA).
+    with Stack([Service("executor", flags={
+                    "--model": model, "--block-size": 4, "--kv-cache-memory": kv_bytes(64), "--max-num-seqs": 8,
+                    "--max-model-len": 128, "--metrics-address": "", "--threads": 1, "--tls-dir": certs / "executor",
+                    "--health-address": f"127.0.0.1:{health_port}"}),
+                Service("scheduler", flags={"--metrics-address": "", "--retry-seconds": 0.2,
+                                            "--tls-dir": certs / "scheduler"})], tmp) as processes:
+        ex, sc = processes["executor"].address, processes["scheduler"].address
+        # The test speaks to the scheduler as the gateway does, with the gateway's certificate, and reads Stats
+        # as the operator.
+        channel = secure_channel(sc, credentials(certs / "gateway"), "stepwire-scheduler")
+        operator = secure_channel(sc, credentials(certs / "operator"), "stepwire-scheduler")
+        yield {"expected": reference_greedy(model, [PROMPT], 8)[0], "tmp": tmp, "certs": certs, "model": model,
+               "executor": ex, "scheduler": sc, "processes": processes,
+               "stub": scheduler_pb2_grpc.SchedulerStub(channel),
+               "operator": scheduler_pb2_grpc.SchedulerStub(operator), "health_port": health_port}
+        channel.close()
+        operator.close()
 
 
 def submit(stub, max_tokens: int = 8, rid: str = ""):
@@ -238,15 +230,12 @@ def test_health_and_reflection_answer_any_certificate_from_the_ca(stack, target)
         assert f"stepwire.internal.{target.capitalize()}" in {s.name for s in listing.list_services_response.service}
 
 
-@pytest.mark.parametrize("module,role", [("scheduler_service.server", "gateway"),
-                                         ("executor_service.server", "scheduler")])
-def test_a_service_given_another_roles_certificate_refuses_to_start(stack, module, role):
-    (port,) = free_ports(1)
-    done = subprocess.run([sys.executable, "-m", module, "--address", f"127.0.0.1:{port}", "--metrics-address", "",
-                           "--tls-dir", str(stack["certs"] / role)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode != 0
-    assert "must name this service's role" in done.stderr and f"it names {role}" in done.stderr
+@pytest.mark.parametrize("kind,role", [("scheduler", "gateway"), ("executor", "scheduler")])
+def test_a_service_given_another_roles_certificate_refuses_to_start(stack, launch, kind, role):
+    done = launch(Service(kind, flags={"--metrics-address": "", "--tls-dir": stack["certs"] / role}), wait=False)
+    assert done.wait(kind, 120) != 0
+    stderr = done.log(kind).read_text()
+    assert "must name this service's role" in stderr and f"it names {role}" in stderr
 
 
 def presented_names(port: int, certs: Path) -> set[str]:
@@ -270,7 +259,7 @@ def test_a_rotated_certificate_is_used_without_a_restart(stack):
     for name in ("tls.key", "tls.crt"):
         os.replace(staging / name, certs / "executor" / name)
     assert "rotated.stepwire.test" in presented_names(port, certs)
-    assert stack["procs"]["executor"].poll() is None
+    assert stack["processes"].alive("executor")
     # Connections already open go on; the service keeps serving.
     tokens = [t for out in submit(stack["stub"]) for t in out.token_ids]
     assert tokens == stack["expected"]
@@ -297,7 +286,7 @@ def test_a_message_that_does_not_decode_is_invalid_argument(stack, target, metho
                 channel.unary_unary(method)(garbage, timeout=5)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "does not decode" in e.value.details()
-    assert stack["procs"][target].poll() is None
+    assert stack["processes"].alive(target)
 
 
 def test_the_plaintext_health_port_answers_probes_while_the_service_port_needs_a_certificate(stack):
@@ -378,29 +367,25 @@ def test_its_own_session_can_abort_it(stack):
     assert list(outputs) == []
 
 
-def test_plaintext_on_a_non_loopback_address_is_refused_unless_insecure(tmp_path):
+def test_plaintext_on_a_non_loopback_address_is_refused_unless_insecure(launch):
     (port,) = free_ports(1)
-    for module in ("executor_service.server", "scheduler_service.server"):
-        done = subprocess.run([sys.executable, "-m", module, "--address", f"0.0.0.0:{port}", "--metrics-address", ""],
-                              cwd=ROOT, capture_output=True, text=True, timeout=60)
-        assert done.returncode != 0
-        assert "refusing to serve" in done.stderr and "--insecure" in done.stderr
+    for kind in ("executor", "scheduler"):
+        done = launch(Service(kind, flags={"--address": f"0.0.0.0:{port}", "--metrics-address": ""}), wait=False)
+        assert done.wait(kind, 60) != 0
+        stderr = done.log(kind).read_text()
+        assert "refusing to serve" in stderr and "--insecure" in stderr
 
 
-def test_an_explicit_insecure_flag_allows_a_plaintext_wildcard_address():
+def test_an_explicit_insecure_flag_allows_a_plaintext_wildcard_address(launch):
     (port,) = free_ports(1)
-    proc = subprocess.Popen([sys.executable, "-m", "scheduler_service.server", "--address", f"0.0.0.0:{port}",
-                             "--metrics-address", "", "--executors", "127.0.0.1:1", "--insecure"], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            from helpers import grpc_health
-            wait_until(lambda: grpc_health(channel) is not None, 30, "the scheduler to answer", procs=proc)
-    finally:
-        stop_processes([proc])
+    s = launch(Service("scheduler", flags={"--address": f"0.0.0.0:{port}", "--metrics-address": "",
+                                           "--executors": "127.0.0.1:1", "--insecure": True}), wait=False)
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        from helpers import grpc_health
+        s.wait_until(lambda: grpc_health(channel) is not None, "the scheduler to answer", 30)
 
 
-def test_the_gateway_can_serve_clients_over_tls_on_both_ports(tmp_path):
+def test_the_gateway_can_serve_clients_over_tls_on_both_ports(tmp_path, launch):
     import httpx
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -408,14 +393,12 @@ def test_the_gateway_can_serve_clients_over_tls_on_both_ports(tmp_path):
     if not (model / "tokenizer.json").exists():
         pytest.skip("embedded model not prepared (make model): the gateway needs its tokenizer")
     certs = make_dev_certs(tmp_path / "certs")
-    http, gw, sc = free_ports(3)
+    (sc,) = free_ports(1)
     me = certs / "gateway"
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.server", "--model", str(model), "--port", str(http),
-                             "--grpc-address", f"127.0.0.1:{gw}", "--scheduler", f"127.0.0.1:{sc}",
-                             "--public-tls-cert", str(me / "tls.crt"), "--public-tls-key", str(me / "tls.key")],
-                            cwd=ROOT, stdout=open(tmp_path / "gateway.log", "w"), stderr=subprocess.STDOUT)
-    try:
-        client = httpx.Client(verify=ssl.create_default_context(cafile=certs / "ca.crt"), timeout=2)
+    gateway = launch(Service("gateway", flags={"--model": model, "--scheduler": f"127.0.0.1:{sc}", "--public-tls-cert":
+                                               me / "tls.crt", "--public-tls-key": me / "tls.key"}), wait=False)
+    http, gw = gateway["gateway"].flags["--port"], gateway["gateway"].address.rsplit(":", 1)[1]
+    with httpx.Client(verify=ssl.create_default_context(cafile=certs / "ca.crt"), timeout=2) as client:
 
         def health():
             try:
@@ -423,13 +406,10 @@ def test_the_gateway_can_serve_clients_over_tls_on_both_ports(tmp_path):
             except httpx.HTTPError:
                 return None
         # No scheduler runs: not ready (503), but answered over TLS.
-        assert wait_until(health, 60, "the gateway to answer over https", procs=proc) == 503
-        with pytest.raises(httpx.HTTPError):
-            httpx.get(f"http://127.0.0.1:{http}/health", timeout=2)
-        creds = grpc.ssl_channel_credentials((certs / "ca.crt").read_bytes())
-        with grpc.secure_channel(f"localhost:{gw}", creds) as channel:
-            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
-        assert status == health_pb2.HealthCheckResponse.NOT_SERVING
-        client.close()
-    finally:
-        stop_processes([proc])
+        assert gateway.wait_until(health, "the gateway to answer over https", 60) == 503
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"http://127.0.0.1:{http}/health", timeout=2)
+    creds = grpc.ssl_channel_credentials((certs / "ca.crt").read_bytes())
+    with grpc.secure_channel(f"localhost:{gw}", creds) as channel:
+        status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+    assert status == health_pb2.HealthCheckResponse.NOT_SERVING

@@ -7,6 +7,7 @@ import time
 import pytest
 
 from launcher.local_stack import Child, ServeSettings, certificates, children, keep_up
+from launcher.processes import MODULE
 from launcher.tethered import ProcessGroup
 from stepwire.contract.settings import load
 
@@ -127,7 +128,7 @@ def test_serve_restarts_a_killed_executor_and_keeps_serving_meanwhile(tmp_path):
                 "temperature": 0}
         first = httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
 
-        os.kill(_pid_of("executor_service.server", f"127.0.0.1:{ex}"), signal.SIGKILL)
+        os.kill(_pid_of(MODULE["executor"], f"127.0.0.1:{ex}"), signal.SIGKILL)
         # The other executor answers meanwhile, the same text; the stack stays up.
         assert httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"] == first
         wait_until(lambda: connected() == both, 90, "the killed executor to be started again and rejoin",
@@ -136,7 +137,7 @@ def test_serve_restarts_a_killed_executor_and_keeps_serving_meanwhile(tmp_path):
         assert "executor-0 exited with -9; starting it again" in (tmp_path / "serve.log").read_text()
 
         # The scheduler too: the gateway holds the request until the new one serves, and resubmits it.
-        os.kill(_pid_of("scheduler_service.server", f"127.0.0.1:{sc}"), signal.SIGKILL)
+        os.kill(_pid_of(MODULE["scheduler"], f"127.0.0.1:{sc}"), signal.SIGKILL)
         assert httpx.post(url + "/v1/completions", json=body, timeout=90).json()["choices"][0]["text"] == first
         assert serve.poll() is None
         assert "scheduler exited with -9; starting it again" in (tmp_path / "serve.log").read_text()

@@ -2,8 +2,6 @@
 export OTLP to a receiver this test runs (the standard OTLP/gRPC TraceService)."""
 
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,9 +15,10 @@ pytest.importorskip("opentelemetry.proto")
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc  # noqa: E402
-from helpers import free_port, stop_processes, wait_http_ready, wait_until  # noqa: E402
+from helpers import wait_until  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
+from launcher.processes import Service, Stack  # noqa: E402
 from stepwire.internal import scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
 from stepwire.v1 import generation_pb2 as g  # noqa: E402
 from stepwire.v1 import generation_pb2_grpc  # noqa: E402
@@ -35,42 +34,26 @@ CLIENT_SPAN = "00f067aa0ba902b7"
 pytestmark = pytest.mark.processes   # starts services as separate processes: not in `make test-fast`
 
 
-def _start_executor(ex, ex_metrics, env, log):
-    return subprocess.Popen([sys.executable, "-m", "executor_service.server", "--model", str(MODEL), "--address",
-                             f"127.0.0.1:{ex}", "--kv-cache-memory", str(128 << 20), "--max-model-len", "1024",
-                             "--metrics-address", f"127.0.0.1:{ex_metrics}"], cwd=ROOT, env=env,
-                            stdout=open(log, "a"), stderr=subprocess.STDOUT)
-
-
-def log_files(logs: Path) -> list[Path]:
-    return [logs / f"{name}.log" for name in ("gateway", "scheduler", "executor")]
+def _port(address: str) -> int:
+    return int(address.rsplit(":", 1)[1])
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     if not (MODEL / "conversion.json").exists():
         pytest.skip("embedded model not converted (make model)")
-    logs = tmp_path_factory.mktemp("logs")
     server, sink, otlp = otlp_receiver.start("127.0.0.1:0")
-    env = dict(os.environ, OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{otlp}", OTEL_EXPORTER_OTLP_INSECURE="true",
+    env = dict(OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{otlp}", OTEL_EXPORTER_OTLP_INSECURE="true",
                OTEL_TRACES_SAMPLER="always_on", OTEL_BSP_SCHEDULE_DELAY="100")
-    ports = {k: free_port() for k in ("ex", "sc", "http", "gw", "ex_metrics", "sc_metrics")}
-    py = sys.executable
-    procs = {
-        "scheduler": subprocess.Popen([py, "-m", "scheduler_service.server", "--executors", f"127.0.0.1:{ports['ex']}",
-                                       "--address", f"127.0.0.1:{ports['sc']}", "--metrics-address",
-                                       f"127.0.0.1:{ports['sc_metrics']}"], cwd=ROOT, env=env,
-                                      stdout=open(logs / "scheduler.log", "w"), stderr=subprocess.STDOUT),
-        "gateway": subprocess.Popen([py, "-m", "gateway.server", "--model", str(MODEL), "--scheduler",
-                                     f"127.0.0.1:{ports['sc']}", "--port", str(ports["http"]), "--grpc-address",
-                                     f"127.0.0.1:{ports['gw']}"], cwd=ROOT, env=env,
-                                    stdout=open(logs / "gateway.log", "w"), stderr=subprocess.STDOUT),
-        "executor": _start_executor(ports["ex"], ports["ex_metrics"], env, logs / "executor.log"),
-    }
-    url = f"http://127.0.0.1:{ports['http']}"
-    wait_http_ready(url, procs, logs=log_files(logs))
-    yield {"url": url, "ports": ports, "sink": sink, "procs": procs, "env": env, "logs": logs}
-    stop_processes(procs)
+    services = [Service("scheduler", env=env), Service("gateway", flags={"--model": MODEL}, env=env),
+                Service("executor", flags={"--model": MODEL, "--kv-cache-memory": 128 << 20, "--max-model-len": 1024},
+                        env=env)]
+    with Stack(services, tmp_path_factory.mktemp("logs")) as processes:
+        ex, sc, gw = (processes[n] for n in ("executor", "scheduler", "gateway"))
+        ports = {"ex": _port(ex.address), "sc": _port(sc.address), "http": gw.flags["--port"],
+                 "gw": _port(gw.address), "ex_metrics": _port(ex.flags["--metrics-address"]),
+                 "sc_metrics": _port(sc.flags["--metrics-address"])}
+        yield {"url": gw.url, "ports": ports, "sink": sink, "processes": processes}
     server.stop(0)
 
 
@@ -318,20 +301,15 @@ def test_every_grpc_server_has_health_and_reflection(stack):
 def test_readiness_follows_the_executor_going_away_and_coming_back(stack, workload):
     """It kills the executor (and starts another): the scheduler and then the gateway (gRPC health and
     HTTP /health) report not ready, and ready again once an executor is back on the same address."""
-    ports, procs = stack["ports"], stack["procs"]
-    procs["executor"].kill()
-    procs["executor"].wait()
+    ports, processes = stack["ports"], stack["processes"]
+    processes.kill("executor")
     not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
-    alive = {name: p for name, p in procs.items() if name != "executor"}
-    logs = log_files(stack["logs"])
 
-    wait_until(lambda: health_status(ports["sc"]) == not_serving, 30, "the scheduler to report NOT_SERVING",
-               procs=alive, logs=logs, interval=0.2)
-    wait_until(lambda: health_status(ports["gw"]) == not_serving, 30, "the gateway to report NOT_SERVING",
-               procs=alive, logs=logs, interval=0.2)
+    processes.wait_until(lambda: health_status(ports["sc"]) == not_serving, "the scheduler to report NOT_SERVING", 30)
+    processes.wait_until(lambda: health_status(ports["gw"]) == not_serving, "the gateway to report NOT_SERVING", 30)
     assert httpx.get(stack["url"] + "/health").status_code == 503
-    procs["executor"] = _start_executor(ports["ex"], ports["ex_metrics"], stack["env"], stack["logs"] / "executor.log")
-    wait_http_ready(stack["url"], procs, logs=logs)
+    processes.start("executor")
+    processes.wait_ready("gateway")
     assert health_status(ports["sc"]) == health_pb2.HealthCheckResponse.SERVING
     client = openai.OpenAI(base_url=stack["url"] + "/v1", api_key="unused", max_retries=0)
     assert client.completions.create(model=NAME, prompt="Hi", max_tokens=3, temperature=0,

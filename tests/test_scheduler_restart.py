@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,16 +19,15 @@ import grpc
 import httpx
 import pytest
 from gateway_stack import tiny_model_with_tokenizer
-from helpers import free_ports, log_tail, stop_processes, wait_grpc_serving, wait_http_ready, wait_until
+from helpers import wait_until
 from tiny_model import kv_bytes
 
 from gateway.backend import SCHEDULER_GONE
+from launcher.processes import Service, Stack, flag_dict
 from stepwire.v1 import generation_pb2 as g
 from stepwire.v1 import generation_pb2_grpc
 
-ROOT = Path(__file__).resolve().parent.parent
 TOKENS = 96
-PY = sys.executable
 PROMPTS = [f"Request {i}: tell me about the number {i * 7}." for i in range(16)]
 
 
@@ -41,42 +38,16 @@ class Cluster:
     """One executor, a scheduler that can be killed and started again on its port, and gateways."""
 
     def __init__(self, tmp: Path, gateways: int = 1, wait_seconds: float = 60, executor_flags: tuple = ()):
-        self.tmp = tmp
         self.model = tiny_model_with_tokenizer(tmp / "model")
-        ex, self.sc, *ports = free_ports(2 + 2 * gateways)
-        self.ex = ex
-        self.logs: list[Path] = []
-        self.executor = self._start("executor", [
-            "executor_service.server", "--model", str(self.model), "--address", f"127.0.0.1:{ex}", "--block-size",
-            "4", "--kv-cache-memory", str(kv_bytes(512)), "--max-num-seqs", "16", "--max-model-len", "256",
-            "--metrics-address", "", *executor_flags])
-        self.scheduler = self.start_scheduler()
-        self.gateways = []
-        self.urls, self.grpcs = [], []
-        for i in range(gateways):
-            http, gw = ports[2 * i], ports[2 * i + 1]
-            self.gateways.append(self._start(f"gateway{i}", [
-                "gateway.server", "--model", str(self.model), "--scheduler", f"127.0.0.1:{self.sc}", "--port",
-                str(http), "--grpc-address", f"127.0.0.1:{gw}", "--scheduler-wait-seconds", str(wait_seconds)]))
-            self.urls.append(f"http://127.0.0.1:{http}")
-            self.grpcs.append(f"127.0.0.1:{gw}")
-        for url in self.urls:
-            wait_http_ready(url, self.procs(), logs=self.logs)
-
-    def _start(self, name: str, args: list[str]) -> subprocess.Popen:
-        log = self.tmp / f"{name}-{len(self.logs)}.log"
-        self.logs.append(log)
-        return subprocess.Popen([PY, "-m", *args], cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT)
-
-    def start_scheduler(self) -> subprocess.Popen:
-        proc = self._start("scheduler", ["scheduler_service.server", "--executors", f"127.0.0.1:{self.ex}",
-                                         "--address", f"127.0.0.1:{self.sc}", "--metrics-address", ""])
-        self.scheduler = proc
-        return proc
-
-    def procs(self) -> dict:
-        return {"executor": self.executor, "scheduler": self.scheduler,
-                **{f"gateway{i}": p for i, p in enumerate(self.gateways)}}
+        self.stack = Stack([
+            Service("executor", flags={"--model": self.model, "--block-size": 4, "--kv-cache-memory": kv_bytes(512),
+                                       "--max-num-seqs": 16, "--max-model-len": 256, "--metrics-address": "",
+                                       **flag_dict(executor_flags)}),
+            Service("scheduler", flags={"--metrics-address": ""}),
+            *(Service("gateway", f"gateway{i}", {"--model": self.model, "--scheduler-wait-seconds": wait_seconds})
+              for i in range(gateways))], tmp)
+        gateways = [s for s in self.stack.services.values() if s.kind == "gateway"]
+        self.urls, self.grpcs = [g.url for g in gateways], [g.address for g in gateways]
 
     def metric(self, url: str, name: str) -> float:
         for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
@@ -85,9 +56,7 @@ class Cluster:
         raise AssertionError(f"{name} not in {url}/metrics")
 
     def stop(self) -> None:
-        dead = {n: p.returncode for n, p in self.procs().items() if p.poll() is not None}
-        stop_processes(list(self.procs().values()))
-        assert not dead, f"exited: {dead}\n" + "\n".join(log_tail(p) for p in self.logs)
+        self.stack.close()
 
 
 @pytest.fixture
@@ -157,13 +126,7 @@ def run_all(cluster: Cluster, fault=None, wait_for: int = 3) -> list:
 
 
 def kill_and_restart(cluster: Cluster, sig: int, pause: float = 2.0):
-    def fault():
-        old = cluster.scheduler
-        old.send_signal(sig)
-        old.wait(timeout=30)
-        time.sleep(pause)
-        cluster.start_scheduler()
-    return fault
+    return lambda: cluster.stack.restart("scheduler", sig, pause=pause)
 
 
 def check_same(results: list, reference: list) -> None:
@@ -185,7 +148,7 @@ def test_a_scheduler_killed_mid_stream_and_restarted_is_invisible_to_clients(clu
     assert cluster.metric(url, "stepwire:gateway_resume_wait_seconds_count") >= 8
     assert cluster.metric(url, "stepwire:gateway_journal_requests") == 0
     if sig == signal.SIGTERM:
-        log = cluster.logs[1].read_text()          # the first scheduler's
+        log = cluster.stack.log("scheduler").read_text()          # the first scheduler's, and the second's
         assert "SIGTERM: telling 1 gateway sessions" in log, log[-2000:]
 
 
@@ -234,14 +197,10 @@ def test_with_no_scheduler_back_every_stream_ends_with_the_documented_error_with
     wait = 3.0
     c = Cluster(tmp_path, wait_seconds=wait)
     try:
-        def kill():
-            c.scheduler.kill()
-            c.scheduler.wait(timeout=30)
-
-        took = streams_end_with_the_deadline_error(c, wait, kill)
+        took = streams_end_with_the_deadline_error(c, wait, lambda: c.stack.kill("scheduler"))
         assert took <= wait + 1.0 + 1.0     # the deadline, a second, and the clients' own exits
-        c.start_scheduler()                                  # and the stack serves again afterwards
-        wait_grpc_serving(grpc.insecure_channel(c.grpcs[0]), c.procs(), logs=c.logs)
+        c.stack.start("scheduler")                           # and the stack serves again afterwards
+        c.stack.wait_ready("gateway0")
         assert http_stream(c.urls[0], 0, [0])[2] == "length"
     finally:
         c.stop()
@@ -253,10 +212,8 @@ def test_a_frozen_scheduler_is_found_by_keepalive_and_its_streams_end_by_the_dea
     wait = 2.0
     c = Cluster(tmp_path, wait_seconds=wait)
     try:
-        took = streams_end_with_the_deadline_error(c, wait, lambda: c.scheduler.send_signal(signal.SIGSTOP))
+        took = streams_end_with_the_deadline_error(c, wait, lambda: c.stack.pause("scheduler"))
         assert took <= 5 + 5 + wait + 5, f"the frozen scheduler was noticed after {took:.1f}s"
     finally:
-        c.scheduler.kill()
-        c.scheduler.wait(timeout=30)
-        c.start_scheduler()     # a live one, so that stop() finds every process running
+        c.stack.restart("scheduler", signal.SIGKILL)     # a live one, so that stop() finds every process running
         c.stop()

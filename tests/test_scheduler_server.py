@@ -1,29 +1,17 @@
 """Scheduler and executor as real processes on loopback ports, started in the wrong order on purpose."""
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 grpc = pytest.importorskip("grpc")
 pytest.importorskip("torch")
 
 from grpc_health.v1 import health_pb2  # noqa: E402
-from helpers import (  # noqa: E402
-    free_port,
-    grpc_health,
-    log_tail,
-    stop_processes,
-    wait_executor_idle,
-    wait_grpc_serving,
-    wait_until,
-)
+from helpers import grpc_health, wait_executor_idle  # noqa: E402
 from tiny_model import kv_bytes, reference_greedy, write_tiny_llama  # noqa: E402
 
+from launcher.processes import Service, Stack  # noqa: E402
 from stepwire.internal import sampling_pb2, scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 KV_BYTES = kv_bytes(64)
 BUDGET = 16
 
@@ -35,34 +23,22 @@ pytestmark = pytest.mark.processes   # starts services as separate processes: no
 def stack(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("stack")
     model = write_tiny_llama(tmp / "llama")
-    sched_log, exec_log = open(tmp / "scheduler.log", "w"), open(tmp / "executor.log", "w")
-    ex_addr, sc_addr = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
-    scheduler = subprocess.Popen([sys.executable, "-m", "scheduler_service.server", "--executors", ex_addr,
-                                  "--address", sc_addr, "--max-num-batched-tokens", str(BUDGET), "--max-num-seqs", "8",
-                                  "--metrics-address", f"127.0.0.1:{free_port()}"],
-                                 cwd=ROOT, stdout=sched_log, stderr=subprocess.STDOUT)
-    channel = grpc.insecure_channel(sc_addr)
-    logs = [tmp / "scheduler.log", tmp / "executor.log"]
-    # The scheduler starts first and must wait for its executor, not crash: once its log says it is waiting
-    # it has come through a failed attempt, and it answers health checks with NOT_SERVING (wait_until fails
-    # at once if it exits). That it kept trying shows when the executor comes up below.
-    wait_until(lambda: "waiting for executor" in logs[0].read_text()
-               and grpc_health(channel) == health_pb2.HealthCheckResponse.NOT_SERVING, 60,
-               "the scheduler to retry its missing executor while reporting NOT_SERVING", procs=scheduler, logs=logs)
-    assert scheduler.poll() is None, log_tail(logs[0])
-    executor = subprocess.Popen([sys.executable, "-m", "executor_service.server", "--model", str(model),
-                                 "--address", ex_addr, "--block-size", "4", "--kv-cache-memory", str(KV_BYTES),
-                                 "--max-num-seqs", "8", "--max-model-len", "128",
-                                 "--metrics-address", f"127.0.0.1:{free_port()}"], cwd=ROOT,
-                                stdout=exec_log, stderr=subprocess.STDOUT)
-    wait_grpc_serving(channel, {"scheduler": scheduler, "executor": executor}, logs=logs)
-    yield model, scheduler_pb2_grpc.SchedulerStub(channel), tmp / "scheduler.log"
-    channel.close()
-    crashed = {n: p.poll() for n, p in (("scheduler", scheduler), ("executor", executor)) if p.poll() is not None}
-    stop_processes([scheduler, executor])
-    sched_log.close()
-    exec_log.close()
-    assert not crashed, f"exited during the tests: {crashed}\n" + "\n".join(log_tail(p) for p in logs)
+    services = [Service("executor", flags={"--model": model, "--block-size": 4, "--kv-cache-memory": KV_BYTES,
+                                           "--max-num-seqs": 8, "--max-model-len": 128}, autostart=False),
+                Service("scheduler", flags={"--max-num-batched-tokens": BUDGET, "--max-num-seqs": 8})]
+    with Stack(services, tmp, wait=False) as stack, grpc.insecure_channel(stack["scheduler"].address) as channel:
+        log = stack.log("scheduler")
+        # The scheduler starts first and must wait for its executor, not crash: once its log says it is waiting
+        # it has come through a failed attempt, and it answers health checks with NOT_SERVING (wait_until fails
+        # at once if it exits). That it kept trying shows when the executor comes up below.
+        stack.wait_until(lambda: "waiting for executor" in log.read_text()
+                         and grpc_health(channel) == health_pb2.HealthCheckResponse.NOT_SERVING,
+                         "the scheduler to retry its missing executor while reporting NOT_SERVING", 60)
+        assert stack.alive("scheduler"), stack.tails()
+        stack.start("executor")
+        stack.wait_ready("scheduler", 60)
+        # Stopped at the end, failing if one of them exited during the tests.
+        yield model, scheduler_pb2_grpc.SchedulerStub(channel), log
 
 
 def submit(stub, rid, prompt, max_tokens=10, **kw):

@@ -14,6 +14,7 @@ from helpers import free_ports, wait_http_ready, wait_until
 
 from launcher import local_stack
 from launcher.local_stack import Child, ServeSettings
+from launcher.processes import MODULE
 from stepwire.contract.settings import load
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -137,7 +138,7 @@ def test_serve_starts_a_gateway_that_exits_again_and_stops_everything_on_sigterm
     try:
         first = _complete(url, key)
         gateway = next(p for p in descendants(serve.pid)
-                       if b"gateway.server" in Path(f"/proc/{p}/cmdline").read_bytes())
+                       if MODULE["gateway"].encode() in Path(f"/proc/{p}/cmdline").read_bytes())
         services = descendants(serve.pid)
         os.kill(gateway, signal.SIGKILL)
         wait_until(lambda: not alive(gateway), 10, "the gateway to die")
