@@ -26,6 +26,7 @@ from executor_service.partition import Partition
 from executor_service.ranks import Ranks
 from executor_service.sampler import Sampler, SamplingTensors
 from executor_service.step import Step, StepResult, draw_seed, logprobs_of, seed_of
+from executor_service.structured_rows import StructuredRows
 from observability import tracing
 from stepwire.internal import executor_pb2
 
@@ -175,6 +176,9 @@ class ModelRunner:
                                        self.device)
             self.graphs.capture()
         self.sampler = Sampler()
+        # Rank 0 samples, so it alone enforces grammars; the matchers appear with the first constrained row.
+        self.structured = StructuredRows(cfg.model, self.model_config.vocab_size, self.model_config.eos_token_ids,
+                                         self.device) if self.rank == 0 else None
         self.scratch = GatherScratch()
         self.phase_seconds = (0.0, 0.0, 0.0)   # prepare, forward, sample of the last step
 
@@ -227,12 +231,20 @@ class ModelRunner:
                     self.ranks.done()
                 self.phase_seconds = (clock() - t0, 0.0, 0.0)
                 return StepResult(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64))
+        b = self.batch
+        states = [b.states[b.handles[r]] for r in inputs.rows[inputs.sample_mask]]
+        # Constrained rows' masks are filled on another thread while the forward pass runs.
+        masks = self.structured.start(states)
         t1 = clock()
         with tracing.phase("forward"):
             logits = self.forward(inputs)
         t2 = clock()
         with tracing.phase("sample"):
-            sampled, logprobs = self._sample(inputs, logits)
+            if masks is not None:
+                self.structured.apply(logits, masks)
+            sampled, logprobs = self._sample(inputs, logits, states)
+            if masks is not None:
+                self.structured.advance(states, sampled)
             self.batch.append_sampled(inputs, sampled)
             if self.ranks is not None:
                 self.ranks.done(sampled)
@@ -253,9 +265,23 @@ class ModelRunner:
 
     def _prepare(self, step: Step) -> StepInputs | None:
         self.batch.apply(step, self._new_state)
+        if self.structured is not None and step.new:
+            self._admit_constrained(step)
         if not step.handles:
             return None
         return self.batch.prepare(step.handles, step.num_tokens, step.total_tokens)
+
+    def _admit_constrained(self, step: Step) -> None:
+        """New rows with a grammar get a matcher, rebuilt from their output tokens: those the scheduler re-sent
+        (a move, a lost executor) and those a resubmission carries at the end of its prompt."""
+        b = self.batch
+        for new in step.new:
+            sp = new.sampling
+            if sp.HasField("structured_output"):
+                row = b.row_of[new.handle]
+                n = b.num_tokens[row]
+                start = max(n - new.num_output - sp.prior_output_tokens, 0)
+                self.structured.admit(b.states[new.handle], b.token_ids[row, start:n])
 
     def forward(self, inputs: StepInputs) -> torch.Tensor | None:
         """Logits [num sampling requests, vocab] for the requests whose step reaches their last token (None
@@ -276,12 +302,11 @@ class ModelRunner:
         last = inputs.query_start + inputs.num_scheduled - 1
         return self.model.compute_logits(hidden[to(last[inputs.sample_mask])])
 
-    def _sample(self, inputs: StepInputs, logits: torch.Tensor):
+    def _sample(self, inputs: StepInputs, logits: torch.Tensor, states: list):
         rows = inputs.rows[inputs.sample_mask]
         if len(rows) == 0:  # every request is mid-prefill: nothing to sample
             return np.empty(0, dtype=np.int64), None
         b = self.batch
-        states = [b.states[b.handles[r]] for r in rows]
         generators = {}
         for i, s in enumerate(states):
             if s.generator is not None:
