@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import time
 from pathlib import Path
 
 import numpy as np
@@ -68,6 +69,7 @@ class StructuredRows:
         self._compiler = None
         self._threads = cf.ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
         self._refusals = Every()
+        self.last_fill_seconds: float | None = None   # the last step's mask filling (benchmarks read it)
 
     @property
     def compiler(self):
@@ -87,6 +89,7 @@ class StructuredRows:
         """Begin filling the masks of the constrained rows among `states` (the step's sampling rows, in
         order); None, at no cost, when none is constrained."""
         at = [i for i, s in enumerate(states) if s.grammar is not None]
+        self.last_fill_seconds = None
         if not at:
             return None
         return self._threads.submit(self._masks, at, [states[i].grammar for i in at],
@@ -94,6 +97,7 @@ class StructuredRows:
 
     def _masks(self, at: list[int], grammars: list[RowGrammar], handles: list[int]):
         import llguidance.numpy as lln
+        t0 = time.perf_counter()
         words = (self.vocab_size + 31) // 32
         bits = np.zeros((len(at), words), dtype=np.int32)
         for k, g in enumerate(grammars):
@@ -102,6 +106,7 @@ class StructuredRows:
             if not g.ready(self.compiler) or not bits[k].any():
                 self._only_eos(bits[k], handles[k], g)
         allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :self.vocab_size]
+        self.last_fill_seconds = time.perf_counter() - t0
         return torch.tensor(at), torch.from_numpy(allowed)
 
     def _only_eos(self, row: np.ndarray, handle: int, g: RowGrammar) -> None:

@@ -8,6 +8,7 @@ import grpc
 
 from gateway.backend import Backend, GenerationParams, Usage
 from gateway.session import SchedulerError
+from gateway.structured_requests import check_structured, from_v1
 from gateway.telemetry import GatewayMetrics, Observation
 from stepwire.contract import InvalidRequestError, SamplingParams
 from stepwire.v1 import generation_pb2, generation_pb2_grpc
@@ -33,6 +34,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             b.check_model(request.model)
             params = _params(request)
             b.check_params(params)   # before tokenizing: a request refused anyway costs no tokenizer time
+            so = from_v1(request.params)
+            if so is not None:
+                await check_structured(so, b.tokenizer, "structured_outputs")
+                params.sampling.structured_output = so
             which = request.WhichOneof("prompt")
             if which == "text":
                 prompt = await b.encode(request.text)

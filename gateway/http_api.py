@@ -17,6 +17,7 @@ from gateway.backend import Backend, GenerationParams
 from gateway.body_limit import BodyLimit
 from gateway.http_models import ChatRequest, CompletionRequest, Sampling, message_dicts
 from gateway.openai_responses import error, respond
+from gateway.structured_requests import constrain
 from gateway.telemetry import GatewayMetrics, Observation
 from gateway.tokenize_api import add_tokenize_routes
 from stepwire.contract import InvalidRequestError, SamplingParams
@@ -126,6 +127,7 @@ def build_app(backend: Backend, metrics: GatewayMetrics, api_keys: ApiKeys | Non
         obs = Observation(metrics, "http", "/v1/completions", "text_completion", raw.headers, backend.model_name)
         try:
             p = _params(backend, req, req.max_tokens, req.logprobs)
+            await constrain(req, p.sampling, backend.tokenizer)
             if req.echo:
                 raise InvalidRequestError("echo", "echo is not supported")
             prompt = req.prompt if isinstance(req.prompt, list) else await backend.encode(req.prompt)
@@ -142,6 +144,7 @@ def build_app(backend: Backend, metrics: GatewayMetrics, api_keys: ApiKeys | Non
             if req.top_logprobs is not None and not req.logprobs:
                 raise InvalidRequestError("top_logprobs", "top_logprobs needs logprobs: true")
             p = _params(backend, req, req.max_completion_tokens or req.max_tokens, n_lp)
+            await constrain(req, p.sampling, backend.tokenizer)
             prompt = await backend.encode_chat(message_dicts(req.messages))
             return await respond(backend, raw, req, prompt, p, True, obs)
         except InvalidRequestError as e:

@@ -8,7 +8,8 @@ sent again is refused without compiling again.
 Compiling runs on the compiler's own threads (llguidance drops the GIL while it builds): the gateway's event
 loop and the executor's step never wait on it beyond what they choose to. Work is bounded twice: llguidance's
 parser limits make a grammar that is too large or too ambiguous fail by itself (deterministically), and a
-compile that outlives `timeout_s` anyway is refused and remembered as refused.
+compile that takes longer than `timeout_s` is refused and remembered as refused. A caller waits at most
+WAIT_FACTOR times that (a compile may have queued behind another) before it is refused without the result.
 """
 
 from __future__ import annotations
@@ -27,13 +28,14 @@ from structured.grammar import FIELD, grammar_of
 
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_CACHE_SIZE = 256
+WAIT_FACTOR = 3
 # llguidance's defaults, but short errors: verbose ones quote parser state and the grammar into the reply.
 PARSER_LIMITS = dict(verbose_errors=False)
 
 
 class Compiler:
     def __init__(self, tokenizer_json: str, vocab_size: int | None = None, eos_token_ids=(), *,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, cache_size: int = DEFAULT_CACHE_SIZE, threads: int = 1):
+                 timeout_s: float = DEFAULT_TIMEOUT_S, cache_size: int = DEFAULT_CACHE_SIZE, threads: int = 2):
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
                                                 eos_token=list(eos_token_ids) or None)
         self.vocab_size = self.tokenizer.vocab_size
@@ -91,7 +93,7 @@ class Compiler:
 
     def result(self, fut: cf.Future, timeout_s: float | None = None):
         try:
-            return fut.result(self.timeout_s if timeout_s is None else timeout_s)
+            return fut.result(self.timeout_s * WAIT_FACTOR if timeout_s is None else timeout_s)
         except cf.TimeoutError:
             return self._too_slow()
 
@@ -104,7 +106,7 @@ class Compiler:
         fut = self.submit(so)
         try:
             # Shielded: a timed-out wait must not cancel a compile other requests may share.
-            out = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), self.timeout_s)
+            out = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), self.timeout_s * WAIT_FACTOR)
         except TimeoutError:
             out = self._too_slow()
         _matcher_of(out)
@@ -125,11 +127,15 @@ _compilers: dict[tuple, Compiler] = {}
 _compilers_lock = threading.Lock()
 
 
-def compiler_for(tokenizer_path: str, vocab_size: int | None = None, eos_token_ids=(), **kw) -> Compiler:
-    """The process's one Compiler (and so one cache) per tokenizer file, vocabulary width and EOS ids."""
+def compiler_for(tokenizer_path: str, vocab_size: int | None = None, eos_token_ids=(),
+                 timeout_s: float | None = None) -> Compiler:
+    """The process's one Compiler (and so one cache) per tokenizer file, vocabulary width and EOS ids;
+    `timeout_s` (the service's setting, given once at start-up) sets its time limit."""
     key = (str(tokenizer_path), vocab_size, tuple(eos_token_ids))
     with _compilers_lock:
         if key not in _compilers:
             with open(tokenizer_path) as f:
-                _compilers[key] = Compiler(f.read(), vocab_size, eos_token_ids, **kw)
+                _compilers[key] = Compiler(f.read(), vocab_size, eos_token_ids)
+        if timeout_s is not None:
+            _compilers[key].timeout_s = timeout_s
         return _compilers[key]

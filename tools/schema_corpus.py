@@ -3,7 +3,8 @@ SchemaStore's real configuration schemas where a package ships them.
 
 `generated_schemas` builds, from a seed, the kind of schema applications send (`response_format`, tool
 arguments): objects named after business records, with bounded strings (some with enum, pattern or format),
-bounded integers, booleans, nullable fields, nested objects and bounded arrays, `additionalProperties: false`.
+bounded integers and numbers, booleans, nullable fields, nested objects and bounded arrays,
+`additionalProperties: false`.
 Every string and array is bounded so that any output the grammar allows ends within a known number of
 tokens: a test can then demand that every output is complete and valid, even from a random model.
 
@@ -25,8 +26,9 @@ FIELDS = ["id", "name", "title", "status", "email", "city", "country", "code", "
           "currency", "phone", "summary", "unit", "color", "size", "quantity", "category"]
 ENUMS = [["draft", "open", "closed"], ["low", "medium", "high"], ["EUR", "USD", "GBP"], ["red", "green", "blue"],
          ["S", "M", "L", "XL"], ["yes", "no"]]
-PATTERNS = [r"^[A-Z]{2}[0-9]{3}$", r"^[a-z]+$", r"^[0-9]{4}-[0-9]{2}$", r"^#[0-9a-f]{6}$"]
-FORMATS = ["date", "email", "uuid", "time"]
+PATTERNS = [r"^[A-Z]{2}[0-9]{3}$", r"^[a-z]{2,10}$", r"^[0-9]{4}-[0-9]{2}$", r"^#[0-9a-f]{6}$"]
+# Formats whose every value is bounded (email and time are not: a local part, a fraction of a second).
+FORMATS = ["date", "uuid"]
 
 
 def _leaf(rng: random.Random) -> dict:

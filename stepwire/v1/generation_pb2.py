@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cstepwire/v1/generation.proto\x12\x0bstepwire.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"2\n\x04\x43hat\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.stepwire.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xe4\x02\n\x12SamplingParameters\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x15\n\x08logprobs\x18\x0b \x01(\rH\x06\x88\x01\x01\x12\x0e\n\x01n\x18\x0c \x01(\rH\x07\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x04\n\x02_n\"\xe0\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.stepwire.v1.TokenIdsH\x00\x12!\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x11.stepwire.v1.ChatH\x00\x12/\n\x06params\x18\x05 \x01(\x0b\x32\x1f.stepwire.v1.SamplingParameters\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x12\n\ncache_salt\x18\x07 \x01(\tB\x08\n\x06prompt\"@\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"^\n\x08Logprobs\x12*\n\x07sampled\x18\x01 \x01(\x0b\x32\x19.stepwire.v1.TokenLogprob\x12&\n\x03top\x18\x02 \x03(\x0b\x32\x19.stepwire.v1.TokenLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xa5\x01\n\nCompletion\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.stepwire.v1.FinishReason\x12\x0c\n\x04stop\x18\x05 \x01(\t\x12\'\n\x08logprobs\x18\x06 \x03(\x0b\x32\x15.stepwire.v1.Logprobs\"~\n\x10GenerateResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12,\n\x0b\x63ompletions\x18\x03 \x03(\x0b\x32\x17.stepwire.v1.Completion\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.stepwire.v1.Usage\"\xe0\x01\n\x16GenerateStreamResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.stepwire.v1.FinishReason\x12\x0c\n\x04stop\x18\x06 \x01(\t\x12\'\n\x08logprobs\x18\x07 \x03(\x0b\x32\x15.stepwire.v1.Logprobs\x12!\n\x05usage\x18\x08 \x01(\x0b\x32\x12.stepwire.v1.Usage\"x\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12!\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x11.stepwire.v1.ChatH\x00\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08\x42\x07\n\x05input\"<\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"\x12\n\x10ModelInfoRequest\"\x95\x01\n\x11ModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\x19\n\x11has_chat_template\x18\x06 \x01(\x08*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xc1\x02\n\nGeneration\x12G\n\x08Generate\x12\x1c.stepwire.v1.GenerateRequest\x1a\x1d.stepwire.v1.GenerateResponse\x12U\n\x0eGenerateStream\x12\x1c.stepwire.v1.GenerateRequest\x1a#.stepwire.v1.GenerateStreamResponse0\x01\x12G\n\x08Tokenize\x12\x1c.stepwire.v1.TokenizeRequest\x1a\x1d.stepwire.v1.TokenizeResponse\x12J\n\tModelInfo\x12\x1d.stepwire.v1.ModelInfoRequest\x1a\x1e.stepwire.v1.ModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cstepwire/v1/generation.proto\x12\x0bstepwire.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"2\n\x04\x43hat\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.stepwire.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xa0\x03\n\x12SamplingParameters\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x15\n\x08logprobs\x18\x0b \x01(\rH\x06\x88\x01\x01\x12\x0e\n\x01n\x18\x0c \x01(\rH\x07\x88\x01\x01\x12:\n\x12structured_outputs\x18\r \x01(\x0b\x32\x1e.stepwire.v1.StructuredOutputsB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x04\n\x02_n\"\x98\x01\n\x11StructuredOutputs\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12)\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x17.stepwire.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xe0\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.stepwire.v1.TokenIdsH\x00\x12!\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x11.stepwire.v1.ChatH\x00\x12/\n\x06params\x18\x05 \x01(\x0b\x32\x1f.stepwire.v1.SamplingParameters\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x12\n\ncache_salt\x18\x07 \x01(\tB\x08\n\x06prompt\"@\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"^\n\x08Logprobs\x12*\n\x07sampled\x18\x01 \x01(\x0b\x32\x19.stepwire.v1.TokenLogprob\x12&\n\x03top\x18\x02 \x03(\x0b\x32\x19.stepwire.v1.TokenLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xa5\x01\n\nCompletion\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.stepwire.v1.FinishReason\x12\x0c\n\x04stop\x18\x05 \x01(\t\x12\'\n\x08logprobs\x18\x06 \x03(\x0b\x32\x15.stepwire.v1.Logprobs\"~\n\x10GenerateResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12,\n\x0b\x63ompletions\x18\x03 \x03(\x0b\x32\x17.stepwire.v1.Completion\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.stepwire.v1.Usage\"\xe0\x01\n\x16GenerateStreamResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.stepwire.v1.FinishReason\x12\x0c\n\x04stop\x18\x06 \x01(\t\x12\'\n\x08logprobs\x18\x07 \x03(\x0b\x32\x15.stepwire.v1.Logprobs\x12!\n\x05usage\x18\x08 \x01(\x0b\x32\x12.stepwire.v1.Usage\"x\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12!\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x11.stepwire.v1.ChatH\x00\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08\x42\x07\n\x05input\"<\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"\x12\n\x10ModelInfoRequest\"\x95\x01\n\x11ModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\x19\n\x11has_chat_template\x18\x06 \x01(\x08*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xc1\x02\n\nGeneration\x12G\n\x08Generate\x12\x1c.stepwire.v1.GenerateRequest\x1a\x1d.stepwire.v1.GenerateResponse\x12U\n\x0eGenerateStream\x12\x1c.stepwire.v1.GenerateRequest\x1a#.stepwire.v1.GenerateStreamResponse0\x01\x12G\n\x08Tokenize\x12\x1c.stepwire.v1.TokenizeRequest\x1a\x1d.stepwire.v1.TokenizeResponse\x12J\n\tModelInfo\x12\x1d.stepwire.v1.ModelInfoRequest\x1a\x1e.stepwire.v1.ModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'stepwire.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1884
-  _globals['_FINISHREASON']._serialized_end=2004
+  _globals['_FINISHREASON']._serialized_start=2130
+  _globals['_FINISHREASON']._serialized_end=2250
   _globals['_CHATMESSAGE']._serialized_start=45
   _globals['_CHATMESSAGE']._serialized_end=89
   _globals['_CHAT']._serialized_start=91
@@ -40,29 +40,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=143
   _globals['_TOKENIDS']._serialized_end=166
   _globals['_SAMPLINGPARAMETERS']._serialized_start=169
-  _globals['_SAMPLINGPARAMETERS']._serialized_end=525
-  _globals['_GENERATEREQUEST']._serialized_start=528
-  _globals['_GENERATEREQUEST']._serialized_end=752
-  _globals['_TOKENLOGPROB']._serialized_start=754
-  _globals['_TOKENLOGPROB']._serialized_end=818
-  _globals['_LOGPROBS']._serialized_start=820
-  _globals['_LOGPROBS']._serialized_end=914
-  _globals['_USAGE']._serialized_start=916
-  _globals['_USAGE']._serialized_end=1003
-  _globals['_COMPLETION']._serialized_start=1006
-  _globals['_COMPLETION']._serialized_end=1171
-  _globals['_GENERATERESPONSE']._serialized_start=1173
-  _globals['_GENERATERESPONSE']._serialized_end=1299
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1302
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1526
-  _globals['_TOKENIZEREQUEST']._serialized_start=1528
-  _globals['_TOKENIZEREQUEST']._serialized_end=1648
-  _globals['_TOKENIZERESPONSE']._serialized_start=1650
-  _globals['_TOKENIZERESPONSE']._serialized_end=1710
-  _globals['_MODELINFOREQUEST']._serialized_start=1712
-  _globals['_MODELINFOREQUEST']._serialized_end=1730
-  _globals['_MODELINFORESPONSE']._serialized_start=1733
-  _globals['_MODELINFORESPONSE']._serialized_end=1882
-  _globals['_GENERATION']._serialized_start=2007
-  _globals['_GENERATION']._serialized_end=2328
+  _globals['_SAMPLINGPARAMETERS']._serialized_end=585
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=588
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=740
+  _globals['_CHOICELIST']._serialized_start=742
+  _globals['_CHOICELIST']._serialized_end=771
+  _globals['_GENERATEREQUEST']._serialized_start=774
+  _globals['_GENERATEREQUEST']._serialized_end=998
+  _globals['_TOKENLOGPROB']._serialized_start=1000
+  _globals['_TOKENLOGPROB']._serialized_end=1064
+  _globals['_LOGPROBS']._serialized_start=1066
+  _globals['_LOGPROBS']._serialized_end=1160
+  _globals['_USAGE']._serialized_start=1162
+  _globals['_USAGE']._serialized_end=1249
+  _globals['_COMPLETION']._serialized_start=1252
+  _globals['_COMPLETION']._serialized_end=1417
+  _globals['_GENERATERESPONSE']._serialized_start=1419
+  _globals['_GENERATERESPONSE']._serialized_end=1545
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1548
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1772
+  _globals['_TOKENIZEREQUEST']._serialized_start=1774
+  _globals['_TOKENIZEREQUEST']._serialized_end=1894
+  _globals['_TOKENIZERESPONSE']._serialized_start=1896
+  _globals['_TOKENIZERESPONSE']._serialized_end=1956
+  _globals['_MODELINFOREQUEST']._serialized_start=1958
+  _globals['_MODELINFOREQUEST']._serialized_end=1976
+  _globals['_MODELINFORESPONSE']._serialized_start=1979
+  _globals['_MODELINFORESPONSE']._serialized_end=2128
+  _globals['_GENERATION']._serialized_start=2253
+  _globals['_GENERATION']._serialized_end=2574
 # @@protoc_insertion_point(module_scope)
