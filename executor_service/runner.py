@@ -24,8 +24,9 @@ from executor_service.memory import keep_freed_memory
 from executor_service.model_config import ModelConfig
 from executor_service.partition import Partition
 from executor_service.ranks import Ranks
-from executor_service.sampler import Sampler, SamplingTensors
-from executor_service.step import Step, StepResult, draw_seed, logprobs_of, seed_of
+from executor_service.sample_rows import sample_rows, step_result
+from executor_service.sampler import Sampler
+from executor_service.step import Step, StepResult, seed_of
 from executor_service.structured_rows import StructuredRows
 from observability import tracing
 from stepwire.internal import executor_pb2
@@ -242,13 +243,14 @@ class ModelRunner:
         with tracing.phase("sample"):
             if masks is not None:
                 self.structured.apply(logits, masks)
-            sampled, logprobs = self._sample(inputs, logits, states)
+            sampled, logprobs = sample_rows(self.batch, self.sampler, inputs.rows[inputs.sample_mask], states,
+                                            logits, self.model_config.vocab_size, self.device)
             if masks is not None:
                 self.structured.advance(states, sampled)
             self.batch.append_sampled(inputs, sampled)
             if self.ranks is not None:
                 self.ranks.done(sampled)
-            result = self._result(inputs, sampled, logprobs)
+            result = step_result(self.batch, inputs, sampled, logprobs)
         self.phase_seconds = (t1 - t0, t2 - t1, clock() - t2)
         return result
 
@@ -301,36 +303,3 @@ class ModelRunner:
                 hidden = self.model(to(inputs.input_ids), to(inputs.positions), self.kv_caches, meta)
         last = inputs.query_start + inputs.num_scheduled - 1
         return self.model.compute_logits(hidden[to(last[inputs.sample_mask])])
-
-    def _sample(self, inputs: StepInputs, logits: torch.Tensor, states: list):
-        rows = inputs.rows[inputs.sample_mask]
-        if len(rows) == 0:  # every request is mid-prefill: nothing to sample
-            return np.empty(0, dtype=np.int64), None
-        b = self.batch
-        generators = {}
-        for i, s in enumerate(states):
-            if s.generator is not None:
-                # The draw for a token depends on the seed and the token's position only, not on how many
-                # draws this executor made before: a request preempted, resent or moved to another
-                # executor samples what it would have sampled without the detour.
-                s.generator.manual_seed(draw_seed(s.seed, int(b.num_tokens[rows[i]])))
-                generators[i] = s.generator
-        num_logprobs = max((n for s in states if (n := logprobs_of(s.sampling_params)) is not None), default=None)
-        t = torch.from_numpy
-        st = SamplingTensors.from_cpu(t(b.temperature[rows]), t(b.top_p[rows]), t(b.top_k[rows]), t(b.min_p[rows]),
-                                      vocab_size=self.model_config.vocab_size, device=self.device,
-                                      max_num_logprobs=num_logprobs)
-        res = self.sampler(logits, st, generators, num_logprobs)
-        return res.token_ids.cpu().numpy(), res.logprobs
-
-    def _result(self, inputs: StepInputs, sampled: np.ndarray, logprobs) -> StepResult:
-        sampling = np.flatnonzero(inputs.sample_mask)
-        if logprobs is None:
-            return StepResult(sampling, sampled)
-        # Column 0 is the sampled token itself, then the top-n; each request keeps the n it asked for.
-        ids, lps = logprobs.token_ids.tolist(), logprobs.logprobs.tolist()
-        per_row: list[list[tuple[int, float]] | None] = []
-        for k, i in enumerate(sampling.tolist()):
-            n = logprobs_of(self.batch.states[inputs.handles[i]].sampling_params)
-            per_row.append(None if n is None else list(zip(ids[k][:n + 1], lps[k][:n + 1], strict=True)))
-        return StepResult(sampling, sampled, per_row)

@@ -27,8 +27,9 @@ FIELDS = ["id", "name", "title", "status", "email", "city", "country", "code", "
 ENUMS = [["draft", "open", "closed"], ["low", "medium", "high"], ["EUR", "USD", "GBP"], ["red", "green", "blue"],
          ["S", "M", "L", "XL"], ["yes", "no"]]
 PATTERNS = [r"^[A-Z]{2}[0-9]{3}$", r"^[a-z]{2,10}$", r"^[0-9]{4}-[0-9]{2}$", r"^#[0-9a-f]{6}$"]
-# Formats whose every value is bounded (email and time are not: a local part, a fraction of a second).
-FORMATS = ["date", "uuid"]
+# Formats whose every value is bounded (email and time are not: a local part, a fraction of a second) and
+# whose values llguidance and jsonschema agree on (date is not: llguidance allows the year 0000).
+FORMATS = ["uuid"]
 
 
 def _leaf(rng: random.Random) -> dict:
@@ -60,7 +61,7 @@ def _object(rng: random.Random, depth: int, title: str) -> dict:
         if depth < 1 and roll < 0.15:
             props[name] = _object(rng, depth + 1, name)
         elif roll < 0.3:
-            items = _leaf(rng) if rng.random() < 0.7 else _object(rng, depth + 1, name)
+            items = _leaf(rng) if depth or rng.random() < 0.7 else _object(rng, depth + 1, name)
             props[name] = {"type": "array", "items": items, "minItems": rng.choice([0, 1]),
                            "maxItems": rng.choice([2, 3])}
         else:
