@@ -15,6 +15,7 @@ xgrammar needs torch and transformers; install it outside the project's venv if 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import sys
 import time
@@ -77,7 +78,7 @@ class Xgrammar:
         info = xgrammar.TokenizerInfo.from_huggingface(hf, vocab_size=vocab)
         self.compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self.setup_s = time.perf_counter() - t0
-        self.version = xgrammar.__version__ if hasattr(xgrammar, "__version__") else "?"
+        self.version = importlib.metadata.version("xgrammar")
         self.mask = xgrammar.allocate_token_bitmask(1, vocab)
 
     def compile(self, schema: dict):

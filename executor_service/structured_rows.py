@@ -105,9 +105,10 @@ class StructuredRows:
                 lln.fill_next_token_bitmask(g.matcher, bits, k)
             if not g.ready(self.compiler) or not bits[k].any():
                 self._only_eos(bits[k], handles[k], g)
-        allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :self.vocab_size]
+        # Inverted before unpacking: the step thread gets the disallowed tokens as a bool tensor, ready to fill.
+        banned = np.unpackbits(np.invert(bits.view(np.uint8)), axis=1, bitorder="little")[:, :self.vocab_size]
         self.last_fill_seconds = time.perf_counter() - t0
-        return torch.tensor(at), torch.from_numpy(allowed)
+        return at, torch.from_numpy(banned).view(torch.bool)
 
     def _only_eos(self, row: np.ndarray, handle: int, g: RowGrammar) -> None:
         if g.refused is not None and self._refusals.ready() is not None:
@@ -119,11 +120,13 @@ class StructuredRows:
 
     def apply(self, logits: torch.Tensor, pending: cf.Future) -> None:
         """Mask the logits of the constrained rows in place (waits for the masks)."""
-        at, allowed = pending.result()
-        at = at.to(logits.device)
-        rows = logits[at]
-        rows.masked_fill_(allowed.to(logits.device, non_blocking=True) == 0, float("-inf"))
-        logits[at] = rows
+        at, banned = pending.result()
+        banned = banned.to(logits.device, non_blocking=True)
+        if len(at) == logits.shape[0]:   # every sampling row is constrained: no gather, no scatter
+            logits.masked_fill_(banned, float("-inf"))
+            return
+        idx = torch.tensor(at, device=logits.device)
+        logits[idx] = logits[idx].masked_fill_(banned, float("-inf"))
 
     def advance(self, states: list, sampled: np.ndarray) -> None:
         for i, s in enumerate(states):

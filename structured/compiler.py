@@ -72,7 +72,10 @@ class Compiler:
             out = InvalidRequestError(FIELD, f"{so.WhichOneof('kind')}: {_tidy(m.get_error())}") if m.is_error() else m
         except InvalidRequestError as e:
             out = e
-        except Exception as e:   # noqa: BLE001 — the library's ValueErrors and the like: the input's fault
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:   # noqa: BLE001 — the library's ValueErrors, even a Rust panic (a
+            # BaseException in pyo3): the input's fault, never the process's end
             out = InvalidRequestError(FIELD, f"{so.WhichOneof('kind')}: {_tidy(str(e))}")
         if time.monotonic() - t0 > self.timeout_s:
             out = self._too_slow()

@@ -143,3 +143,23 @@ def tok_eos(model) -> set[int]:
     cfg = json.loads((model / "config.json").read_text())
     eos = cfg.get("eos_token_id", [])
     return set(eos if isinstance(eos, list) else [eos])
+
+
+def test_a_grammar_too_slow_to_compile_gets_a_400_while_other_requests_go_on(tmp_path):
+    from gateway_stack import tiny_stack
+
+    slow = {"structured_outputs": {"choice": [f"option number {i}" for i in range(10000)]}}
+    with tiny_stack(tmp_path, ["--structured-compile-seconds", "0.1"]) as stack:
+        def post(fields: dict, max_tokens: int = 4):
+            return httpx.post(stack.url + "/v1/completions", timeout=60, json={
+                "model": "model", "prompt": "Pick:", "max_tokens": max_tokens, "temperature": 0, **fields})
+
+        with ThreadPoolExecutor(2) as pool:
+            plain = pool.submit(post, {"ignore_eos": True}, 40)
+            r = post(slow)
+            assert r.status_code == 400, r.text
+            assert "structured_outputs: the grammar took longer than 0.1 s to compile" in r.json()["error"]["message"]
+            assert plain.result().status_code == 200
+        assert post(slow).status_code == 400             # remembered: refused again without compiling
+        r = post({"structured_outputs": {"choice": ["left", "right"]}})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] in {"left", "right"}

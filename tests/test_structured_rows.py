@@ -33,8 +33,8 @@ def state(handle: int, so: s.StructuredOutput) -> RequestState:
 
 
 def masks(rows, states):
-    at, allowed = rows.start(states).result()
-    return at.tolist(), allowed.numpy()
+    at, banned = rows.start(states).result()
+    return at, (~banned).numpy().astype(np.uint8)
 
 
 def tokens_of(rows, text: str) -> list[int]:
