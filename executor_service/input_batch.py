@@ -32,6 +32,7 @@ class RequestState:
     token_ids: np.ndarray | None = None
     seed: int | None = None
     generator: object | None = None      # the request's own RNG when seeded (a torch.Generator)
+    grammar: object | None = None        # its structured output's matcher (structured_rows.RowGrammar), rank 0
 
 
 @dataclass

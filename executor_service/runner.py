@@ -24,8 +24,10 @@ from executor_service.memory import keep_freed_memory
 from executor_service.model_config import ModelConfig
 from executor_service.partition import Partition
 from executor_service.ranks import Ranks
-from executor_service.sampler import Sampler, SamplingTensors
-from executor_service.step import Step, StepResult, draw_seed, logprobs_of, seed_of
+from executor_service.sample_rows import sample_rows, step_result
+from executor_service.sampler import Sampler
+from executor_service.step import Step, StepResult, seed_of
+from executor_service.structured_rows import StructuredRows
 from observability import tracing
 from stepwire.internal import executor_pb2
 
@@ -175,6 +177,9 @@ class ModelRunner:
                                        self.device)
             self.graphs.capture()
         self.sampler = Sampler()
+        # Rank 0 samples, so it alone enforces grammars; the matchers appear with the first constrained row.
+        self.structured = StructuredRows(cfg.model, self.model_config.vocab_size, self.model_config.eos_token_ids,
+                                         self.device) if self.rank == 0 else None
         self.scratch = GatherScratch()
         self.phase_seconds = (0.0, 0.0, 0.0)   # prepare, forward, sample of the last step
 
@@ -227,16 +232,25 @@ class ModelRunner:
                     self.ranks.done()
                 self.phase_seconds = (clock() - t0, 0.0, 0.0)
                 return StepResult(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64))
+        b = self.batch
+        states = [b.states[b.handles[r]] for r in inputs.rows[inputs.sample_mask]]
+        # Constrained rows' masks are filled on another thread while the forward pass runs.
+        masks = self.structured.start(states)
         t1 = clock()
         with tracing.phase("forward"):
             logits = self.forward(inputs)
         t2 = clock()
         with tracing.phase("sample"):
-            sampled, logprobs = self._sample(inputs, logits)
+            if masks is not None:
+                self.structured.apply(logits, masks)
+            sampled, logprobs = sample_rows(self.batch, self.sampler, inputs.rows[inputs.sample_mask], states,
+                                            logits, self.model_config.vocab_size, self.device)
+            if masks is not None:
+                self.structured.advance(states, sampled)
             self.batch.append_sampled(inputs, sampled)
             if self.ranks is not None:
                 self.ranks.done(sampled)
-            result = self._result(inputs, sampled, logprobs)
+            result = step_result(self.batch, inputs, sampled, logprobs)
         self.phase_seconds = (t1 - t0, t2 - t1, clock() - t2)
         return result
 
@@ -253,9 +267,23 @@ class ModelRunner:
 
     def _prepare(self, step: Step) -> StepInputs | None:
         self.batch.apply(step, self._new_state)
+        if self.structured is not None and step.new:
+            self._admit_constrained(step)
         if not step.handles:
             return None
         return self.batch.prepare(step.handles, step.num_tokens, step.total_tokens)
+
+    def _admit_constrained(self, step: Step) -> None:
+        """New rows with a grammar get a matcher, rebuilt from their output tokens: those the scheduler re-sent
+        (a move, a lost executor) and those a resubmission carries at the end of its prompt."""
+        b = self.batch
+        for new in step.new:
+            sp = new.sampling
+            if sp.HasField("structured_output"):
+                row = b.row_of[new.handle]
+                n = b.num_tokens[row]
+                start = max(n - new.num_output - sp.prior_output_tokens, 0)
+                self.structured.admit(b.states[new.handle], b.token_ids[row, start:n])
 
     def forward(self, inputs: StepInputs) -> torch.Tensor | None:
         """Logits [num sampling requests, vocab] for the requests whose step reaches their last token (None
@@ -275,37 +303,3 @@ class ModelRunner:
                 hidden = self.model(to(inputs.input_ids), to(inputs.positions), self.kv_caches, meta)
         last = inputs.query_start + inputs.num_scheduled - 1
         return self.model.compute_logits(hidden[to(last[inputs.sample_mask])])
-
-    def _sample(self, inputs: StepInputs, logits: torch.Tensor):
-        rows = inputs.rows[inputs.sample_mask]
-        if len(rows) == 0:  # every request is mid-prefill: nothing to sample
-            return np.empty(0, dtype=np.int64), None
-        b = self.batch
-        states = [b.states[b.handles[r]] for r in rows]
-        generators = {}
-        for i, s in enumerate(states):
-            if s.generator is not None:
-                # The draw for a token depends on the seed and the token's position only, not on how many
-                # draws this executor made before: a request preempted, resent or moved to another
-                # executor samples what it would have sampled without the detour.
-                s.generator.manual_seed(draw_seed(s.seed, int(b.num_tokens[rows[i]])))
-                generators[i] = s.generator
-        num_logprobs = max((n for s in states if (n := logprobs_of(s.sampling_params)) is not None), default=None)
-        t = torch.from_numpy
-        st = SamplingTensors.from_cpu(t(b.temperature[rows]), t(b.top_p[rows]), t(b.top_k[rows]), t(b.min_p[rows]),
-                                      vocab_size=self.model_config.vocab_size, device=self.device,
-                                      max_num_logprobs=num_logprobs)
-        res = self.sampler(logits, st, generators, num_logprobs)
-        return res.token_ids.cpu().numpy(), res.logprobs
-
-    def _result(self, inputs: StepInputs, sampled: np.ndarray, logprobs) -> StepResult:
-        sampling = np.flatnonzero(inputs.sample_mask)
-        if logprobs is None:
-            return StepResult(sampling, sampled)
-        # Column 0 is the sampled token itself, then the top-n; each request keeps the n it asked for.
-        ids, lps = logprobs.token_ids.tolist(), logprobs.logprobs.tolist()
-        per_row: list[list[tuple[int, float]] | None] = []
-        for k, i in enumerate(sampling.tolist()):
-            n = logprobs_of(self.batch.states[inputs.handles[i]].sampling_params)
-            per_row.append(None if n is None else list(zip(ids[k][:n + 1], lps[k][:n + 1], strict=True)))
-        return StepResult(sampling, sampled, per_row)

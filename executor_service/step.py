@@ -27,6 +27,7 @@ class NewRow:
     sampling: sampling_pb2.SamplingParams
     block_ids: list[int]
     num_computed: int                 # KV already in block_ids (prefix-cache hits)
+    num_output: int = 0               # the last tokens of token_ids that are output (a grammar consumes them)
 
 
 @dataclass(slots=True)

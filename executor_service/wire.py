@@ -44,7 +44,7 @@ def decode_step(msg: executor_pb2.StepRequest) -> Step:
         handles=handles, num_tokens=num_tokens, total_tokens=sum(num_tokens),
         finished=list(msg.finished), preempted=list(msg.preempted),
         new=[NewRow(n.handle, [*n.prompt_token_ids, *n.output_token_ids], n.params, list(n.block_ids),
-                    n.num_computed_tokens) for n in msg.new_requests],
+                    n.num_computed_tokens, len(n.output_token_ids)) for n in msg.new_requests],
         resumed=list(zip(msg.resumed, msg.resumed_num_computed,
                          _split(msg.resumed_block_ids, msg.resumed_block_counts, "resumed"), strict=True)),
         grown=list(zip((handles[i] for i in grown_at), _split(msg.grown_block_ids, grown_counts, "grown"),

@@ -9,8 +9,9 @@ import grpc
 
 from gateway.backend import Backend, GenerationParams, Usage
 from gateway.session import SchedulerError
+from gateway.structured_requests import from_v1
 from gateway.telemetry import GatewayMetrics, Observation
-from gateway.tool_calls import ToolPlan, constraint, tool_plan
+from gateway.tool_calls import ToolPlan, one_constraint, tool_plan
 from gateway.tool_output import finish_reason, parsers
 from gateway.tool_parser import Delta, parse
 from gateway.tool_rendering import chat_for_template
@@ -43,7 +44,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             tools = tool_plan(*_tool_fields(request))
             if tools is not None and which != "chat":
                 raise InvalidRequestError("tools", "tools need a chat prompt")
-            params.sampling.structured_output = constraint(tools)
+            so = from_v1(request.params)
+            params.sampling.structured_output = await one_constraint(
+                ("structured_outputs", so) if so is not None else None, tools, b.tokenizer)
             if which == "text":
                 prompt = await b.encode(request.text)
             elif which == "token_ids":

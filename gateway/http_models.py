@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.backend import MAX_N
+from gateway.structured_requests import StructuredFields
 from gateway.tool_calls import MAX_TOOLS
 from stepwire.contract import InvalidRequestError
 from stepwire.contract.limits import FLOAT32_MAX, INT32_MAX, INT32_MIN, UINT32_MAX, UINT64_MAX
@@ -80,7 +81,7 @@ class StreamOptions(Strict):
     continuous_usage_stats: bool = False
 
 
-class Sampling(Strict):
+class Sampling(Strict, StructuredFields):   # StructuredFields: response_format, structured_outputs, guided_*
     model: str
     max_tokens: int | None = documented(None, minimum=1, maximum=UINT32_MAX)
     temperature: float = documented(1.0, minimum=0, maximum=FLOAT32_MAX)

@@ -42,7 +42,8 @@ class Entry:
         n = len(self.delivered)
         sp = self.sampling
         if n:
-            sp = replace(sp, max_tokens=sp.max_tokens - n, min_tokens=max(sp.min_tokens - n, 0))
+            sp = replace(sp, max_tokens=sp.max_tokens - n, min_tokens=max(sp.min_tokens - n, 0),
+                         prior_output_tokens=sp.prior_output_tokens + n)
         rid = self.request_id if not self.submissions else f"{self.request_id}~{self.submissions}"
         self.submissions += 1
         return scheduler_pb2.SubmitRequest(request_id=rid, prompt_token_ids=self.prompt_ids + self.delivered,

@@ -28,6 +28,7 @@ from security.listen import describe
 from security.strict_decode import DecodeErrorsAreInvalidArgument
 from stepwire.contract.settings import load
 from stepwire.v1 import generation_pb2_grpc
+from structured import compiler_for
 
 log = logging.getLogger("stepwire.gateway")
 
@@ -97,6 +98,8 @@ async def serve(s: GatewaySettings, model_name: str, api_keys: ApiKeys) -> None:
     tracing.setup("stepwire-gateway")
     metrics = GatewayMetrics()
     backend = Backend(scheduler_channel(s), ModelTokenizer(s.model), model_name, metrics, s.scheduler_wait_seconds)
+    # The grammar compiler's tokenizer is built now, not on the first constrained request.
+    compiler_for(str(backend.tokenizer.path), timeout_s=s.structured_compile_seconds)
     # The key first, so a caller without one costs no decoding; the health service stays open to probes
     # that carry none. A message that does not decode is INVALID_ARGUMENT, and the body limit bounds a
     # message as it bounds an HTTP body.

@@ -37,6 +37,9 @@ class GatewaySettings(TLSSettings):
                                           "SIGTERM), how long requests in flight wait for it to serve again before "
                                           "they fail UNAVAILABLE; those it serves again in time are resubmitted "
                                           "from the tokens already delivered")
+    structured_compile_seconds: float = Field(5.0, gt=0, description="the longest a structured output's grammar "
+                                              "(response_format, structured_outputs) may take to compile; longer "
+                                              "is refused with 400, and other requests never wait on it")
     insecure: bool = Field(False, description="allow listening beyond loopback with no API key configured (anyone "
                            "who reaches the port can use the API)")
     # --tls-dir & co. (TLSSettings) are the gateway's identity towards the scheduler; clients see another.

@@ -23,7 +23,8 @@ def _raise(message: str):
 class ModelTokenizer:
     def __init__(self, model_dir: str | Path):
         model_dir = Path(model_dir)
-        self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        self.path = model_dir / "tokenizer.json"   # also read by the grammar compiler (structured output)
+        self.tokenizer = Tokenizer.from_file(str(self.path))
         cfg_file = model_dir / "tokenizer_config.json"
         cfg = json.loads(cfg_file.read_text()) if cfg_file.exists() else {}
         self.bos_token = _token_text(cfg.get("bos_token"))

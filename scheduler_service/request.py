@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from scheduler_service.kv_cache.hashing import extend_block_hashes
+from stepwire.contract.sampling import structured_of
 
 
 class RequestStatus(enum.IntEnum):
@@ -71,10 +72,13 @@ class Request:
         self.num_prompt_tokens = len(self.prompt_token_ids)
         sp = self.sampling_params
         stop = set(sp.stop_token_ids)
-        if not sp.ignore_eos:
+        # A constrained request's executor allows EOS only where its grammar may end, and nothing else once
+        # the grammar is complete: there EOS is the grammar's end, which ignore_eos and min_tokens yield to.
+        constrained = structured_of(sp) is not None
+        if not sp.ignore_eos or constrained:
             stop.update(self.eos_token_ids)
         self.stop_ids = frozenset(stop)
-        self.min_stop_len = self.num_prompt_tokens + sp.min_tokens
+        self.min_stop_len = self.num_prompt_tokens + (0 if constrained else sp.min_tokens)
         self.length_limit = self.num_prompt_tokens + sp.max_tokens
 
     @property

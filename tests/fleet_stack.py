@@ -22,8 +22,9 @@ class Fleet:
 
     def __init__(self, tmp: Path, num_executors: int, *scheduler_flags: str, executor_flags=(), discovery=(),
                  started: int | None = None, same_port: bool = False, port: int | None = None,
-                 flags_of: dict[int, tuple[str, ...]] | None = None, env: dict | None = None):
-        self.tmp, self.model = tmp, write_tiny_llama(tmp / "llama")
+                 flags_of: dict[int, tuple[str, ...]] | None = None, env: dict | None = None,
+                 model: Path | None = None):
+        self.tmp, self.model = tmp, model or write_tiny_llama(tmp / "llama")
         flags_of = flags_of or {}     # executor index -> flags for that executor only
         same = {}
         if same_port:   # the same port on 127.0.0.1, .2, .3...: one executor per pod IP, as a headless Service has

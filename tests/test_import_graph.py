@@ -14,13 +14,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 FIRST_PARTY = {"scheduler_service", "executor_service", "gateway", "observability", "security", "stepwire", "tools",
-               "bench", "tests", "helpers", "launcher"}
+               "bench", "tests", "helpers", "launcher", "structured"}
 SHARED = {"stepwire.contract", "stepwire.v1", "stepwire.internal", "observability", "security"}
 # Each package (a folder under the repository root) and the first-party modules it may import.
 RULES = {
     "scheduler_service": {"scheduler_service"} | SHARED,
-    "executor_service": {"executor_service"} | SHARED,
-    "gateway": {"gateway"} | SHARED,
+    # structured/ (grammars) is shared by the two services that need it, never the scheduler's: no llguidance there.
+    "executor_service": {"executor_service", "structured"} | SHARED,
+    "gateway": {"gateway", "structured"} | SHARED,
+    "structured": {"structured", "stepwire.contract", "stepwire.internal"},
     "observability": {"observability"},
     "security": {"security", "stepwire.contract"},
     "stepwire": {"stepwire"},
@@ -76,7 +78,8 @@ def test_the_check_catches_a_service_that_imports_another(tmp_path):
 
 # ---- cycles ----------------------------------------------------------------------------------------------------
 
-RUNTIME = ["stepwire", "security", "observability", "scheduler_service", "executor_service", "gateway", "launcher"]
+RUNTIME = ["stepwire", "security", "observability", "structured", "scheduler_service", "executor_service", "gateway",
+           "launcher"]
 
 
 def module_graph(root: Path, packages: list[str]) -> dict[str, set[str]]:

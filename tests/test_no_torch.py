@@ -38,3 +38,14 @@ def test_importing_every_scheduler_contract_and_observability_module_loads_no_to
     proc = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert int(proc.stdout.strip()) >= 20   # the walk really found the packages' modules
+
+
+def test_the_grammar_package_the_gateway_shares_with_the_executor_loads_no_torch():
+    """structured/ (llguidance) runs in the gateway, whose image has no torch: it must not need it."""
+    probe = PROBE.replace("import observability, scheduler_service, stepwire.contract, stepwire.internal",
+                          "import observability, scheduler_service, stepwire.contract, stepwire.internal, structured")
+    probe = probe.replace("for pkg in (scheduler_service,", "for pkg in (structured, scheduler_service,")
+    assert probe != PROBE
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr

@@ -43,6 +43,8 @@ class SamplingParams:
     # What the output must be (JSON schema, regex, choice, grammar, tool-call tags); None: unconstrained. The
     # wire message itself: it is passed on as is, and the executor compiles it (`structured/`).
     structured_output: sampling_pb2.StructuredOutput | None = None
+    # The prompt's last n tokens are earlier output (a resubmission): a constrained request's matcher reads them.
+    prior_output_tokens: int = 0
 
     def validate(self) -> SamplingParams:
         check_sampling(self)
@@ -52,7 +54,7 @@ class SamplingParams:
         msg = sampling_pb2.SamplingParams(
             max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             min_p=self.min_p, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
-            min_tokens=self.min_tokens)
+            min_tokens=self.min_tokens, prior_output_tokens=self.prior_output_tokens)
         if self.seed is not None:
             msg.seed = self.seed
         if self.logprobs is not None:
@@ -85,7 +87,8 @@ def check_sampling(sp) -> None:
         # A cap, as vLLM's max_logprobs: 256 rows asking for the whole vocabulary would make one step's reply
         # larger than the message limit and break the executor's stream.
         integer("logprobs", sp.logprobs, 0, MAX_LOGPROBS)
-    so = _structured_of(sp)
+    integer("prior_output_tokens", sp.prior_output_tokens, 0, UINT32_MAX)
+    so = structured_of(sp)
     if so is not None:
         check_structured_size(so)
 
@@ -95,10 +98,11 @@ def check_sampling(sp) -> None:
 MAX_STRUCTURED_BYTES = 256 * 1024
 
 
-def _structured_of(sp):
+def structured_of(sp) -> sampling_pb2.StructuredOutput | None:
+    """The constraint of a SamplingParams or of its proto message; None when it is unconstrained."""
     if isinstance(sp, sampling_pb2.SamplingParams):
         return sp.structured_output if sp.HasField("structured_output") else None
-    return sp.structured_output
+    return getattr(sp, "structured_output", None)
 
 
 def check_structured_size(so: sampling_pb2.StructuredOutput) -> None:

@@ -1,0 +1,46 @@
+"""The sampling half of a step: the sampler's tensors from the persistent batch's rows, the tokens, and the
+step's result with each request's logprobs."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from executor_service.input_batch import InputBatch, StepInputs
+from executor_service.sampler import Sampler, SamplingTensors
+from executor_service.step import StepResult, draw_seed, logprobs_of
+
+
+def sample_rows(b: InputBatch, sampler: Sampler, rows: np.ndarray, states: list, logits: torch.Tensor,
+                vocab_size: int, device: torch.device):
+    """One token for each of `rows` (the batch rows that sample, `states` their requests), and the logprobs
+    asked for."""
+    if len(rows) == 0:  # every request is mid-prefill: nothing to sample
+        return np.empty(0, dtype=np.int64), None
+    generators = {}
+    for i, s in enumerate(states):
+        if s.generator is not None:
+            # The draw for a token depends on the seed and the token's position only, not on how many
+            # draws this executor made before: a request preempted, resent or moved to another
+            # executor samples what it would have sampled without the detour.
+            s.generator.manual_seed(draw_seed(s.seed, int(b.num_tokens[rows[i]])))
+            generators[i] = s.generator
+    num_logprobs = max((n for s in states if (n := logprobs_of(s.sampling_params)) is not None), default=None)
+    t = torch.from_numpy
+    st = SamplingTensors.from_cpu(t(b.temperature[rows]), t(b.top_p[rows]), t(b.top_k[rows]), t(b.min_p[rows]),
+                                  vocab_size=vocab_size, device=device, max_num_logprobs=num_logprobs)
+    res = sampler(logits, st, generators, num_logprobs)
+    return res.token_ids.cpu().numpy(), res.logprobs
+
+
+def step_result(b: InputBatch, inputs: StepInputs, sampled: np.ndarray, logprobs) -> StepResult:
+    sampling = np.flatnonzero(inputs.sample_mask)
+    if logprobs is None:
+        return StepResult(sampling, sampled)
+    # Column 0 is the sampled token itself, then the top-n; each request keeps the n it asked for.
+    ids, lps = logprobs.token_ids.tolist(), logprobs.logprobs.tolist()
+    per_row: list[list[tuple[int, float]] | None] = []
+    for k, i in enumerate(sampling.tolist()):
+        n = logprobs_of(b.states[inputs.handles[i]].sampling_params)
+        per_row.append(None if n is None else list(zip(ids[k][:n + 1], lps[k][:n + 1], strict=True)))
+    return StepResult(sampling, sampled, per_row)

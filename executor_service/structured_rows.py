@@ -1,0 +1,134 @@
+"""Constrained rows: each one's grammar matcher, its token mask every step, its advance by the sampled token.
+
+A matcher is built when a row enters this executor (new, moved here, resent after a scheduler restart) from
+the row's own tokens: the compiled grammar (cached per tokenizer, `structured/`), advanced over the output
+tokens the row already holds. So the executor keeps nothing a restart would lose, and a request that moves
+goes on exactly where it was. A preempted row keeps its matcher while it is parked here; its tokens do not
+change meanwhile.
+
+Each step the masks are filled on a thread of their own while the forward pass runs (llguidance drops the
+GIL), then applied to the logits in one masked fill: disallowed tokens get -inf, so every sampling mode,
+greedy included, picks an allowed one, and logprobs are those of the masked distribution (as vLLM reports
+them). A step with no constrained row allocates and waits for nothing.
+
+Only rank 0 samples, so only rank 0 holds matchers. A grammar this executor cannot compile (the gateway
+checked it, so this means a scheduler that skipped that check, or a mismatched library) is refused for that
+row alone: its mask allows only EOS, so it ends at once; nothing else is disturbed.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from observability.log_limits import Every
+from stepwire.contract import InvalidRequestError
+from structured import compiler_for
+
+log = logging.getLogger("stepwire.executor")
+
+
+class RowGrammar:
+    """One request's matcher, or the reason it has none. `pending` are tokens to consume once compiled."""
+
+    __slots__ = ("future", "matcher", "pending", "refused")
+
+    def __init__(self, future: cf.Future | None, pending: list[int], refused: str | None = None):
+        self.future, self.matcher, self.pending, self.refused = future, None, pending, refused
+
+    def ready(self, compiler) -> bool:
+        """Compiled and caught up with the row's tokens (waits for the compile); False if refused."""
+        if self.refused is None and self.matcher is None:
+            out = compiler.result(self.future)
+            if isinstance(out, InvalidRequestError):
+                self.refused = str(out)
+            else:
+                m = out.deep_copy()
+                if not m.consume_tokens(self.pending):
+                    self.refused = f"its output tokens do not follow its grammar ({m.get_error()[:200]})"
+                self.matcher, self.pending = m, []
+        return self.refused is None and not self.matcher.is_error()
+
+    def advance(self, token: int) -> None:
+        # After the grammar ended (EOS sampled), a step already in flight may sample once more: ignored.
+        if self.refused is None and self.matcher is not None and not self.matcher.is_stopped():
+            self.matcher.consume_token(token)
+
+
+class StructuredRows:
+    def __init__(self, model_dir: str, vocab_size: int, eos_token_ids: tuple[int, ...], device: torch.device):
+        self.tokenizer_path = Path(model_dir) / "tokenizer.json"
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.device = device
+        self._compiler = None
+        self._threads = cf.ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
+        self._refusals = Every()
+        self.last_fill_seconds: float | None = None   # the last step's mask filling (benchmarks read it)
+
+    @property
+    def compiler(self):
+        if self._compiler is None:   # the first constrained request pays for the tokenizer, once
+            self._compiler = compiler_for(str(self.tokenizer_path), self.vocab_size, self.eos_token_ids)
+        return self._compiler
+
+    def admit(self, state, output_tokens: np.ndarray) -> None:
+        """Give a row entering the batch its matcher-to-be: the compile starts now, off this thread."""
+        so = state.sampling_params.structured_output
+        if not self.tokenizer_path.exists():
+            state.grammar = RowGrammar(None, [], "the model directory has no tokenizer.json")
+            return
+        state.grammar = RowGrammar(self.compiler.submit(so), output_tokens.tolist())
+
+    def start(self, states: list) -> cf.Future | None:
+        """Begin filling the masks of the constrained rows among `states` (the step's sampling rows, in
+        order); None, at no cost, when none is constrained."""
+        at = [i for i, s in enumerate(states) if s.grammar is not None]
+        self.last_fill_seconds = None
+        if not at:
+            return None
+        return self._threads.submit(self._masks, at, [states[i].grammar for i in at],
+                                    [states[i].handle for i in at])
+
+    def _masks(self, at: list[int], grammars: list[RowGrammar], handles: list[int]):
+        import llguidance.numpy as lln
+        t0 = time.perf_counter()
+        words = (self.vocab_size + 31) // 32
+        bits = np.zeros((len(at), words), dtype=np.int32)
+        for k, g in enumerate(grammars):
+            if g.ready(self.compiler):
+                lln.fill_next_token_bitmask(g.matcher, bits, k)
+            if not g.ready(self.compiler) or not bits[k].any():
+                self._only_eos(bits[k], handles[k], g)
+        # Inverted before unpacking: the step thread gets the disallowed tokens as a bool tensor, ready to fill.
+        banned = np.unpackbits(np.invert(bits.view(np.uint8)), axis=1, bitorder="little")[:, :self.vocab_size]
+        self.last_fill_seconds = time.perf_counter() - t0
+        return at, torch.from_numpy(banned).view(torch.bool)
+
+    def _only_eos(self, row: np.ndarray, handle: int, g: RowGrammar) -> None:
+        if g.refused is not None and self._refusals.ready() is not None:
+            log.warning("request %d: structured output refused (%s); it ends at once", handle, g.refused)
+        words = row.view(np.uint32)
+        words[:] = 0
+        for eos in self.eos_token_ids or (self.compiler.eos_token,):
+            words[eos // 32] |= np.uint32(1 << (eos % 32))
+
+    def apply(self, logits: torch.Tensor, pending: cf.Future) -> None:
+        """Mask the logits of the constrained rows in place (waits for the masks)."""
+        at, banned = pending.result()
+        banned = banned.to(logits.device, non_blocking=True)
+        if len(at) == logits.shape[0]:   # every sampling row is constrained: no gather, no scatter
+            logits.masked_fill_(banned, float("-inf"))
+            return
+        idx = torch.tensor(at, device=logits.device)
+        logits[idx] = logits[idx].masked_fill_(banned, float("-inf"))
+
+    def advance(self, states: list, sampled: np.ndarray) -> None:
+        for i, s in enumerate(states):
+            if s.grammar is not None:
+                s.grammar.advance(int(sampled[i]))
