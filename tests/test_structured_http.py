@@ -95,6 +95,8 @@ def test_grpc_structured_outputs_choice(http_stack):
         assert "structured_outputs" in e.value.details() and "unclosed group" in e.value.details()
 
 
+TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {
+    "type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}}}
 BAD = [  # (body fields, what the 400 must name)
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
      "response_format: json_schema: Invalid type"),
@@ -107,6 +109,11 @@ BAD = [  # (body fields, what the 400 must name)
     ({"structured_outputs": {"json": "{bad"}}, "not valid JSON"),
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "exactly one"),
     ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "only one constraint"),
+    # Tools constrain the output too (tool_choice "auto" by default): one grammar per output.
+    ({"response_format": {"type": "json_object"}, "tools": [TOOL]}, "cannot be combined with tools"),
+    # A tool whose parameters the grammar library cannot enforce is refused under its own field.
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "not": {}}}}],
+      "tool_choice": "required"}, "tools: "),
 ]
 
 
