@@ -85,7 +85,7 @@ async def http_run(url: str, model: str, prompts: list[str], tokens: int, concur
 
 
 def inproc_engine():
-    from executor_service.runner import RunnerConfig
+    from executor_service.runner_config import RunnerConfig
     from launcher.engine import LLMEngine
 
     return LLMEngine(RunnerConfig(str(MODEL), kv_cache_memory=1 << 30))

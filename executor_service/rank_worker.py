@@ -26,7 +26,8 @@ import torch
 
 from executor_service.collectives import RankFailure
 from executor_service.ranks import RESET, STEP, recv_message, send_message, unframe
-from executor_service.runner import ModelRunner, RunnerConfig
+from executor_service.runner import ModelRunner
+from executor_service.runner_config import RunnerConfig
 from executor_service.wire import decode_step
 from observability import tracing
 from stepwire.internal import executor_pb2

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import logging
 import os
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -18,12 +16,20 @@ from executor_service.attention import GatherScratch, build_attention_metadata
 from executor_service.collectives import Collectives, RankFailure, join, leave
 from executor_service.input_batch import InputBatch, RequestState, StepInputs
 from executor_service.kv_tensors import allocate_kv_caches, num_blocks_for_budget
-from executor_service.linear import cpu_has_native_bf16
 from executor_service.loader import load_model
 from executor_service.memory import keep_freed_memory
 from executor_service.model_config import ModelConfig
 from executor_service.partition import Partition
 from executor_service.ranks import Ranks
+from executor_service.runner_config import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DTYPES,
+    RunnerConfig,
+    attention_backend,
+    check_deterministic,
+    default_dtype,
+    rank_device,
+)
 from executor_service.sample_rows import sample_rows, step_result
 from executor_service.sampler import Sampler
 from executor_service.step import Step, StepResult, seed_of
@@ -32,74 +38,6 @@ from observability import tracing
 from stepwire.internal import executor_pb2
 
 log = logging.getLogger("stepwire.executor")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# The scheduler's step budget on a GPU (vLLM's figure): by default no step the scheduler would send on its own
-# defaults is refused, and a larger budget set there is capped through Describe.
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
-
-
-def default_dtype(device: str) -> str:
-    """bfloat16 on CUDA and on CPUs with native bfloat16 (half the bytes a decode step reads), else float32."""
-    if device.startswith("cuda") or (device.startswith("cpu") and cpu_has_native_bf16()):
-        return "bfloat16"
-    return "float32"
-
-
-def check_deterministic(cfg: RunnerConfig) -> None:
-    """Deterministic mode's limits, said at start-up rather than broken quietly later."""
-    if not cfg.deterministic:
-        return
-    if cfg.attention_backend == "triton":
-        raise ValueError("--deterministic uses its own attention; --attention-backend triton cannot be combined "
-                         "with it (leave it at auto)")
-
-
-def attention_backend(choice: str, device: torch.device) -> str:
-    """"torch" (gather, then SDPA) or "triton" (paged in place). auto: triton on CUDA when it is installed.
-    Chosen once at start-up, so no step ever waits on a backend's per-shape planning."""
-    # Only looked up, not imported: importing triton costs start-up time that a CPU executor never uses.
-    have_triton = importlib.util.find_spec("triton") is not None
-    if choice == "auto":
-        return "triton" if device.type == "cuda" and have_triton else "torch"
-    if choice == "triton":
-        if not have_triton:
-            raise ValueError("--attention-backend triton: triton is not installed (it comes with CUDA builds of torch)")
-        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError(f"--attention-backend triton runs on CUDA devices, not {device}")
-    return choice
-
-
-@dataclass(frozen=True)
-class RunnerConfig:
-    model: str
-    device: str = "cpu"
-    dtype: str | None = None                 # None: default_dtype(device)
-    kv_cache_memory: int = 1 << 30           # bytes for all layers' K and V
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_model_len: int | None = None         # None: the model's max_position_embeddings
-    # Most tokens one step may compute: it bounds a step's activations whatever a step message says.
-    max_num_batched_tokens: int | None = None   # None: DEFAULT_MAX_NUM_BATCHED_TOKENS, or the context if longer
-    attention_backend: str = "auto"          # auto, torch or triton: see attention_backend()
-    cuda_graphs: bool = True                 # decode steps as graphs (cuda_graphs.py), with triton attention
-    tensor_parallel_size: int = 1            # ranks, one process each, that split every layer (partition.py)
-    tensor_parallel_timeout_seconds: float = 60.0   # longest wait in a collective, or for a rank to start
-    deterministic: bool = False              # batch-invariant kernels (batch_invariant.py): same tokens in any batch
-
-
-def rank_device(device: str, rank: int) -> str:
-    """Rank r of a CUDA executor uses the r-th GPU from the one named (cuda, cuda:2); CPU ranks share."""
-    if not device.startswith("cuda"):
-        return device
-    base = int(device.partition(":")[2] or 0)
-    return f"cuda:{base + rank}"
-
-
-def threads_per_rank(device: str, size: int) -> int:
-    """torch threads for each of `size` ranks on one CPU: its cores shared out; 0 (torch's choice) on CUDA."""
-    if device.startswith("cuda") or size == 1:
-        return 0
-    return max(1, len(os.sched_getaffinity(0)) // size)
 
 
 class ModelRunner:

@@ -1,12 +1,9 @@
 """The executor as a gRPC service: Describe, and a bidirectional Step stream of diffs and results.
 
 The executor keeps only a cache of the scheduler's state, so anything it cannot place is answered with
-`resync` and changes nothing: a step from an older epoch, one naming a handle it does not hold (after a
-restart, say), or any field that does not fit this executor (`step_checks.py`: block ids, token ids,
-counts, lengths, sampling parameters; `step_blocks.py`: which rows may write which blocks). A step from a
-newer epoch means the scheduler started over: the cache is dropped first. An error while running a step
-that the checks let through is logged with its traceback and answered with `resync` too (the batch reset):
-the stream and the process go on.
+`resync` and changes nothing: a step from an older epoch, a handle it does not hold, any field that does not
+fit (`step_checks.py`, `step_blocks.py`). A step from a newer epoch drops the cache first. An error while
+running a step the checks let through is logged and answered with `resync` too: the stream goes on.
 
 It serves one Step stream at a time. A new stream drops the cache and ends the older stream at its next
 message, and epochs live and die with their stream: whatever a peer sends on one stream, the next one
@@ -39,7 +36,8 @@ from opentelemetry.trace import SpanKind
 
 from executor_service.collectives import RankFailure
 from executor_service.metrics import ExecutorMetrics
-from executor_service.runner import ModelRunner, threads_per_rank
+from executor_service.runner import ModelRunner
+from executor_service.runner_config import threads_per_rank
 from executor_service.settings import ExecutorSettings
 from executor_service.step import BadStep
 from executor_service.step_checks import Limits, check_step
@@ -239,8 +237,7 @@ async def serve(settings: ExecutorSettings) -> int:
     server = grpc.aio.server(interceptors=[*guard, DecodeErrorsAreInvalidArgument()],
                              options=[("grpc.max_receive_message_length", 64 << 20),
                                       ("grpc.max_send_message_length", 64 << 20),
-                                      # the scheduler's keepalive pings (--keepalive-seconds, at least 1)
-                                      # must not count as abuse
+                                      # the scheduler's keepalive pings (at least 1 s apart) are no abuse
                                       ("grpc.http2.min_ping_interval_without_data_ms", 500),
                                       ("grpc.keepalive_permit_without_calls", 1)])
     health_servicer = HealthServicer()

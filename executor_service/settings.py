@@ -11,7 +11,7 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from executor_service.runner import RunnerConfig
+from executor_service.runner_config import RunnerConfig
 from security.peer_roles import RoleSettings
 
 

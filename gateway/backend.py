@@ -8,11 +8,12 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import grpc
 
 from gateway.detokenizer import IncrementalDetokenizer
+from gateway.generation import MAX_N, Chunk, GenerationParams, Usage
 from gateway.journal import Entry, Journal
 from gateway.session import SchedulerError, SchedulerSession, SessionLost, output_error
 from gateway.stops import StopMatcher
@@ -20,7 +21,6 @@ from gateway.telemetry import GatewayMetrics, Observation
 from gateway.tokenizer import ChatTemplateError, ModelTokenizer
 from stepwire.contract import (
     InvalidRequestError,
-    SamplingParams,
     check_chat,
     check_priority,
     check_prompt,
@@ -30,45 +30,12 @@ from stepwire.contract.limits import UINT64_MAX
 from stepwire.contract.sampling import MAX_LOGPROBS
 from stepwire.internal import scheduler_pb2, scheduler_pb2_grpc
 
-MAX_N = 16
 # Tokenizing and rendering chat templates run here, off the event loop: one large prompt must not stall
 # every other stream's deltas. Few threads: the work is CPU-bound and the body size limit bounds each job.
 TOKENIZER_THREADS = 2
 # What a client whose request outlived --scheduler-wait-seconds without a scheduler gets (HTTP 503, or an SSE
 # error event once the stream has started; gRPC UNAVAILABLE).
 SCHEDULER_GONE = "the scheduler did not come back within {:g}s; retry"
-
-
-@dataclass
-class GenerationParams:
-    """A client's request beyond its prompt: the sampling parameters the scheduler and the executor apply
-    (sent on as they are), and what the gateway handles itself."""
-
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    max_tokens: int | None = None   # None: whatever the context leaves after the prompt
-    stop: list[str] = field(default_factory=list)
-    n: int = 1
-    priority: int = 0
-    cache_salt: str | None = None
-
-
-@dataclass
-class Chunk:
-    """One delta of one completion."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None = None
-    stop: str | None = None
-    logprobs: list | None = None   # per token: list of (token id, logprob), sampled first
-
-
-@dataclass
-class Usage:
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_prompt_tokens: int = 0
 
 
 class Backend:
@@ -141,7 +108,7 @@ class Backend:
         return await self._off_loop(self.tokenizer.decode, token_ids, False)
 
     def _encode(self, text: str, add_special_tokens: bool, limit: int) -> list[int]:
-        self._refuse_oversize(text, limit, "prompt")
+        self.tokenizer.refuse_oversize(text, limit, "prompt", self.max_model_len)
         return self.tokenizer.encode(text, add_special_tokens)
 
     def _encode_chat(self, messages: list[dict], add_generation_prompt: bool, add_special_tokens: bool,
@@ -150,7 +117,7 @@ class Backend:
             text = self.tokenizer.render_chat(messages, add_generation_prompt, tools)
         except ChatTemplateError as e:
             raise InvalidRequestError("messages", str(e)) from None
-        self._refuse_oversize(text, limit, "messages")
+        self.tokenizer.refuse_oversize(text, limit, "messages", self.max_model_len)
         # The rendered template already holds its special tokens, unless it is asked for more.
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
@@ -161,15 +128,6 @@ class Backend:
             await self.refresh()
         # A prompt must leave room for one output token, so it has at most max_model_len - 1 tokens.
         return max(self.max_model_len - 1, 0) * self.tokenizer.max_token_bytes
-
-    def _refuse_oversize(self, text: str, limit: int, field: str) -> None:
-        try:
-            size = self.tokenizer.text_bytes(text)
-        except UnicodeEncodeError:
-            raise InvalidRequestError(field, "the text is not valid Unicode (it holds a lone surrogate)") from None
-        if limit and size > limit:
-            raise InvalidRequestError(field, f"this model's maximum context length is {self.max_model_len} tokens; "
-                                             f"a text of {size} bytes cannot fit it (at most {limit} bytes can)")
 
     async def _off_loop(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)

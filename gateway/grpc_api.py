@@ -7,7 +7,8 @@ import uuid
 
 import grpc
 
-from gateway.backend import Backend, GenerationParams, Usage
+from gateway.backend import Backend
+from gateway.generation import GenerationParams, Usage
 from gateway.session import SchedulerError
 from gateway.structured_requests import from_v1
 from gateway.telemetry import GatewayMetrics, Observation

@@ -13,8 +13,9 @@ from starlette.exceptions import HTTPException
 from starlette.middleware.authentication import AuthenticationMiddleware
 
 from gateway.auth import ApiKeys, HttpKeys, KeyRefused
-from gateway.backend import Backend, GenerationParams
+from gateway.backend import Backend
 from gateway.body_limit import BodyLimit
+from gateway.generation import GenerationParams
 from gateway.http_models import ChatRequest, CompletionRequest, Sampling, message_dicts, tool_fields
 from gateway.openai_responses import error, respond
 from gateway.structured_requests import constrain, requested

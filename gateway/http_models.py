@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.backend import MAX_N
+from gateway.generation import MAX_N
 from gateway.structured_requests import StructuredFields
 from gateway.tool_calls import MAX_TOOLS
 from stepwire.contract import InvalidRequestError

@@ -12,7 +12,8 @@ import grpc
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from gateway.backend import Backend, GenerationParams, Usage
+from gateway.backend import Backend
+from gateway.generation import GenerationParams, Usage
 from gateway.session import SchedulerError
 from gateway.telemetry import Observation
 from gateway.tool_calls import ToolPlan

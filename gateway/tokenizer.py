@@ -11,6 +11,8 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from stepwire.contract import InvalidRequestError
+
 
 class ChatTemplateError(ValueError):
     pass
@@ -68,6 +70,18 @@ class ModelTokenizer:
             # is undone by the decoder the bound was measured with, so the input's own length holds there.
             size = min(size, len(self.tokenizer.normalizer.normalize_str(text).encode()))
         return size
+
+    def refuse_oversize(self, text: str, limit: int, field: str, max_model_len: int) -> None:
+        """InvalidRequestError naming `field` when `text` is more than `limit` bytes (0: no limit), so it
+        cannot fit a context of `max_model_len` tokens, or is not valid Unicode: refused before the tokenizer
+        spends any time on it."""
+        try:
+            size = self.text_bytes(text)
+        except UnicodeEncodeError:
+            raise InvalidRequestError(field, "the text is not valid Unicode (it holds a lone surrogate)") from None
+        if limit and size > limit:
+            raise InvalidRequestError(field, f"this model's maximum context length is {max_model_len} tokens; "
+                                             f"a text of {size} bytes cannot fit it (at most {limit} bytes can)")
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     tools: list[dict] | None = None) -> str:

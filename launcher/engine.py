@@ -12,7 +12,8 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from executor_service.runner import ModelRunner, RunnerConfig
+from executor_service.runner import ModelRunner
+from executor_service.runner_config import RunnerConfig
 from executor_service.wire import decode_step, encode_result
 from scheduler_service import Request, RequestDelta, Scheduler, SchedulerConfig
 from scheduler_service.config import step_defaults

@@ -99,7 +99,7 @@ def test_invariant_attention_ignores_keys_past_the_query_and_which_rows_come_wit
 # ---- the real model, in-process ----------------------------------------------------------------------------
 
 def _engine(dtype: str):
-    from executor_service.runner import RunnerConfig
+    from executor_service.runner_config import RunnerConfig
     from launcher.engine import LLMEngine
     return LLMEngine(RunnerConfig(str(MODEL), dtype=dtype, deterministic=True, kv_cache_memory=32 << 20,
                                   max_num_seqs=64, max_model_len=256))
@@ -169,7 +169,8 @@ def test_a_request_gets_the_same_bits_alone_and_among_1_to_64_neighbours_any_chu
 def test_deterministic_mode_refuses_what_it_cannot_keep(tmp_path):
     from tiny_model import write_tiny_llama
 
-    from executor_service.runner import ModelRunner, RunnerConfig
+    from executor_service.runner import ModelRunner
+    from executor_service.runner_config import RunnerConfig
     path = str(write_tiny_llama(tmp_path))
     with pytest.raises(ValueError, match="triton"):
         ModelRunner(RunnerConfig(path, deterministic=True, attention_backend="triton", kv_cache_memory=1 << 20))
@@ -209,7 +210,7 @@ def test_one_two_and_three_tensor_parallel_ranks_give_a_request_the_same_bits(dt
     degree (each rank its own process, on its own thread count) must give the same logits, to the bit."""
     if not (MODEL / "conversion.json").exists():
         pytest.skip("embedded model not converted (make model)")
-    from executor_service.runner import RunnerConfig
+    from executor_service.runner_config import RunnerConfig
     from launcher.engine import LLMEngine
     from scheduler_service import SchedulerConfig
     from stepwire.contract import SamplingParams

@@ -10,7 +10,7 @@ transformers = pytest.importorskip("transformers")
 
 from helpers import record_logits  # noqa: E402
 
-from executor_service.runner import RunnerConfig  # noqa: E402
+from executor_service.runner_config import RunnerConfig  # noqa: E402
 from launcher.engine import LLMEngine  # noqa: E402
 from scheduler_service import SchedulerConfig  # noqa: E402
 from stepwire.contract import SamplingParams  # noqa: E402

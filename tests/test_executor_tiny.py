@@ -11,7 +11,7 @@ from tiny_model import kv_bytes, write_tiny_llama  # noqa: E402
 
 from executor_service.attention import AttentionMetadata  # noqa: E402
 from executor_service.kv_tensors import allocate_kv_caches  # noqa: E402
-from executor_service.runner import RunnerConfig  # noqa: E402
+from executor_service.runner_config import RunnerConfig  # noqa: E402
 from launcher.engine import LLMEngine  # noqa: E402
 from scheduler_service import SchedulerConfig  # noqa: E402
 from stepwire.contract import SamplingParams  # noqa: E402

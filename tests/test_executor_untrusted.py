@@ -401,7 +401,8 @@ def test_a_prompt_token_outside_the_vocabulary_gets_resync_and_the_stream_goes_o
 def test_a_failing_step_is_answered_with_resync_and_an_empty_batch(tmp_path, caplog):
     """The last line of defence: whatever escapes the checks is logged with its traceback and answered with a
     resync, the batch reset, and the next step (a newer epoch, as the scheduler sends) runs normally."""
-    from executor_service.runner import ModelRunner, RunnerConfig
+    from executor_service.runner import ModelRunner
+    from executor_service.runner_config import RunnerConfig
     from executor_service.server import ExecutorService, _Stream
 
     model = write_tiny_llama(tmp_path / "llama")

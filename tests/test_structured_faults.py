@@ -49,7 +49,7 @@ def cluster(tmp_path_factory):
 def test_200_schemas_every_output_validates(tmp_path):
     """In the in-process engine (the executor's runner and the scheduler's core, as the services run them),
     32 rows at a time: the HTTP path is the same enforcement, tested on the embedded model."""
-    from executor_service.runner import RunnerConfig
+    from executor_service.runner_config import RunnerConfig
     from launcher.engine import LLMEngine
     from scheduler_service import SchedulerConfig
     from stepwire.contract import SamplingParams

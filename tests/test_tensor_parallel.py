@@ -27,7 +27,7 @@ from executor_service.collectives import RankFailure  # noqa: E402
 from executor_service.model_config import ModelConfig, ModelLoadError  # noqa: E402
 from executor_service.partition import Partition  # noqa: E402
 from executor_service.ranks import STEP, Ranks, frame, unframe  # noqa: E402
-from executor_service.runner import RunnerConfig  # noqa: E402
+from executor_service.runner_config import RunnerConfig  # noqa: E402
 from launcher.engine import LLMEngine  # noqa: E402
 from scheduler_service import SchedulerConfig  # noqa: E402
 from stepwire.contract import SamplingParams  # noqa: E402

@@ -14,7 +14,8 @@ openai = pytest.importorskip("openai")
 
 from conftest import MODEL  # noqa: E402
 
-from gateway.backend import Backend, Chunk  # noqa: E402
+from gateway.backend import Backend  # noqa: E402
+from gateway.generation import Chunk  # noqa: E402
 from gateway.grpc_api import GenerationService  # noqa: E402
 from gateway.http_api import build_app  # noqa: E402
 from gateway.telemetry import GatewayMetrics  # noqa: E402

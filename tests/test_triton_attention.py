@@ -90,7 +90,7 @@ def test_paged_kernel_in_bfloat16_stays_within_bfloat16_rounding():
 def test_the_model_with_the_triton_backend_gives_the_torch_backends_greedy_tokens(tmp_path):
     from tiny_model import kv_bytes, write_tiny_llama
 
-    from executor_service.runner import RunnerConfig
+    from executor_service.runner_config import RunnerConfig
     from launcher.engine import LLMEngine
     from scheduler_service import SchedulerConfig
     from stepwire.contract import SamplingParams
@@ -113,7 +113,7 @@ def test_the_model_with_the_triton_backend_gives_the_torch_backends_greedy_token
 
 
 def test_auto_picks_triton_only_on_cuda_and_an_explicit_triton_on_cpu_is_refused(monkeypatch):
-    from executor_service.runner import attention_backend
+    from executor_service.runner_config import attention_backend
     assert attention_backend("auto", torch.device("cpu")) == "torch"
     assert attention_backend("torch", torch.device("cpu")) == "torch"
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)

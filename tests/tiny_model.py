@@ -48,7 +48,7 @@ def kv_bytes(num_blocks: int, block_size: int = 4) -> int:
 def reference_greedy(model: Path, prompts: list[list[int]], max_tokens: int = 10, budget: int = 16) -> list[list[int]]:
     """Greedy tokens from the in-process engine, configured as the tests configure the tiny-model services
     (blocks of 4, 64 of them, 8 sequences, 128 tokens of context, `budget` tokens per step)."""
-    from executor_service.runner import RunnerConfig
+    from executor_service.runner_config import RunnerConfig
     from launcher.engine import LLMEngine
     from scheduler_service import SchedulerConfig
     from stepwire.contract import SamplingParams

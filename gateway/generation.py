@@ -1,0 +1,42 @@
+"""A generation's value types, as the front ends and the backend pass them: what a client asked beyond its
+prompt, each delta of each completion, and the usage counted on the way."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from stepwire.contract import SamplingParams
+
+MAX_N = 16   # completions per request
+
+
+@dataclass
+class GenerationParams:
+    """A client's request beyond its prompt: the sampling parameters the scheduler and the executor apply
+    (sent on as they are), and what the gateway handles itself."""
+
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_tokens: int | None = None   # None: whatever the context leaves after the prompt
+    stop: list[str] = field(default_factory=list)
+    n: int = 1
+    priority: int = 0
+    cache_salt: str | None = None
+
+
+@dataclass
+class Chunk:
+    """One delta of one completion."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop: str | None = None
+    logprobs: list | None = None   # per token: list of (token id, logprob), sampled first
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
