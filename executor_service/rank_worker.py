@@ -84,6 +84,7 @@ def main() -> None:
     try:
         if spec["threads"]:
             torch.set_num_threads(spec["threads"])
+        send_message(sock, json.dumps({"joining": True}).encode())   # rank 0 joins once every rank says this
         runner = ModelRunner(RunnerConfig(**spec["config"]), rank=rank, store_port=spec["store_port"])
     except Exception as e:
         log.exception("rank %d failed to start", rank)

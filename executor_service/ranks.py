@@ -81,10 +81,17 @@ def _recv_exactly(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
+# A rank's start (Python and torch imported, its shard loaded) is bounded apart from the collectives' timeout:
+# on a loaded machine or with a large model it takes far longer than any step may, and a rank that dies
+# while starting is seen at once anyway (its socket ends).
+START_SECONDS = 300.0
+
+
 class Ranks:
     def __init__(self, cfg, threads: int):
         size = cfg.tensor_parallel_size
         self.timeout = cfg.tensor_parallel_timeout_seconds
+        self.start_timeout = max(self.timeout, START_SECONDS)
         self.store = open_store(size, self.timeout)
         self.sampled = _NONE        # what rank 0 sampled in its last step, sent with the next diff
         self.mid_step = False       # a diff went out and rank 0 has not finished that step
@@ -104,22 +111,39 @@ class Ranks:
         log.info("tensor parallel: started ranks %s", ", ".join(f"{r + 1} (pid {p.pid})"
                                                                for r, p in enumerate(self.procs)))
 
+    def wait_joining(self) -> None:
+        """Each rank says it is about to join the group: only then does rank 0 join, so the rendezvous (bounded
+        by the collectives' timeout) never waits for a rank that is still importing torch."""
+        for rank in range(1, len(self.socks) + 1):
+            self._said(rank, "joining")
+
     def wait_ready(self, num_blocks: int) -> None:
         """Each rank says it has loaded its shard, with the KV blocks it holds (all must hold the same)."""
-        for rank, sock in enumerate(self.socks, start=1):
-            try:
-                said = json.loads(recv_message(sock))
-            except TimeoutError:
-                raise RankFailure(f"tensor-parallel rank {rank} was not ready {self.timeout:g}s after rank "
-                                  "0") from None
-            except (EOFError, OSError):
-                raise RankFailure(f"tensor-parallel rank {rank} exited during start-up "
-                                  f"(code {self.procs[rank - 1].wait()}); its log says why") from None
-            if "error" in said:
-                raise RankFailure(f"tensor-parallel rank {rank} failed to start: {said['error']}")
+        for rank in range(1, len(self.socks) + 1):
+            said = self._said(rank, "ready")
             if said["ready"] != num_blocks:
                 raise RankFailure(f"tensor-parallel rank {rank} holds {said['ready']} KV blocks, rank 0 "
                                   f"{num_blocks}")
+
+    def _said(self, rank: int, what: str) -> dict:
+        """Rank `rank`'s next start-up message, which must carry `what`."""
+        sock = self.socks[rank - 1]
+        sock.settimeout(self.start_timeout)
+        try:
+            said = json.loads(recv_message(sock))
+        except TimeoutError:
+            raise RankFailure(f"tensor-parallel rank {rank} was not {what} {self.start_timeout:g}s after rank "
+                              "0") from None
+        except (EOFError, OSError):
+            raise RankFailure(f"tensor-parallel rank {rank} exited during start-up "
+                              f"(code {self.procs[rank - 1].wait()}); its log says why") from None
+        finally:
+            sock.settimeout(self.timeout)
+        if "error" in said:
+            raise RankFailure(f"tensor-parallel rank {rank} failed to start: {said['error']}")
+        if what not in said:
+            raise RankFailure(f"tensor-parallel rank {rank} said {sorted(said)} where {what!r} was due")
+        return said
 
     def start_errors(self) -> str:
         """What the ranks said went wrong, if any said so before exiting (read without waiting)."""

@@ -79,6 +79,8 @@ class ModelRunner:
     def _load(self, cfg: RunnerConfig, store_port: int | None) -> None:
         size = cfg.tensor_parallel_size
         if size > 1:
+            if self.ranks is not None:
+                self.ranks.wait_joining()
             self.comm = join(self.rank, size, self.ranks.store if self.ranks else store_port, self.device,
                              cfg.tensor_parallel_timeout_seconds)
         if self.device.type == "cpu":
