@@ -55,7 +55,7 @@ async def respond(backend: Backend, raw: Request, req, prompt: list[int], p: Gen
     try:
         task.result()
     except SchedulerError as e:
-        response = _rpcerror(e)
+        response = rpc_error(e)
         obs.end(response.status_code, error=e.details())
         return response
     obs.end(200, usage, finish)
@@ -124,7 +124,7 @@ async def _sse(backend, prompt, p, usage, rid, created, chat, include_usage, obs
         yield "data: [DONE]\n\n"
     except SchedulerError as e:
         error = e.details()
-        yield f"data: {_rpcerror(e).body.decode()}\n\n"
+        yield f"data: {rpc_error(e).body.decode()}\n\n"
     finally:
         # Also when the client hangs up mid-stream (the generator is closed): the span still ends.
         obs.end(200, usage, finish, error=error if error is not None else
@@ -137,23 +137,32 @@ def _usage(u: Usage) -> dict:
             "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens}}
 
 
+# A token the request's grammar forbids has probability 0: JSON has no -inf, so it is written as OpenAI and
+# vLLM write it, -9999.0.
+FLOOR = -9999.0
+
+
+def _lp(v: float) -> float:
+    return v if v > FLOOR else FLOOR
+
+
 def _completion_lp(backend, per_token) -> dict:
     tt = backend.tokenizer.token_text
     return {"tokens": [tt(pairs[0][0]) for pairs in per_token],
-            "token_logprobs": [pairs[0][1] for pairs in per_token],
-            "top_logprobs": [{tt(t): v for t, v in pairs[1:]} for pairs in per_token],
+            "token_logprobs": [_lp(pairs[0][1]) for pairs in per_token],
+            "top_logprobs": [{tt(t): _lp(v) for t, v in pairs[1:]} for pairs in per_token],
             "text_offset": []}
 
 
 def _chat_lp(backend, per_token) -> dict:
     tt = backend.tokenizer.token_text
-    return {"content": [{"token": tt(pairs[0][0]), "logprob": pairs[0][1],
+    return {"content": [{"token": tt(pairs[0][0]), "logprob": _lp(pairs[0][1]),
                          "bytes": list(tt(pairs[0][0]).encode()),
-                         "top_logprobs": [{"token": tt(t), "logprob": v, "bytes": list(tt(t).encode())}
+                         "top_logprobs": [{"token": tt(t), "logprob": _lp(v), "bytes": list(tt(t).encode())}
                                           for t, v in pairs[1:]]} for pairs in per_token]}
 
 
-def _rpcerror(e: SchedulerError) -> JSONResponse:
+def rpc_error(e: SchedulerError) -> JSONResponse:
     # The details are the scheduler's own words for one request, or gateway.session's fixed message when
     # the link broke: never grpc's transport details.
     if e.code() == grpc.StatusCode.INVALID_ARGUMENT:

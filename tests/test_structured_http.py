@@ -80,6 +80,19 @@ def test_structured_outputs_regex_choice_and_grammar_through_extra_body(http_sta
     assert out.choices[0].message.content in {"red", "green"}
 
 
+def test_logprobs_of_tokens_the_grammar_forbids_are_written_as_openai_writes_them(http_stack):
+    """A one-token choice leaves every other token at probability 0: the top logprobs name them at -9999.0
+    (JSON has no -inf), and the answer is a 200, in both response shapes."""
+    out = http_stack.client.completions.create(model=NAME, prompt="Say yes:", max_tokens=3, temperature=0,
+                                               logprobs=5, extra_body={"guided_choice": ["yes"]})
+    tops = [v for top in out.choices[0].logprobs.top_logprobs for v in top.values()]
+    assert out.choices[0].text == "yes" and -9999.0 in tops and all(v >= -9999.0 for v in tops)
+    out = chat(http_stack.client, "Say yes.", max_tokens=3, logprobs=True, top_logprobs=5,
+               extra_body={"guided_choice": ["yes"]})
+    tops = [t.logprob for c in out.choices[0].logprobs.content for t in c.top_logprobs]
+    assert -9999.0 in tops and all(v >= -9999.0 for v in tops)
+
+
 def test_grpc_structured_outputs_choice(http_stack):
     with grpc.insecure_channel(f"127.0.0.1:{http_stack.gw}") as ch:
         stub = generation_pb2_grpc.GenerationStub(ch)
