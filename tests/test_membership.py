@@ -11,6 +11,7 @@ pytest.importorskip("kubernetes")
 from fake_discovery import FakeDNS, FakeKubeAPI  # noqa: E402
 from helpers import wait_until  # noqa: E402
 
+from scheduler_service import endpoint_slices  # noqa: E402
 from scheduler_service.endpoint_slices import watch_endpoint_slices  # noqa: E402
 from scheduler_service.membership import resolve, resolver  # noqa: E402
 from scheduler_service.settings import SchedulerSettings  # noqa: E402
@@ -61,7 +62,10 @@ def test_endpoint_slices_are_listed_then_watched_from_the_lists_version(kube, tm
     assert not watcher.is_alive()
 
 
-def test_a_watch_that_goes_silent_is_given_up_and_the_slices_listed_again(kube, tmp_path):
+def test_a_watch_that_goes_silent_is_given_up_and_the_slices_listed_again(kube, tmp_path, monkeypatch):
+    # The slack past the watch's length that a real API server may take to close it: a second is as good a
+    # proof here as the production ten.
+    monkeypatch.setattr(endpoint_slices, "WATCH_SLACK_SECONDS", 1)
     kube.put("ex-a", 7000, [up("10.0.0.1")])
     kube.silent.set()          # every watch from now on: headers, then silence, never closed
     settings = SchedulerSettings(discovery="kubernetes", kubeconfig=str(kube.kubeconfig(tmp_path)),
