@@ -45,9 +45,10 @@ $(MODEL_DIR)/conversion.json: | $(DEV_STAMP)
 test: lint model $(CHECKOV)
 	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q
 
-# The quick loop while editing: unit and property tests, no process started and no model loaded.
+# The quick loop while editing: unit and property tests, no process started, no model loaded and no GPU kernel
+# run through Triton's interpreter.
 test-fast: lint
-	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q -m "not processes and not model"
+	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q -m "not processes and not model and not interpreted"
 
 bench: $(DEV_STAMP)
 	$(PY) bench/scheduler_step.py

@@ -16,6 +16,8 @@ from executor_service.attention import PagedAttention, build_attention_metadata 
 from executor_service.input_batch import StepInputs  # noqa: E402
 from executor_service.triton_attention import paged_metadata  # noqa: E402
 
+pytestmark = pytest.mark.interpreted   # without a GPU: not in `make test-fast`
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
