@@ -21,7 +21,6 @@ import signal
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -30,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(1, str(ROOT / "tests"))     # the tiny test model and the port/health helpers
 sys.path.insert(2, str(ROOT / "bench"))
 
-from fleet import Outcome, account, note_exits  # noqa: E402
+from fleet import Outcome, account, under_faults  # noqa: E402
 
 NUM_PROMPTS = 48
 MIN_SECONDS = 120
@@ -132,23 +131,9 @@ def main() -> None:
         t0 = time.monotonic()
         ref = reference(address, args.clients, args.tokens)
         print(f"# reference: {len(ref)} requests in {time.monotonic() - t0:.1f}s; logs in {tmp}")
-        outcomes: list[Outcome] = []
-        start = time.monotonic()
-        until = start + args.seconds
-        threads = [threading.Thread(target=client, args=(address, c, until, args.tokens, outcomes), daemon=True)
-                   for c in range(args.clients)]
-        for t in threads:
-            t.start()
-        kills: list[float] = []
-        while (next_kill := start + (len(kills) + 1) * args.kill_every) < until:
-            time.sleep(max(0.0, next_kill - time.monotonic()))
-            note_exits(stack, unexpected_exits)
-            kills.append(time.monotonic())
-            stack.restart("scheduler", sig)
-        for t in threads:
-            t.join(max(0.0, until - time.monotonic()) + REQUEST_TIMEOUT + 30)
-        elapsed = time.monotonic() - start
-        note_exits(stack, unexpected_exits)
+        outcomes, kills, elapsed = under_faults(
+            lambda c, until, outcomes: client(address, c, until, args.tokens, outcomes), args,
+            lambda _: stack.restart("scheduler", sig), stack, unexpected_exits)
         acc = account(outcomes, ref, kills)
         p99, n_hit = extra_latency_ms(outcomes, kills)
         identical = "yes" if acc["mismatched"] == 0 else "no"

@@ -202,6 +202,28 @@ def fleet_services(tmp: Path, model: str | None) -> list:
                                         **({"--max-num-seqs": 8} if tiny else {})})]
 
 
+def under_faults(client, args, fault, stack, notes: list[str]) -> tuple[list[Outcome], list[float], float]:
+    """`args.clients` threads each running `client(c, until, outcomes)` for `args.seconds`, and `fault(k)` (the
+    k-th kill) every `args.kill_every` seconds meanwhile. Returns (outcomes, when each fault struck, seconds)."""
+    outcomes: list[Outcome] = []
+    start = time.monotonic()
+    until = start + args.seconds
+    threads = [threading.Thread(target=client, args=(c, until, outcomes), daemon=True) for c in range(args.clients)]
+    for t in threads:
+        t.start()
+    kills: list[float] = []
+    while (next_kill := start + (len(kills) + 1) * args.kill_every) < until:
+        time.sleep(max(0.0, next_kill - time.monotonic()))
+        note_exits(stack, notes)
+        kills.append(time.monotonic())   # before the fault: a stream it breaks counts as broken by it
+        fault(len(kills) - 1)
+    for t in threads:
+        t.join(max(0.0, until - time.monotonic()) + REQUEST_TIMEOUT + 30)
+    elapsed = time.monotonic() - start
+    note_exits(stack, notes)
+    return outcomes, kills, elapsed
+
+
 def note_exits(stack, notes: list[str]) -> None:
     """Note each process that died on its own, once (our kills restart at once, so none should be found dead)."""
     for name, code in stack.exited().items():
@@ -315,23 +337,10 @@ def run_chaos(args) -> str:
         ref = reference(stub, prompts, args.clients)
         print(f"# reference: {len(ref)} requests in {time.monotonic() - t0:.1f}s; logs in {tmp}")
 
-        outcomes: list[Outcome] = []
         start = time.monotonic()
-        until = start + args.seconds
-        threads = [threading.Thread(target=client, args=(stub, c, prompts, until, outcomes), daemon=True)
-                   for c in range(args.clients)]
-        for t in threads:
-            t.start()
-        kills: list[float] = []
-        while (next_kill := start + (len(kills) + 1) * args.kill_every) < until:
-            time.sleep(max(0.0, next_kill - time.monotonic()))
-            note_exits(fleet, unexpected_exits)
-            fleet.restart(f"executor-{len(kills) % NUM_EXECUTORS}", signal.SIGKILL)
-            kills.append(time.monotonic())
-        for t in threads:
-            t.join(max(0.0, until - time.monotonic()) + REQUEST_TIMEOUT + 30)
-        elapsed = time.monotonic() - start
-        note_exits(fleet, unexpected_exits)
+        outcomes, kills, elapsed = under_faults(
+            lambda c, until, outcomes: client(stub, c, prompts, until, outcomes), args,
+            lambda k: fleet.restart(f"executor-{k % NUM_EXECUTORS}", signal.SIGKILL), fleet, unexpected_exits)
         acc = account(outcomes, ref, kills)
         # The killed executors should all be back; a fleet that never heals is worth knowing about.
         try:
