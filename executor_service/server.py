@@ -35,6 +35,7 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry.trace import SpanKind
 
 from executor_service.collectives import RankFailure
+from executor_service.drain import drain
 from executor_service.metrics import ExecutorMetrics
 from executor_service.runner import ModelRunner
 from executor_service.runner_config import threads_per_rank
@@ -206,18 +207,11 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
         self.metrics.observe_step(reply.forward_seconds, step.total_tokens, self.runner.phase_seconds)
         return reply
 
-    async def drain(self, health_servicer, seconds: float) -> None:
-        """Stop taking work and wait (at most `seconds`) for the scheduler to close its stream."""
-        self.draining = True
-        for name in ("", SERVICE):
-            await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        log.info("draining: waiting up to %.0fs for the scheduler to move or finish this executor's requests",
-                 seconds)
-        try:
-            await asyncio.wait_for(self.streams_closed.wait(), seconds)
-            log.info("drained: the scheduler closed its stream")
-        except TimeoutError:
-            log.warning("drain period of %.0fs over with a stream still open; stopping", seconds)
+    def holds_nothing(self) -> bool:
+        """No request here, parked ones included, and no step running: a drain has nothing to hand over."""
+        runner = self.runner
+        return (runner is not None and not self._lock.locked() and not runner.batch.states
+                and not runner.batch.parked)
 
     def _resync(self, msg, reason: str) -> executor_pb2.StepResponse:
         self.metrics.resyncs.inc()
@@ -269,7 +263,8 @@ async def serve(settings: ExecutorSettings) -> int:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("executor ready (%d torch threads): %s", torch.get_num_threads(), service.runner.describe())
     await serve_until_sigterm(server, failed=service.failed,
-                              before_stop=lambda: service.drain(health_servicer, settings.drain_seconds))
+                              before_stop=lambda: drain(service, health_servicer, ("", SERVICE),
+                                                        settings.drain_seconds))
     if health_port is not None:
         await health_port.stop(0)
     if service.failure is not None:   # before SIGTERM, or during the drain it started

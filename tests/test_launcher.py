@@ -132,3 +132,18 @@ def test_teardown_leaves_no_process_of_the_group_and_a_killed_parent_takes_its_s
     parent.kill()
     parent.wait()
     wait_until(lambda: not alive(child), 30, "the orphaned executor to stop")
+
+
+def test_an_idle_executor_on_sigterm_leaves_without_waiting_out_its_drain_while_its_scheduler_stays(launch, tmp_path):
+    """The scheduler hears of a drain in a step's reply, and an idle link sends no step: an executor that holds
+    no request must not sit out its whole drain period (here far longer than the wait below) for a stream
+    nobody will close."""
+    pytest.importorskip("torch")
+    model = write_tiny_llama(tmp_path / "llama")
+    ex = executor(model)
+    ex.flags["--drain-seconds"] = 3600
+    stack = launch(ex, Service("scheduler", flags={"--metrics-address": "", "--retry-seconds": 0.2}))
+    stack.terminate("executor")
+    assert stack.wait("executor", seconds=120) == 0
+    assert "drained: no request here" in stack.log("executor").read_text()
+    assert stack.alive("scheduler")
