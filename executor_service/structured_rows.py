@@ -101,9 +101,10 @@ class StructuredRows:
         words = (self.vocab_size + 31) // 32
         bits = np.zeros((len(at), words), dtype=np.int32)
         for k, g in enumerate(grammars):
-            if g.ready(self.compiler):
+            ready = g.ready(self.compiler)
+            if ready:
                 lln.fill_next_token_bitmask(g.matcher, bits, k)
-            if not g.ready(self.compiler) or not bits[k].any():
+            if not ready or not bits[k].any():
                 self._only_eos(bits[k], handles[k], g)
         # Inverted before unpacking: the step thread gets the disallowed tokens as a bool tensor, ready to fill.
         banned = np.unpackbits(np.invert(bits.view(np.uint8)), axis=1, bitorder="little")[:, :self.vocab_size]

@@ -10,9 +10,9 @@ import grpc
 from gateway.backend import Backend
 from gateway.generation import GenerationParams, Usage
 from gateway.session import SchedulerError
-from gateway.structured_requests import from_v1
+from gateway.structured_requests import from_v1, one_constraint
 from gateway.telemetry import GatewayMetrics, Observation
-from gateway.tool_calls import ToolPlan, one_constraint, tool_plan
+from gateway.tool_calls import ToolPlan, constraint, tool_plan
 from gateway.tool_output import finish_reason, parsers
 from gateway.tool_parser import Delta, parse
 from gateway.tool_rendering import chat_for_template
@@ -47,7 +47,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 raise InvalidRequestError("tools", "tools need a chat prompt")
             so = from_v1(request.params)
             params.sampling.structured_output = await one_constraint(
-                ("structured_outputs", so) if so is not None else None, tools, b.tokenizer)
+                ("structured_outputs", so) if so is not None else None, constraint(tools), b.tokenizer)
             if which == "text":
                 prompt = await b.encode(request.text)
             elif which == "token_ids":

@@ -18,10 +18,10 @@ from gateway.body_limit import BodyLimit
 from gateway.generation import GenerationParams
 from gateway.http_models import ChatRequest, CompletionRequest, Sampling, message_dicts, tool_fields
 from gateway.openai_responses import error, respond
-from gateway.structured_requests import constrain, requested
+from gateway.structured_requests import one_constraint, requested
 from gateway.telemetry import GatewayMetrics, Observation
 from gateway.tokenize_api import add_tokenize_routes
-from gateway.tool_calls import one_constraint, tool_plan
+from gateway.tool_calls import constraint, tool_plan
 from gateway.tool_rendering import chat_for_template
 from stepwire.contract import InvalidRequestError, SamplingParams
 
@@ -130,7 +130,7 @@ def build_app(backend: Backend, metrics: GatewayMetrics, api_keys: ApiKeys | Non
         obs = Observation(metrics, "http", "/v1/completions", "text_completion", raw.headers, backend.model_name)
         try:
             p = _params(backend, req, req.max_tokens, req.logprobs)
-            await constrain(req, p.sampling, backend.tokenizer)
+            p.sampling.structured_output = await one_constraint(requested(req), None, backend.tokenizer)
             if req.echo:
                 raise InvalidRequestError("echo", "echo is not supported")
             prompt = req.prompt if isinstance(req.prompt, list) else await backend.encode(req.prompt)
@@ -148,7 +148,8 @@ def build_app(backend: Backend, metrics: GatewayMetrics, api_keys: ApiKeys | Non
                 raise InvalidRequestError("top_logprobs", "top_logprobs needs logprobs: true")
             p = _params(backend, req, req.max_completion_tokens or req.max_tokens, n_lp)
             tools = tool_plan(*tool_fields(req))
-            p.sampling.structured_output = await one_constraint(requested(req), tools, backend.tokenizer)
+            p.sampling.structured_output = await one_constraint(requested(req), constraint(tools),
+                                                                 backend.tokenizer)
             messages, template_tools = chat_for_template(message_dicts(req.messages), tools,
                                                          backend.tokenizer.knows_tools)
             prompt = await backend.encode_chat(messages, tools=template_tools)

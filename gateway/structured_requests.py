@@ -8,7 +8,7 @@ HTTP (chat and completions) takes OpenAI's `response_format` ({"type": "text" | 
 request. The check compiles the grammar for the served tokenizer on the compiler's threads (cached, bounded
 in time): the event loop and every other stream go on meanwhile.
 
-`check_structured` is the one call for any other edge that builds a StructuredOutput (tool calling).
+`one_constraint` settles a request's one constraint (its own, or its tools'), checked by `check_structured`.
 """
 
 from __future__ import annotations
@@ -129,10 +129,15 @@ async def check_structured(so: SO, tokenizer: ModelTokenizer, field: str = "stru
         raise InvalidRequestError(field, e.message) from None
 
 
-async def constrain(req: StructuredFields, sampling, tokenizer: ModelTokenizer) -> None:
-    """Put the request's checked constraint, if any, into its SamplingParams."""
-    asked = requested(req)
-    if asked is not None:
-        field, so = asked
+async def one_constraint(asked: tuple[str, SO] | None, from_tools: SO | None, tokenizer: ModelTokenizer) -> SO | None:
+    """A request's single constraint: what its tools ask for (`from_tools`, gateway.tool_calls.constraint) or
+    the structured output it asked for (`asked`: the field, the constraint, from `requested`), checked by
+    compiling it for the served tokenizer. Both at once is a 400: one output cannot follow two grammars, and
+    dropping either would be silent."""
+    if from_tools is not None and asked is not None:
+        raise InvalidRequestError(asked[0], f"{asked[0]} cannot be combined with tools unless tool_choice is "
+                                            '"none": both would constrain the output')
+    field, so = ("tools", from_tools) if from_tools is not None else (asked or (None, None))
+    if so is not None:
         await check_structured(so, tokenizer, field)
-        sampling.structured_output = so
+    return so

@@ -17,7 +17,6 @@ import json
 import re
 from dataclasses import dataclass
 
-from gateway.structured_requests import check_structured
 from gateway.tool_schema import check_parameters, relocated
 from stepwire.contract import InvalidRequestError
 from stepwire.contract.sampling import check_structured_size
@@ -160,18 +159,3 @@ def required_schema(plan: ToolPlan) -> dict:
 
 def _dumps(schema) -> str:
     return json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
-
-
-async def one_constraint(asked: tuple[str, sampling_pb2.StructuredOutput] | None, plan: ToolPlan | None,
-                         tokenizer) -> sampling_pb2.StructuredOutput | None:
-    """A request's single constraint: its tools' (unless tool_choice is "none") or the structured output it
-    asked for in `asked` (the field, the constraint), checked by compiling it for the served tokenizer. Both
-    at once is a 400: one output cannot follow two grammars, and dropping either would be silent."""
-    from_tools = constraint(plan)
-    if from_tools is not None and asked is not None:
-        raise InvalidRequestError(asked[0], f"{asked[0]} cannot be combined with tools unless tool_choice is "
-                                            '"none": both would constrain the output')
-    field, so = ("tools", from_tools) if from_tools is not None else (asked or (None, None))
-    if so is not None:
-        await check_structured(so, tokenizer, field)
-    return so

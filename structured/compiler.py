@@ -102,7 +102,7 @@ class Compiler:
 
     def check(self, so: sampling_pb2.StructuredOutput) -> None:
         """Raise InvalidRequestError if `so` cannot be enforced with this tokenizer (blocks; see check_async)."""
-        self.matcher(so)
+        _refused(self.result(self.submit(so)))
 
     async def check_async(self, so: sampling_pb2.StructuredOutput) -> None:
         """`check` for an event loop: the compile runs on the compiler's threads, the loop goes on."""
@@ -112,12 +112,16 @@ class Compiler:
             out = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), self.timeout_s * WAIT_FACTOR)
         except TimeoutError:
             out = self._too_slow()
-        _matcher_of(out)
+        _refused(out)
+
+
+def _refused(out) -> None:
+    if isinstance(out, InvalidRequestError):
+        raise out
 
 
 def _matcher_of(out) -> llguidance.LLMatcher:
-    if isinstance(out, InvalidRequestError):
-        raise out
+    _refused(out)
     return out.deep_copy()
 
 
