@@ -139,6 +139,30 @@ def test_16_constrained_streams_through_the_kill_of_one_of_two_executors_stay_va
         fleet.stop()
 
 
+def test_16_constrained_streams_through_the_drain_of_one_of_two_executors_stay_valid_and_unchanged(tmp_path):
+    """SIGTERM on an executor mid-stream: with a drain period shorter than the streams, its requests move to
+    the other executor and rebuild their matchers there from their tokens."""
+    model = tiny_model_with_tokenizer(tmp_path / "model")
+    tok = ModelTokenizer(model)
+    so = sampling_pb2.StructuredOutput(json_schema=json.dumps(LONG))
+    fleet = Fleet(tmp_path, 2, "--executor-wait-seconds", "20", "--drain-seconds", "0.5", model=model)
+    try:
+        ref = Streams(fleet.stub, PROMPTS, structured_output=so, max_tokens=120)
+        ref.join()
+        moved = Streams(fleet.stub, PROMPTS, structured_output=so, max_tokens=120)
+        wait_until(moved.started, 30, "every stream's first token")
+        assert fleet.stats().executors[0].num_running > 0
+        fleet.procs["executor-0"].send_signal(signal.SIGTERM)
+        moved.join()
+        assert moved.errors == [None] * 16
+        assert fleet.stats().num_migrations > 0
+        for i, (got, want) in enumerate(zip(moved.tokens, ref.tokens, strict=True)):
+            assert got == want, f"stream {i} differs from the run without a fault"
+            check_valid(tok.decode(got), LONG)
+    finally:
+        fleet.stop()
+
+
 def tok_eos(model) -> set[int]:
     cfg = json.loads((model / "config.json").read_text())
     eos = cfg.get("eos_token_id", [])
