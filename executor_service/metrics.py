@@ -21,6 +21,15 @@ class ExecutorMetrics:
                                       "(prepare, forward and sample).", buckets=LATENCY, registry=r)
         self.phase_time = Histogram("stepwire:executor_phase_seconds", "Time in each phase of a step.", ["phase"],
                                     buckets=LATENCY, registry=r)
+        # KV blocks that moved between executors (kv_transfer.py): in are pulled here, out were read from here.
+        self.kv_blocks_in = Counter("stepwire:executor_kv_blocks_in", "KV blocks pulled from a peer and written "
+                                    "here.", registry=r)
+        self.kv_bytes_in = Counter("stepwire:executor_kv_bytes_in", "Bytes of those blocks.", registry=r)
+        self.kv_blocks_out = Counter("stepwire:executor_kv_blocks_out", "KV blocks read from here by a peer.",
+                                     registry=r)
+        self.kv_bytes_out = Counter("stepwire:executor_kv_bytes_out", "Bytes of those blocks.", registry=r)
+        self.kv_pull_failures = Counter("stepwire:executor_kv_pull_failures", "Pulls refused or given up (the "
+                                        "scheduler recomputes their requests).", registry=r)
         r.register(_Live(service))
 
     def observe_step(self, seconds: float, tokens: int, phases: tuple[float, float, float]) -> None:

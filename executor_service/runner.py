@@ -15,6 +15,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from executor_service.attention import GatherScratch, build_attention_metadata
 from executor_service.collectives import Collectives, RankFailure, join, leave
 from executor_service.input_batch import InputBatch, RequestState, StepInputs
+from executor_service.kv_blocks import layout
 from executor_service.kv_tensors import allocate_kv_caches, num_blocks_for_budget
 from executor_service.loader import load_model
 from executor_service.memory import keep_freed_memory
@@ -108,6 +109,11 @@ class ModelRunner:
                                                 cfg.block_size, self.dtype)
         self.kv_caches = allocate_kv_caches(self.model_config, part.num_kv_heads, self.num_blocks, cfg.block_size,
                                             self.device, self.dtype)
+        # Blocks move only between executors whose blocks are the same bytes, and (deterministic mode) the same
+        # kernels wrote them: a batch-invariant executor continuing KV written by another would not be.
+        self.kv_layout = layout(self.model_config, part.num_kv_heads, cfg.block_size, self.dtype, size, cfg.model)
+        if self.kv_layout and cfg.deterministic:
+            self.kv_layout += ":deterministic"
         self.batch = self._new_batch()
         self.graphs = None
         # Not with tensor parallelism yet: capturing the collectives inside the graphs is untested.
@@ -148,7 +154,7 @@ class ModelRunner:
                 "device": str(self.device), "eos_token_ids": list(mc.eos_token_ids), "attention": self.attention,
                 "cuda_graphs": self.graphs is not None, "tensor_parallel_size": self.comm.size,
                 "max_num_seqs": self.cfg.max_num_seqs, "max_num_batched_tokens": self.max_num_batched_tokens,
-                "deterministic": self.cfg.deterministic}
+                "deterministic": self.cfg.deterministic, "kv_layout": self.kv_layout}
 
     def _new_state(self, state: RequestState) -> None:
         state.seed = seed_of(state.sampling_params)

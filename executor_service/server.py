@@ -36,6 +36,7 @@ from opentelemetry.trace import SpanKind
 
 from executor_service.collectives import RankFailure
 from executor_service.drain import drain
+from executor_service.kv_transfer import BlockMover, StepProgress
 from executor_service.metrics import ExecutorMetrics
 from executor_service.runner import ModelRunner
 from executor_service.runner_config import threads_per_rank
@@ -59,7 +60,9 @@ log = logging.getLogger("stepwire.executor")
 SERVICE = executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name
 # Who may call what, with TLS (security/peer_roles.py): only the scheduler drives an executor; any other
 # holder of a certificate could read its model and take over its stream, batch and KV cache.
-ROLES = {f"/{SERVICE}/Describe": frozenset({SCHEDULER}), f"/{SERVICE}/Step": frozenset({SCHEDULER})}
+# KV blocks move executor to executor: the scheduler asks one to pull, and only a peer executor may read them.
+ROLES = {f"/{SERVICE}/Describe": frozenset({SCHEDULER}), f"/{SERVICE}/Step": frozenset({SCHEDULER}),
+         f"/{SERVICE}/PullBlocks": frozenset({SCHEDULER}), f"/{SERVICE}/ReadBlocks": frozenset({EXECUTOR})}
 
 
 @dataclass
@@ -87,6 +90,8 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
         self._worker = worker
         self.metrics = ExecutorMetrics(self)
         self.resync_log = Every()
+        self.progress = StepProgress()         # the last step run, which a pull into reserved blocks waits for
+        self.mover: BlockMover | None = None    # set once the KV cache exists
 
     @property
     def runner(self) -> ModelRunner | None:
@@ -121,7 +126,18 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
             max_model_len=d["max_model_len"], block_size=d["block_size"], num_blocks=d["num_blocks"],
             dtype=d["dtype"], device=d["device"], eos_token_ids=d["eos_token_ids"], instance_id=self.instance_id,
             tensor_parallel_size=d["tensor_parallel_size"], max_num_seqs=d["max_num_seqs"],
-            max_num_batched_tokens=d["max_num_batched_tokens"])
+            max_num_batched_tokens=d["max_num_batched_tokens"], kv_layout=d["kv_layout"])
+
+    async def PullBlocks(self, request, context):
+        await self._ready(context)             # a draining executor takes no blocks, as it takes no requests
+        return await self.mover.pull(request, context)
+
+    async def ReadBlocks(self, request, context):
+        # A draining executor still hands its blocks over: that is how its requests leave without a recompute.
+        if self.failure is not None or self.mover is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "executor is not serving")
+        async for chunk in self.mover.read(request, context):
+            yield chunk
 
     async def Step(self, request_iterator, context):
         await self._ready(context)
@@ -131,12 +147,17 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
         self.streams_closed.clear()
         try:
             async with self._lock:
+                # KV pulls into blocks the previous scheduler stream reserved stop before anything of this one.
+                await self.progress.begin(_epoch_of(context))
                 await self._on_worker(context, self.runner.reset_batch)
             async for msg in request_iterator:
                 async with self._lock:
                     if self._newest is not stream:
                         await context.abort(grpc.StatusCode.ABORTED, "a newer Step stream replaced this one")
+                    if self.progress.epoch is None or msg.epoch > self.progress.epoch:
+                        await self.progress.begin(msg.epoch)
                     reply = await self._on_worker(context, self._step, msg, stream)
+                    await self.progress.ran(msg.epoch, msg.step)
                 reply.draining = self.draining
                 yield reply
         finally:
@@ -222,6 +243,12 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
         return executor_pb2.StepResponse(epoch=msg.epoch, step=msg.step, resync=executor_pb2.Resync(reason=reason))
 
 
+def _epoch_of(context) -> int | None:
+    """The epoch a scheduler names in the Step stream's metadata (absent or malformed: unknown until a step)."""
+    value = dict(context.invocation_metadata() or ()).get("stepwire-epoch", "")
+    return int(value) if value.isdigit() and len(value) <= 20 else None
+
+
 async def serve(settings: ExecutorSettings) -> int:
     """Run until SIGTERM (0) or until the executor cannot go on (1)."""
     tracing.setup("stepwire-executor")
@@ -257,6 +284,8 @@ async def serve(settings: ExecutorSettings) -> int:
     if threads:
         await loop.run_in_executor(worker, torch.set_num_threads, threads)
     service.runner = runner = await loop.run_in_executor(worker, ModelRunner, runner_config)
+    service.mover = BlockMover(runner.kv_caches, runner.kv_layout, tls, settings.peer_server_name, service.metrics,
+                               service.progress)
     if runner.ranks is not None:
         runner.ranks.watch(lambda why: loop.call_soon_threadsafe(service.fail, why))
     for name in ("", SERVICE):
@@ -272,6 +301,7 @@ async def serve(settings: ExecutorSettings) -> int:
             runner.ranks.kill()
         log.error("executor stopped: %s", service.failure)
         return 1
+    service.mover.close()
     await loop.run_in_executor(worker, runner.close)
     log.info("executor stopped")
     return 0

@@ -26,6 +26,8 @@ class ExecutorSettings(RoleSettings):
                                 "probes that cannot present a certificate; empty: off")
     threads: int = Field(0, ge=0, description="torch intra-op threads per rank; 0: torch's default (one per "
                          "core), or the cores shared out between the ranks of a tensor-parallel CPU executor")
+    peer_server_name: str = Field("stepwire-executor", description="with TLS: the name a peer executor's "
+                                  "certificate must carry when this one pulls KV blocks from it (dialled by IP)")
     drain_seconds: float = Field(25.0, ge=0, description="after SIGTERM, how long to wait for the scheduler to "
                                  "finish or move this executor's requests (keep it under Kubernetes' "
                                  "terminationGracePeriodSeconds)")

@@ -1,12 +1,12 @@
 """One executor as the scheduler drives it: a scheduler core with its block pool, and the Step stream.
 
-A link is an asyncio task: connect (retrying, with a log line, until `Describe` answers), size the block
-pool from the answer, then loop schedule -> step -> update while there is work, with one step in flight
-beyond the one running (async scheduling; `--no-async-scheduling` waits for each answer). If the stream breaks (or
-keepalive finds the executor gone), `on_lost` moves its requests to other executors; if the executor asks
-for a resync, the link preempts what it ran there (recompute) and opens a new epoch. Either way clients
-see their streams continue. A draining link (drain.py) closes the stream once nothing is left, which lets
-the executor exit; one that membership retired then ends instead of reconnecting.
+A link is an asyncio task: connect (retrying, with a log line, until `Describe` answers), size the block pool from the
+answer, then loop schedule -> step -> update while there is work, with one step in flight beyond the one running
+(async scheduling; `--no-async-scheduling` waits for each answer). If the stream breaks (or keepalive finds the
+executor gone), `on_lost` moves its requests to other executors; if the executor asks for a resync, the link preempts
+what it ran there (recompute) and opens a new epoch. Either way clients see their streams continue. A draining link
+(drain.py) first moves its running requests with their KV where it can (kv_moves.py), closes the stream once nothing
+is left, which lets the executor exit; one that membership retired then ends instead of reconnecting.
 """
 
 from __future__ import annotations
@@ -24,14 +24,14 @@ from observability import tracing
 from observability.log_limits import Every, held_note
 from scheduler_service import migration
 from scheduler_service.drain import Drain
+from scheduler_service.executor_dial import core_for, describe, dial
 from scheduler_service.lifecycle import Lifecycles
 from scheduler_service.request import Request
 from scheduler_service.scheduler import Scheduler
 from scheduler_service.sent_step import SentStep, step_span
 from scheduler_service.settings import SchedulerSettings
 from scheduler_service.wire import HandleTable, decode_result, encode_step
-from security import tls
-from stepwire.internal import executor_pb2, executor_pb2_grpc
+from stepwire.internal import executor_pb2_grpc
 
 log = logging.getLogger("stepwire.scheduler")
 
@@ -43,7 +43,8 @@ class ExecutorLink:
     def __init__(self, address: str, settings: SchedulerSettings, lifecycles: Lifecycles | None = None,
                  streams: dict[str, asyncio.Queue] | None = None, on_change: Callable[[], None] = lambda: None,
                  on_lost: Callable[[ExecutorLink], None] = lambda link: None,
-                 on_drain: Callable[[ExecutorLink, bool], None] = lambda link, everything: None):
+                 on_drain: Callable[[ExecutorLink, bool], None] = lambda link, everything: None,
+                 on_export: Callable[[ExecutorLink], None] = lambda link: None):
         self.address = address
         self.settings = settings
         self.lifecycles = lifecycles
@@ -51,17 +52,17 @@ class ExecutorLink:
         self.on_change = on_change        # called when the link connects, drops or drains
         self.on_lost = on_lost            # move its requests elsewhere
         self.on_drain = on_drain          # move its queue (or, `everything`, all its requests) elsewhere
+        self.on_export = on_export        # leaving, no step in flight: move running requests with their KV
         self.core: Scheduler | None = None
-        self.eos_token_ids: tuple[int, ...] = ()
-        self.vocab_size = 0
-        self.epoch = 0
+        self.eos_token_ids, self.vocab_size = (), 0
+        self.kv_layout, self.stub = "", None      # Describe's KV layout; the stub while connected (PullBlocks)
+        self.epoch = self._epoch_first_step = 0
+        self._export = False              # leaving: move running requests with their KV once no step is in flight
         self.handles = HandleTable()
-        self.step = 0
-        self.wire_bytes = 0
-        self.wire_request_steps = 0
-        self.forward_seconds = 0.0        # executor time inside execute(), summed over steps
-        self.num_routed = 0               # requests the router gave it (new and moved)
-        self.num_migrated_out = 0
+        # Counters for Stats: steps sent, their bytes and request slots, requests routed here (new and moved) and
+        # moved off; forward_seconds is executor time inside execute(), summed over steps.
+        self.step = self.wire_bytes = self.wire_request_steps = self.num_routed = self.num_migrated_out = 0
+        self.forward_seconds = 0.0
         self.connected = False
         self._drain = Drain()
         self.task: asyncio.Task | None = None
@@ -103,6 +104,25 @@ class ExecutorLink:
         self.num_migrated_out += len(moved)
         return moved
 
+    def start_export(self) -> None:
+        """Leaving: once no step is in flight here, `on_export` moves the running requests with their KV."""
+        self._export = self.settings.kv_transfer and bool(self.kv_layout)
+        self._wake.set()
+
+    def detach(self, req: Request) -> list:
+        """A running request leaves with its KV (no step in flight): returns its blocks, pinned (migration.py)."""
+        self.num_migrated_out += 1
+        return migration.detach(self.core, req)
+
+    def drop_rows(self, request_ids) -> None:
+        """Requests that left with their KV: the executor may now drop their rows (and a draining one exit)."""
+        self.core.finished_req_ids.update(request_ids)
+        self._wake.set()
+
+    def last_sent_step(self) -> int:
+        """The last step sent in this epoch, -1 if none: a step up to it may still write blocks freed since."""
+        return self.step - 1 if self.step > self._epoch_first_step else -1
+
     def abort(self, request_ids) -> list[Request]:
         """Abort at the core (blocks freed now) and close the requests' lives; the caller tells the streams."""
         reqs = self.core.abort_requests(request_ids)
@@ -130,21 +150,11 @@ class ExecutorLink:
 
     async def run(self) -> None:
         while True:
-            # Without the ping timeout a frozen executor was found after a minute, not seconds; reconnects keep
-            # near our own retry pace.
-            retry = int(self.settings.retry_seconds * 1000)
-            options = tls.link_options(int(self.settings.keepalive_seconds * 1000), retry, max(retry, 5000))
-            try:
-                # The certificate files are read at each connection: a rotated one is presented from the next.
-                channel = tls.channel(self.address, self.settings.tls_files(), self.settings.executor_server_name,
-                                      options)
-            except (OSError, ValueError) as e:
-                log.warning("executor %s: cannot read the TLS files (%s); retrying", self.address, e)
-                await asyncio.sleep(self.settings.retry_seconds)
-                continue
+            channel = await dial(self.settings, self.address)
             try:
                 stub = executor_pb2_grpc.ExecutorStub(channel)
                 await self._connect(stub)
+                self.stub = stub
                 await self._drive(stub)
             except grpc.RpcError as e:
                 log.warning("executor %s: stream lost (%s)", self.address, e.code())
@@ -157,6 +167,7 @@ class ExecutorLink:
                               self.address)
             finally:
                 self.connected = False
+                self.stub = None
                 self.on_change()
                 await channel.close()
             self.on_lost(self)
@@ -165,28 +176,15 @@ class ExecutorLink:
             await asyncio.sleep(self.settings.retry_seconds)
 
     async def _connect(self, stub) -> None:
-        said = None
-        while True:
-            try:
-                d = await stub.Describe(executor_pb2.DescribeRequest(), timeout=5)
-                break
-            except grpc.RpcError as e:
-                # Said once, then every 30 s: an executor that is down a while must not flood the log.
-                if said is None or time.monotonic() - said >= 30:
-                    said = time.monotonic()
-                    log.info("waiting for executor %s (%s); retrying every %.1fs", self.address, e.code(),
-                             self.settings.retry_seconds)
-                await asyncio.sleep(self.settings.retry_seconds)
-        if self.core is None:
-            self.core = Scheduler(self.settings.core_config(d.block_size, d.max_model_len, d.device, d.max_num_seqs,
-                                                            d.max_num_batched_tokens),
-                                  num_blocks=d.num_blocks)
-            self.eos_token_ids = tuple(d.eos_token_ids)
-            self.vocab_size = d.vocab_size
+        d = await describe(stub, self.address, self.settings.retry_seconds)
+        if self.core is None:       # the core outlives reconnects: its requests stay with the address
+            self.core = core_for(self.settings, d)
+            self.eos_token_ids, self.vocab_size, self.kv_layout = tuple(d.eos_token_ids), d.vocab_size, d.kv_layout
             # The executor names its model by directory; the gateway serves it under the directory's name too.
             self.lifecycles.model = self.lifecycles.model or os.path.basename(d.model.rstrip("/"))
         # Epochs only grow; a clock reading stays above any earlier one, across scheduler restarts too.
         self.epoch = max(self.epoch + 1, time.time_ns())
+        self._epoch_first_step = self.step
         self.handles = HandleTable()
         self.connected = True
         self._drain.draining = False             # it answered Describe, which a draining executor refuses
@@ -196,7 +194,8 @@ class ExecutorLink:
                  d.num_blocks, d.block_size, max(d.tensor_parallel_size, 1), self.epoch)
 
     async def _drive(self, stub) -> None:
-        call = stub.Step()
+        # The epoch in the metadata lets the executor stop KV pulls of an older stream before this one's first step.
+        call = stub.Step(metadata=(("stepwire-epoch", str(self.epoch)),))
         # An idle link reads nothing, so it learns that the executor is gone from the call ending.
         broken = asyncio.Event()
         call.add_done_callback(lambda _: (broken.set(), self._wake.set()))
@@ -208,10 +207,16 @@ class ExecutorLink:
         sent: deque[SentStep] = deque()
         while True:
             self._wake.clear()          # before looking for work: a wake from here on ends the wait below
+            if self._export and sent:   # the KV of running requests is final once every step sent has run
+                await self._receive(call, core, sent)
+                continue
+            if self._export:
+                self._export = False
+                self.on_export(self)
             if self.leaving and core.has_unfinished_requests() and self._drain.seconds_left() == 0:
                 log.warning("executor %s: drain period over; moving %d requests", self.address, len(core.requests))
                 self.on_drain(self, True)    # the answers to steps in flight are read and dropped
-            if not sent and self.leaving and not core.has_unfinished_requests():
+            if not sent and self.leaving and not core.has_unfinished_requests() and not core.kv.num_pinned:
                 await call.done_writing()   # nothing left here: the executor may exit now
                 await broken.wait()
                 raise ConnectionError("drained")
@@ -237,19 +242,16 @@ class ExecutorLink:
 
     async def _send(self, call, core: Scheduler) -> SentStep | None:
         """Schedule a step and write it; None when there is nothing to tell the executor."""
-        t0 = time.perf_counter()
-        start_ns = time.time_ns()
+        t0, start_ns = time.perf_counter(), time.time_ns()
         out = core.schedule()
         if out.is_empty and not out.finished_req_ids and not out.preempted_req_ids:
             return None
         self.lifecycles.scheduled(out)
         msg, order = encode_step(out, self.handles, self.epoch, self.step)
-        span = None
-        if tracing.tracer() is not None:
-            span = step_span(self.lifecycles, out, start_ns, self.address, self.step, self.epoch, core.kv.usage)
-            msg.traceparent = tracing.traceparent(span)
-        self.step += 1
-        size = msg.ByteSize()
+        span = None if tracing.tracer() is None else \
+            step_span(self.lifecycles, out, start_ns, self.address, self.step, self.epoch, core.kv.usage)
+        msg.traceparent = tracing.traceparent(span) if span is not None else ""
+        self.step, size = self.step + 1, msg.ByteSize()
         self.wire_bytes += size
         self.wire_request_steps += len(order)
         self.lifecycles.metrics.wire_bytes.observe(size)
@@ -274,7 +276,7 @@ class ExecutorLink:
                     log.warning("executor %s refused a step (%s): its %d requests are recomputed from their "
                                 "tokens%s", self.address, reply.resync.reason, len(moved), held_note(held))
                 lives.preempted(moved)
-                self.epoch += 1
+                self.epoch, self._epoch_first_step = self.epoch + 1, self.step
                 self.handles = HandleTable()
                 for later in sent:
                     later.stale = True
@@ -285,13 +287,13 @@ class ExecutorLink:
                          self.address, len(core.running), self.settings.drain_seconds)
                 self.on_change()
                 self.on_drain(self, False)
+                self.start_export()
             step.forward = reply.forward_seconds
             self.forward_seconds += step.forward
             deltas = core.update_from_output(step.out, decode_result(reply, step.order))
             lives.delivered(deltas)
             for d in deltas:
-                q = self.streams.get(d.req_id)
-                if q is not None:
+                if (q := self.streams.get(d.req_id)) is not None:
                     q.put_nowait(d)
         finally:
             step.end()

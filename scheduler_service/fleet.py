@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import grpc
 
 from scheduler_service.executor_link import ExecutorLink
+from scheduler_service.kv_moves import KVMoves
 from scheduler_service.lifecycle import Lifecycles
 from scheduler_service.request import Request
 from scheduler_service.routing import pick
@@ -43,6 +44,7 @@ class Fleet:
         self.streams: dict[str, object] = {}         # request id -> its stream; shared by every link
         self.orphans: dict[str, tuple[Request, float]] = {}   # request id -> (request, give-up time)
         self.num_migrated = 0
+        self.kv_moves = KVMoves(self, settings, lifecycles.metrics)
 
     # ------------------------------------------------------------------ membership
 
@@ -69,7 +71,8 @@ class Fleet:
     def add(self, address: str) -> ExecutorLink:
         """A new member: its link connects, sizes a block pool from Describe and starts taking requests."""
         link = ExecutorLink(address, self.settings, streams=self.streams, lifecycles=self.lifecycles,
-                            on_change=self._changed, on_lost=self.evacuate, on_drain=self.drain_queue)
+                            on_change=self._changed, on_lost=self.evacuate, on_drain=self.drain_queue,
+                            on_export=self.kv_moves.export_running)
         self.links[address] = link
         link.start().add_done_callback(lambda _: self._ended(link))
         log.info("executor %s joined the fleet", address)
@@ -84,6 +87,7 @@ class Fleet:
         log.info("executor %s left the membership: draining it", link.address)
         self._changed()
         self.drain_queue(link, everything=False)
+        link.start_export()
 
     def _ended(self, link: ExecutorLink) -> None:
         if self.links.get(link.address) is link:
@@ -154,7 +158,7 @@ class Fleet:
             return
         moved = link.move_out(everything=True)
         if moved:
-            self._count_moved(moved)
+            self.count_moved(moved)
             log.warning("executor %s lost: moving %d requests", link.address, len(moved))
             self.lifecycles.preempted([r.request_id for r in moved])
             self.place(moved, exclude=link)
@@ -163,11 +167,11 @@ class Fleet:
         """`link` is draining: what has not started there moves now; at the end of the drain period, all."""
         moved = link.move_out(everything)
         if moved:
-            self._count_moved(moved)
+            self.count_moved(moved)
             log.info("executor %s draining: moving %d requests", link.address, len(moved))
             self.place(moved, exclude=link)
 
-    def _count_moved(self, moved: list[Request]) -> None:
+    def count_moved(self, moved: list[Request]) -> None:
         self.num_migrated += len(moved)
         self.lifecycles.metrics.migrations.inc(len(moved))
 
@@ -180,7 +184,9 @@ class Fleet:
             sink.put_nowait(Failure(rid, code, message))
 
     def abort(self, request_ids) -> list[Request]:
-        aborted = []
+        aborted = self.kv_moves.abort(request_ids)
+        for req in aborted:
+            self.lifecycles.finished(req.request_id, "abort", 0)
         for rid in request_ids:
             orphan = self.orphans.pop(rid, None)
             if orphan is not None:
@@ -192,4 +198,5 @@ class Fleet:
         return aborted
 
     def num_requests(self) -> int:
-        return len(self.orphans) + sum(len(lk.core.requests) for lk in self.links.values() if lk.core is not None)
+        held = sum(len(lk.core.requests) for lk in self.links.values() if lk.core is not None)
+        return len(self.orphans) + len(self.kv_moves) + held

@@ -41,6 +41,16 @@ class SchedulerMetrics:
                               "moved from an executor that was lost or drained.", ["executor", "reason"], registry=r)
         self.migrations = Counter("stepwire:request_migrations", "Requests moved off an executor that was lost "
                                   "or drained.", registry=r)
+        # KV blocks that moved between executors (kv_moves.py).
+        self.kv_transfers = Counter("stepwire:kv_transfers", "Requests whose KV moved between executors, by "
+                                    "outcome (done, failed: recomputed instead, aborted).", ["outcome"], registry=r)
+        self.kv_transfer_blocks = Counter("stepwire:kv_transfer_blocks", "KV blocks moved between executors.",
+                                          registry=r)
+        self.kv_transfer_bytes = Counter("stepwire:kv_transfer_bytes", "Bytes of those blocks.", registry=r)
+        self.kv_transfer_seconds = Histogram("stepwire:kv_transfer_seconds", "One request's KV transfer, as the "
+                                             "executor that pulled it timed it.", buckets=LATENCY, registry=r)
+        self.recompute_avoided = Counter("stepwire:recompute_avoided_tokens", "Tokens that moved with their KV "
+                                         "instead of being computed again.", registry=r)
         r.register(_Live(links))
 
 
@@ -62,6 +72,9 @@ class _Live:
         hits = CounterMetricFamily("stepwire:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                                    labels=["executor"])
         preemptions = CounterMetricFamily("stepwire:num_preemptions", "Preemptions.", labels=["executor"])
+        recomputed = CounterMetricFamily("stepwire:recomputed_tokens", "Tokens computed again because their KV "
+                                         "was lost (preemption, a move without KV, an executor lost).",
+                                         labels=["executor"])
         connected = GaugeMetricFamily("stepwire:executor_connected", "1 while the executor's step stream is up.",
                                       labels=["executor"])
         draining = GaugeMetricFamily("stepwire:executor_draining", "1 while the executor drains or leaves the "
@@ -78,4 +91,5 @@ class _Live:
             queries.add_metric([link.address], s.prefix_cache_queries)
             hits.add_metric([link.address], s.prefix_cache_hits)
             preemptions.add_metric([link.address], s.num_preemptions)
-        yield from (running, waiting, usage, queries, hits, preemptions, connected, draining)
+            recomputed.add_metric([link.address], link.core.kv.recomputed_tokens)
+        yield from (running, waiting, usage, queries, hits, preemptions, recomputed, connected, draining)

@@ -1,7 +1,9 @@
 """Moving requests between executors' cores: the executor they ran on is gone or draining.
 
 A moved request is recomputed from its prompt plus the tokens already delivered, exactly as a preempted
-one is: the client's stream goes on from the next token, with nothing repeated and nothing skipped.
+one is: the client's stream goes on from the next token, with nothing repeated and nothing skipped. One that
+leaves a draining executor with its KV (kv_moves.py) is detached instead: its blocks stay pinned there until
+the executor it goes to has pulled them.
 """
 
 from __future__ import annotations
@@ -21,19 +23,33 @@ def take_all(core: Scheduler, only_waiting: bool = False) -> list[Request]:
     for req in moved:
         core.kv.free(req)
         del core.requests[req.request_id]
-        req.num_computed_tokens = 0
+        req.forget_computed()
         req.num_output_placeholders = 0          # steps in flight there are lost
         if req.status is not RequestStatus.WAITING:
             # The executor that held it may still hold it, or not at all: the next one gets it in full.
             req.status = RequestStatus.PREEMPTED
             req.resend_in_full = True
     if not only_waiting:
+        core.kv.drop_moves(set())       # no peer may read from or write to this executor's blocks any more
         core.finished_req_ids = set()
         # The executor's KV can no longer be trusted (it restarted empty, or a stranger's stream wrote into it):
         # no later request may hit a block of it. Every block is free by now, so the reset cannot be refused.
         if not core.kv.reset_prefix_cache():
             raise RuntimeError("prefix cache reset refused while moving every request off an executor")
     return moved
+
+
+def detach(core: Scheduler, req: Request) -> list:
+    """Take a running request off `core` with no step of it in flight, keeping its blocks (pinned, returned)
+    for a peer to read. The executor keeps its row until told (ExecutorLink.drop_rows)."""
+    core.running.remove(req)
+    del core.requests[req.request_id]
+    pin = core.kv.pin(req)
+    req.forget_computed()
+    req.num_output_placeholders = 0
+    req.status = RequestStatus.PREEMPTED
+    req.resend_in_full = True
+    return pin
 
 
 def adopt(core: Scheduler, moved: list[Request]) -> list[Request]:

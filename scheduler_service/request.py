@@ -54,6 +54,9 @@ class Request:
     # holds them, so the scheduler may schedule the step after as if they were in all_token_ids.
     num_output_placeholders: int = field(init=False, default=0)
     num_preemptions: int = field(init=False, default=0)
+    # The most tokens whose KV was ever computed for it, on any executor: what an admission computes below this
+    # is computed again (the KV was lost to a preemption or a move), and counted as such.
+    num_computed_before: int = field(init=False, default=0)
     # Prompt tokens served from the prefix cache at first admission; -1 until then.
     num_cached_tokens: int = field(init=False, default=-1)
     # Set when the executor lost its copy (restart, resync): the next admission re-sends it in full.
@@ -108,6 +111,12 @@ class Request:
     def hash_extra(self) -> bytes:
         """Extra key mixed into the first block's hash, so tenants with different salts never share KV."""
         return b"" if self.cache_salt is None else b"salt:" + self.cache_salt.encode()
+
+    def forget_computed(self) -> None:
+        """Its KV is gone (preempted, or moved without it): it starts again from no computed token."""
+        if self.num_computed_tokens > self.num_computed_before:
+            self.num_computed_before = self.num_computed_tokens
+        self.num_computed_tokens = 0
 
     def update_block_hashes(self, block_size: int) -> None:
         extend_block_hashes(self.block_hashes, self.all_token_ids, block_size, self.hash_extra())

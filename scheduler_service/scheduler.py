@@ -98,7 +98,7 @@ class Scheduler:
         # Recompute, not swap: the blocks go back now; their full blocks stay hittable until reused.
         self.kv.free(request)
         request.status = _PREEMPTED
-        request.num_computed_tokens = 0
+        request.forget_computed()
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend(request)
@@ -117,6 +117,9 @@ class Scheduler:
                 req.resend_in_full = True
         # Ids the executor no longer holds need no "finished" notice in the new epoch.
         self.finished_req_ids = set()
+        # Blocks in flight to or from the executor, and KV a peer wrote for a request not yet admitted, go too:
+        # those requests recompute, and the reset finds every block free.
+        self.kv.drop_moves(set())
         self.kv.reset_prefix_cache()
         return victims
 
@@ -194,6 +197,8 @@ class Scheduler:
                 break
             rid = req.request_id
             req.num_computed_tokens = computed + n
+            if computed < req.num_computed_before:     # a later chunk of a prompt it computed once already
+                kv.recomputed_tokens += min(computed + n, req.num_computed_before) - computed
             if computed + n == known:
                 req.num_output_placeholders += 1     # this step samples
                 if by_priority:

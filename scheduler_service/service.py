@@ -125,15 +125,19 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     async def Stats(self, request, context):
         fleet = self.fleet
+        moves = fleet.kv_moves.counts
         resp = scheduler_pb2.StatsResponse(num_waiting_for_executor=len(fleet.orphans),
-                                           num_migrations=fleet.num_migrated, num_requests=fleet.num_requests())
+                                           num_migrations=fleet.num_migrated, num_requests=fleet.num_requests(),
+                                           num_kv_transfers=moves.transfers, num_kv_transfer_failures=moves.failures,
+                                           kv_transfer_blocks=moves.blocks, kv_transfer_bytes=moves.bytes,
+                                           kv_transfer_seconds=moves.seconds, recompute_avoided_tokens=moves.tokens)
         for link in fleet.links.values():
             e = resp.executors.add(address=link.address, connected=link.connected, epoch=link.epoch,
                                    num_steps=link.step, wire_bytes=link.wire_bytes,
                                    wire_request_steps=link.wire_request_steps,
                                    forward_seconds=link.forward_seconds, draining=link.leaving,
                                    num_migrated_out=link.num_migrated_out,
-                                   num_routed=link.num_routed)
+                                   num_routed=link.num_routed, kv_layout=link.kv_layout)
             if link.core is not None:
                 s = link.core.stats()
                 e.num_running, e.num_waiting = s.num_running, s.num_waiting
@@ -142,4 +146,5 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 e.prefix_cache_queries, e.prefix_cache_hits = s.prefix_cache_queries, s.prefix_cache_hits
                 e.num_preemptions = s.num_preemptions
                 e.max_model_len = link.core.config.max_model_len
+                e.num_recomputed_tokens = link.core.kv.recomputed_tokens
         return resp

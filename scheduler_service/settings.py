@@ -54,6 +54,13 @@ class SchedulerSettings(RoleSettings):
     drain_seconds: float = Field(20.0, ge=0, description="how long a draining executor's running requests get "
                                  "to finish before they move (keep it under the executor's --drain-seconds)")
 
+    kv_transfer: bool = Field(True, description="a draining executor's running requests move to another executor "
+                              "with their KV blocks (pulled executor to executor) instead of being recomputed; "
+                              "only between executors that report the same KV layout")
+    kv_transfer_seconds: float = Field(30.0, gt=0, description="longest one request's KV transfer may take; one "
+                                       "that does not finish in time is given up and the request recomputed")
+    kv_transfer_concurrency: int = Field(4, ge=1, le=256, description="KV transfers under way at once")
+
     async_scheduling: bool = Field(True, description="schedule and send each executor's next step while it runs "
                                    "the current one (a request that stops costs one wasted token)")
 

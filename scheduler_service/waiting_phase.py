@@ -37,7 +37,7 @@ def admit_waiting(config: SchedulerConfig, kv: KVCacheManager, waiting, running:
             n = token_budget
         if allocate(req, n, num_hit, hit_blocks) is None:
             break
-        kv.record_prefix_cache_stats(req, num_hit)
+        kv.record_admission(req, num_hit, n)
         waiting.pop()
         running.append(req)
         rid = req.request_id

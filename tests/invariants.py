@@ -140,9 +140,16 @@ def assert_pool_invariants(sched) -> None:
     assert len(running) + len(waiting) == len(requests), "running + waiting is not every unfinished request"
     assert sched.get_request_counts() == (len(running), len(waiting))
 
+    # Besides running requests, blocks are held for KV that moves (kv_moves.py): pins of requests that left,
+    # and reservations of requests that arrive (in transit, or waiting here with their KV).
     running_ids = {r.request_id for r in running}
-    assert set(holders) == running_ids, (
-        f"block holders {sorted(holders)} are not the running requests {sorted(running_ids)}")
+    imported = kv.imported()
+    assert not imported & running_ids, "a running request still counts as arriving"
+    pins = {h for h in holders if h.startswith("pin:")}
+    assert set(holders) == running_ids | imported | pins, (
+        f"block holders {sorted(holders)} are not the running requests {sorted(running_ids)} and moves")
+    for rid in imported:
+        assert len(holders[rid]) == cdiv(kv.reserved(rid), bs), f"{rid} holds the wrong number of arriving blocks"
 
     for req in waiting:
         assert req.num_computed_tokens == 0, f"queued {req.request_id} has computed tokens"

@@ -130,6 +130,12 @@ def executor_seen_by_the_scheduler(stack):
 def executor_call(stub, method: str, epoch: int):
     if method == "Describe":
         return lambda: stub.Describe(executor_pb2.DescribeRequest(), timeout=5)
+    if method == "PullBlocks":    # were it taken, the executor would write blocks its scheduler never reserved
+        pull = executor_pb2.PullBlocksRequest(source="127.0.0.1:9", source_blocks=[1], target_blocks=[1],
+                                              epoch=epoch, after_step=-1)
+        return lambda: stub.PullBlocks(pull, timeout=5)
+    if method == "ReadBlocks":    # were it taken, a stranger would read other tenants' KV
+        return lambda: list(stub.ReadBlocks(executor_pb2.ReadBlocksRequest(blocks=[1]), timeout=5))
     # A newer epoch than the scheduler's: were it taken, the executor would drop its batch and end the
     # scheduler's stream, and the scheduler would come back with a new epoch.
     step = executor_pb2.StepRequest(epoch=epoch + 1000, step=1)
@@ -149,9 +155,10 @@ def logged(stack, service: str, *parts: str) -> bool:
     return any(all(p in line for p in parts) for line in (stack["tmp"] / f"{service}.log").read_text().splitlines())
 
 
-@pytest.mark.parametrize("method", ["Describe", "Step"])
-@pytest.mark.parametrize("role", ["gateway", "executor", "operator"])
-def test_an_executor_refuses_every_role_but_the_scheduler_and_nothing_changes(stack, role, method):
+@pytest.mark.parametrize(("method", "role"), [
+    *((m, r) for m in ("Describe", "Step", "PullBlocks") for r in ("gateway", "executor", "operator")),
+    *(("ReadBlocks", r) for r in ("gateway", "scheduler", "operator"))])
+def test_an_executor_refuses_every_role_but_the_one_a_method_serves_and_nothing_changes(stack, role, method):
     before = executor_seen_by_the_scheduler(stack)
     with channel_as(stack, stack["certs"] / role, "executor") as channel:
         error = refusal(executor_call(executor_pb2_grpc.ExecutorStub(channel), method, before["epoch"]))

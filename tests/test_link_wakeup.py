@@ -56,7 +56,7 @@ def test_a_link_whose_request_cannot_run_yet_sleeps_until_an_abort_wakes_it():
 
     async def run():
         assert link.adopt([too_big()]) == []        # a move skips the size check a new request gets
-        task = asyncio.ensure_future(link._drive(type("Stub", (), {"Step": lambda self: call})()))
+        task = asyncio.ensure_future(link._drive(type("Stub", (), {"Step": lambda self, **_: call})()))
         await asyncio.sleep(0.05)
         assert len(calls) == 1 and call.written == []     # looked once, then slept
         link.abort(["big"])
@@ -71,7 +71,7 @@ def test_an_idle_link_wakes_for_a_request_admitted_to_it():
     link, call, calls = link_on_a_small_pool()
 
     async def run():
-        task = asyncio.ensure_future(link._drive(type("Stub", (), {"Step": lambda self: call})()))
+        task = asyncio.ensure_future(link._drive(type("Stub", (), {"Step": lambda self, **_: call})()))
         await asyncio.sleep(0.05)
         assert calls == [] and call.written == []         # idle: nothing scheduled at all
         link.admit(Request("r", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True)))
@@ -94,7 +94,7 @@ def test_a_retired_link_stuck_with_a_request_moves_it_when_the_drain_period_ends
         ended = asyncio.Event()
         link.on_drain = lambda lk, everything: (drained.append(everything), lk.move_out(everything), ended.set())
         link.adopt([too_big()])
-        task = asyncio.ensure_future(link._drive(type("Stub", (), {"Step": lambda self: call})()))
+        task = asyncio.ensure_future(link._drive(type("Stub", (), {"Step": lambda self, **_: call})()))
         await asyncio.sleep(0)
         assert link.retire()
         await asyncio.wait_for(ended.wait(), 10)

@@ -29,7 +29,8 @@ def test_the_contract_has_the_services_the_design_names():
     # No Abort by id: only the call that submitted a request may end it.
     # Limits for gateways, Stats for the operator: a gateway's certificate cannot read the fleet.
     assert methods(scheduler_pb2, "Scheduler") == {"Submit", "Session", "Limits", "Stats"}
-    assert methods(executor_pb2, "Executor") == {"Describe", "Step"}
+    # PullBlocks for the scheduler, ReadBlocks for a peer executor: KV bytes never pass the scheduler.
+    assert methods(executor_pb2, "Executor") == {"Describe", "Step", "PullBlocks", "ReadBlocks"}
     step = executor_pb2.StepRequest.DESCRIPTOR
     assert "traceparent" in step.fields_by_name and "epoch" in step.fields_by_name
     # Repeated numbers are packed (proto3 default for scalars): no per-element tags on the wire.

@@ -37,6 +37,12 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching)
         self.prefix_cache_stats = PrefixCacheStats()
         self._held: dict[str, _Held] = {}
+        # Blocks that move (scheduler_service/kv_moves.py). Pinned: taken off a request that left for another
+        # executor, held until the peer has read them. Imported: reserved here for a request whose KV a peer
+        # is writing, then its prefix until it is admitted; request id -> the tokens they hold.
+        self._pinned: dict[str, list[KVCacheBlock]] = {}
+        self._imported: dict[str, int] = {}
+        self.recomputed_tokens = 0      # tokens computed again after their KV was lost (preemption, a move)
 
     @property
     def usage(self) -> float:
@@ -51,6 +57,9 @@ class KVCacheManager:
 
         The hit stops short of the last token: its logits are needed to sample, so it is always computed.
         """
+        imported = self._imported.get(request.request_id)
+        if imported is not None:
+            return [], imported          # already in its own blocks: admission allocates only what follows
         if not self.enable_caching:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
@@ -63,9 +72,13 @@ class KVCacheManager:
             hits.append(block)
         return hits, len(hits) * self.block_size
 
-    def record_prefix_cache_stats(self, request: Request, num_hit_tokens: int) -> None:
-        if self.enable_caching:
+    def record_admission(self, request: Request, num_hit_tokens: int, num_new_tokens: int) -> None:
+        """A waiting request was just given its blocks: count its prefix hit, and the tokens it computes again."""
+        if self._imported.pop(request.request_id, None) is None and self.enable_caching:
             self.prefix_cache_stats.record(request.num_tokens, num_hit_tokens, request.num_preemptions > 0)
+        lost = min(num_hit_tokens + num_new_tokens, request.num_computed_before) - num_hit_tokens
+        if lost > 0:
+            self.recomputed_tokens += lost
 
     def allocate_slots(
         self,
@@ -148,6 +161,7 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Release every block of the request, tail first so the tail is evicted before the shared head."""
+        self._imported.pop(request.request_id, None)
         held = self._held.pop(request.request_id, None)
         if held is not None:
             self.pool.free_blocks(reversed(held.blocks))
@@ -161,8 +175,66 @@ class KVCacheManager:
         return [] if held is None else held.blocks
 
     def holders(self) -> dict[str, list[KVCacheBlock]]:
-        """Every request's block table (for invariant checks and debugging)."""
-        return {rid: held.blocks for rid, held in self._held.items()}
+        """Every request's block table, and every pin as "pin:<request id>" (for invariant checks and debugging)."""
+        return {**{rid: held.blocks for rid, held in self._held.items()},
+                **{f"pin:{rid}": blocks for rid, blocks in self._pinned.items()}}
+
+    def imported(self) -> set[str]:
+        """Requests holding blocks a peer writes or wrote: in transit, or waiting here to be admitted."""
+        return set(self._imported)
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
+
+    # ------------------------------------------------------------------ blocks that move
+
+    def pin(self, request: Request) -> list[KVCacheBlock]:
+        """Take the request's blocks off it without freeing them: a peer reads them until `unpin`. The caller
+        takes the request off this core; its KV stays exactly as the last step left it."""
+        held = self._held.pop(request.request_id, None)
+        self._imported.pop(request.request_id, None)
+        blocks = self._pinned[request.request_id] = [] if held is None else held.blocks
+        return blocks
+
+    def pinned(self, request_id: str) -> list[KVCacheBlock] | None:
+        return self._pinned.get(request_id)
+
+    def unpin(self, request_id: str, blocks: list[KVCacheBlock]) -> None:
+        """Free a pin, if it is still that one (a reset may have dropped it already)."""
+        if self._pinned.get(request_id) is blocks:
+            del self._pinned[request_id]
+            self.pool.free_blocks(reversed(blocks))
+
+    def reserve(self, request: Request, num_tokens: int) -> list[int] | None:
+        """Fresh blocks for `num_tokens` tokens of KV a peer will write; None if the pool cannot spare them.
+        Until `drop`ped or the request is admitted, they are its computed prefix here."""
+        n = -(-num_tokens // self.block_size)
+        if n > self.pool.free_queue.num_free_blocks or request.request_id in self._held:
+            return None
+        held = self._held[request.request_id] = _Held()
+        held.blocks = self.pool.get_new_blocks(n)
+        held.capacity = n * self.block_size
+        self._imported[request.request_id] = num_tokens
+        return [b.block_id for b in held.blocks]
+
+    def reserved(self, request_id: str) -> int | None:
+        """The tokens reserved for `request_id`, while the reservation stands."""
+        return self._imported.get(request_id)
+
+    def drop(self, request: Request) -> None:
+        """Give a reservation back (its transfer failed): its blocks were never hashed, so nobody can hit them."""
+        if request.request_id in self._imported:
+            self.free(request)
+
+    def drop_moves(self, requests_here: set[str]) -> None:
+        """Free every pin, and every reservation of a request not (yet) on this core: the executor's state is
+        gone, so no transfer from or to it may complete."""
+        for rid, blocks in list(self._pinned.items()):
+            self.unpin(rid, blocks)
+        for rid in [r for r in self._imported if r not in requests_here]:
+            del self._imported[rid]
+            self.pool.free_blocks(reversed(self._held.pop(rid).blocks))
+
+    @property
+    def num_pinned(self) -> int:
+        return len(self._pinned)

@@ -12,7 +12,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("model", "architecture", "vocab_size", "max_model_len", "block_size", "num_blocks", "dtype", "device", "eos_token_ids", "instance_id", "tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens")
+    __slots__ = ("model", "architecture", "vocab_size", "max_model_len", "block_size", "num_blocks", "dtype", "device", "eos_token_ids", "instance_id", "tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "kv_layout")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,7 @@ class DescribeResponse(_message.Message):
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     vocab_size: int
@@ -39,7 +40,8 @@ class DescribeResponse(_message.Message):
     tensor_parallel_size: int
     max_num_seqs: int
     max_num_batched_tokens: int
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ...) -> None: ...
+    kv_layout: str
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., kv_layout: _Optional[str] = ...) -> None: ...
 
 class NewRequest(_message.Message):
     __slots__ = ("handle", "prompt_token_ids", "output_token_ids", "params", "block_ids", "num_computed_tokens")
@@ -124,3 +126,53 @@ class StepResponse(_message.Message):
     forward_seconds: float
     draining: bool
     def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., all_sampled: _Optional[bool] = ..., sampled: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprob_rows: _Optional[_Iterable[int]] = ..., logprob_counts: _Optional[_Iterable[int]] = ..., logprob_token_ids: _Optional[_Iterable[int]] = ..., logprob_values: _Optional[_Iterable[float]] = ..., resync: _Optional[_Union[Resync, _Mapping]] = ..., forward_seconds: _Optional[float] = ..., draining: _Optional[bool] = ...) -> None: ...
+
+class PullBlocksRequest(_message.Message):
+    __slots__ = ("transfer_id", "source", "source_blocks", "target_blocks", "kv_layout", "epoch", "after_step", "traceparent")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    AFTER_STEP_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    source: str
+    source_blocks: _containers.RepeatedScalarFieldContainer[int]
+    target_blocks: _containers.RepeatedScalarFieldContainer[int]
+    kv_layout: str
+    epoch: int
+    after_step: int
+    traceparent: str
+    def __init__(self, transfer_id: _Optional[str] = ..., source: _Optional[str] = ..., source_blocks: _Optional[_Iterable[int]] = ..., target_blocks: _Optional[_Iterable[int]] = ..., kv_layout: _Optional[str] = ..., epoch: _Optional[int] = ..., after_step: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
+
+class PullBlocksResponse(_message.Message):
+    __slots__ = ("bytes", "seconds")
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    bytes: int
+    seconds: float
+    def __init__(self, bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class ReadBlocksRequest(_message.Message):
+    __slots__ = ("transfer_id", "blocks", "kv_layout")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    blocks: _containers.RepeatedScalarFieldContainer[int]
+    kv_layout: str
+    def __init__(self, transfer_id: _Optional[str] = ..., blocks: _Optional[_Iterable[int]] = ..., kv_layout: _Optional[str] = ...) -> None: ...
+
+class BlockChunk(_message.Message):
+    __slots__ = ("first", "count", "data", "xxh3")
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    XXH3_FIELD_NUMBER: _ClassVar[int]
+    first: int
+    count: int
+    data: bytes
+    xxh3: int
+    def __init__(self, first: _Optional[int] = ..., count: _Optional[int] = ..., data: _Optional[bytes] = ..., xxh3: _Optional[int] = ...) -> None: ...

@@ -44,6 +44,16 @@ class ExecutorStub:
                 request_serializer=stepwire_dot_internal_dot_executor__pb2.StepRequest.SerializeToString,
                 response_deserializer=stepwire_dot_internal_dot_executor__pb2.StepResponse.FromString,
                 _registered_method=True)
+        self.PullBlocks = channel.unary_unary(
+                '/stepwire.internal.Executor/PullBlocks',
+                request_serializer=stepwire_dot_internal_dot_executor__pb2.PullBlocksRequest.SerializeToString,
+                response_deserializer=stepwire_dot_internal_dot_executor__pb2.PullBlocksResponse.FromString,
+                _registered_method=True)
+        self.ReadBlocks = channel.unary_stream(
+                '/stepwire.internal.Executor/ReadBlocks',
+                request_serializer=stepwire_dot_internal_dot_executor__pb2.ReadBlocksRequest.SerializeToString,
+                response_deserializer=stepwire_dot_internal_dot_executor__pb2.BlockChunk.FromString,
+                _registered_method=True)
 
 
 class ExecutorServicer:
@@ -61,6 +71,21 @@ class ExecutorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullBlocks(self, request, context):
+        """KV blocks that move (docs/kv_transfer.md). The scheduler asks the executor that will hold them to pull
+        them; that executor reads them from the one that holds them, over its own identity (executor role).
+        The scheduler never carries KV bytes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReadBlocks(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExecutorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -73,6 +98,16 @@ def add_ExecutorServicer_to_server(servicer, server):
                     servicer.Step,
                     request_deserializer=stepwire_dot_internal_dot_executor__pb2.StepRequest.FromString,
                     response_serializer=stepwire_dot_internal_dot_executor__pb2.StepResponse.SerializeToString,
+            ),
+            'PullBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.PullBlocks,
+                    request_deserializer=stepwire_dot_internal_dot_executor__pb2.PullBlocksRequest.FromString,
+                    response_serializer=stepwire_dot_internal_dot_executor__pb2.PullBlocksResponse.SerializeToString,
+            ),
+            'ReadBlocks': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadBlocks,
+                    request_deserializer=stepwire_dot_internal_dot_executor__pb2.ReadBlocksRequest.FromString,
+                    response_serializer=stepwire_dot_internal_dot_executor__pb2.BlockChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -129,6 +164,60 @@ class Executor:
             '/stepwire.internal.Executor/Step',
             stepwire_dot_internal_dot_executor__pb2.StepRequest.SerializeToString,
             stepwire_dot_internal_dot_executor__pb2.StepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stepwire.internal.Executor/PullBlocks',
+            stepwire_dot_internal_dot_executor__pb2.PullBlocksRequest.SerializeToString,
+            stepwire_dot_internal_dot_executor__pb2.PullBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/stepwire.internal.Executor/ReadBlocks',
+            stepwire_dot_internal_dot_executor__pb2.ReadBlocksRequest.SerializeToString,
+            stepwire_dot_internal_dot_executor__pb2.BlockChunk.FromString,
             options,
             channel_credentials,
             insecure,

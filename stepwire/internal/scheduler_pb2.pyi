@@ -92,7 +92,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ExecutorStats(_message.Message):
-    __slots__ = ("address", "connected", "epoch", "num_running", "num_waiting", "num_total_blocks", "num_free_blocks", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_steps", "wire_bytes", "wire_request_steps", "max_model_len", "forward_seconds", "draining", "num_migrated_out", "num_routed")
+    __slots__ = ("address", "connected", "epoch", "num_running", "num_waiting", "num_total_blocks", "num_free_blocks", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_steps", "wire_bytes", "wire_request_steps", "max_model_len", "forward_seconds", "draining", "num_migrated_out", "num_routed", "num_recomputed_tokens", "kv_layout")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     CONNECTED_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +112,8 @@ class ExecutorStats(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     NUM_MIGRATED_OUT_FIELD_NUMBER: _ClassVar[int]
     NUM_ROUTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_RECOMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     address: str
     connected: bool
     epoch: int
@@ -131,16 +133,30 @@ class ExecutorStats(_message.Message):
     draining: bool
     num_migrated_out: int
     num_routed: int
-    def __init__(self, address: _Optional[str] = ..., connected: _Optional[bool] = ..., epoch: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., wire_request_steps: _Optional[int] = ..., max_model_len: _Optional[int] = ..., forward_seconds: _Optional[float] = ..., draining: _Optional[bool] = ..., num_migrated_out: _Optional[int] = ..., num_routed: _Optional[int] = ...) -> None: ...
+    num_recomputed_tokens: int
+    kv_layout: str
+    def __init__(self, address: _Optional[str] = ..., connected: _Optional[bool] = ..., epoch: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., wire_request_steps: _Optional[int] = ..., max_model_len: _Optional[int] = ..., forward_seconds: _Optional[float] = ..., draining: _Optional[bool] = ..., num_migrated_out: _Optional[int] = ..., num_routed: _Optional[int] = ..., num_recomputed_tokens: _Optional[int] = ..., kv_layout: _Optional[str] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("executors", "num_requests", "num_waiting_for_executor", "num_migrations")
+    __slots__ = ("executors", "num_requests", "num_waiting_for_executor", "num_migrations", "num_kv_transfers", "num_kv_transfer_failures", "kv_transfer_blocks", "kv_transfer_bytes", "kv_transfer_seconds", "recompute_avoided_tokens")
     EXECUTORS_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FOR_EXECUTOR_FIELD_NUMBER: _ClassVar[int]
     NUM_MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_TRANSFER_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_AVOIDED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     executors: _containers.RepeatedCompositeFieldContainer[ExecutorStats]
     num_requests: int
     num_waiting_for_executor: int
     num_migrations: int
-    def __init__(self, executors: _Optional[_Iterable[_Union[ExecutorStats, _Mapping]]] = ..., num_requests: _Optional[int] = ..., num_waiting_for_executor: _Optional[int] = ..., num_migrations: _Optional[int] = ...) -> None: ...
+    num_kv_transfers: int
+    num_kv_transfer_failures: int
+    kv_transfer_blocks: int
+    kv_transfer_bytes: int
+    kv_transfer_seconds: float
+    recompute_avoided_tokens: int
+    def __init__(self, executors: _Optional[_Iterable[_Union[ExecutorStats, _Mapping]]] = ..., num_requests: _Optional[int] = ..., num_waiting_for_executor: _Optional[int] = ..., num_migrations: _Optional[int] = ..., num_kv_transfers: _Optional[int] = ..., num_kv_transfer_failures: _Optional[int] = ..., kv_transfer_blocks: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., recompute_avoided_tokens: _Optional[int] = ...) -> None: ...

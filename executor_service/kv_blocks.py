@@ -1,0 +1,88 @@
+"""KV blocks as bytes: what a block that moves to another executor is made of, read out and written back.
+
+Blocks travel in chunks of consecutive blocks, laid out layer-major (every layer's keys, then its values, for
+the chunk's blocks) in the cache's dtype, so they are the same bytes on both sides only when both report the
+same layout (`layout`). Each chunk travels with its XXH3-64, computed where it was read and checked where it
+is written.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+from executor_service.model_config import ModelConfig
+
+
+def layout(cfg: ModelConfig, num_kv_heads: int, block_size: int, dtype: torch.dtype, tensor_parallel_size: int,
+           model: str) -> str:
+    """Equal strings, equal block bytes. Empty (moves nothing) with tensor parallelism: a rank holds only its
+    own heads, and rank 0 cannot read or write the others' caches."""
+    if tensor_parallel_size != 1:
+        return ""
+    name = os.path.basename(str(model).rstrip("/"))
+    return (f"{name}:{cfg.architecture}:{str(dtype).removeprefix('torch.')}:layers={cfg.num_layers}:"
+            f"kv_heads={num_kv_heads}:head_dim={cfg.head_dim}:block={block_size}")
+
+_scratch = threading.local()
+
+
+@dataclass(frozen=True)
+class BlockBytes:
+    """The KV cache of one executor, seen as numbered blocks of `size` bytes each."""
+
+    caches: list[tuple[torch.Tensor, torch.Tensor]]
+    size: int
+
+    @classmethod
+    def of(cls, caches) -> BlockBytes:
+        k = caches[0][0]
+        return cls(caches, 2 * len(caches) * k[0].numel() * k.element_size())
+
+    def read(self, block_ids: list[int]) -> bytes:
+        """The blocks' bytes, layer-major ([layers, keys|values, blocks, ...]): each layer's gather lands in
+        place, one copy from the cache."""
+        k0 = self.caches[0][0]
+        idx = torch.tensor(block_ids, dtype=torch.long, device=k0.device)
+        shape = (len(self.caches), 2, len(block_ids), *k0.shape[1:])
+        # One buffer per reading thread, reused: a fresh one per chunk costs its page faults every time.
+        out = getattr(_scratch, "out", None)
+        if out is None or out.shape != shape or out.device != k0.device:
+            out = _scratch.out = torch.empty(shape, dtype=k0.dtype, device=k0.device)
+        for layer, (k, v) in enumerate(self.caches):
+            torch.index_select(k, 0, idx, out=out[layer, 0])
+            torch.index_select(v, 0, idx, out=out[layer, 1])
+        return out.view(torch.uint8).cpu().numpy().tobytes()
+
+    def write(self, block_ids: list[int], data: bytes | memoryview) -> None:
+        k0 = self.caches[0][0]
+        n = len(block_ids)
+        if len(data) != n * self.size:
+            raise ValueError(f"{len(data)} bytes for {n} blocks of {self.size}")
+        with warnings.catch_warnings():
+            # Only read from: no copy of a read-only buffer is needed, and torch warns that it could be written.
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.frombuffer(data, dtype=torch.uint8)
+        blocks = raw.view(k0.dtype).view(len(self.caches), 2, n, *k0.shape[1:]).to(k0.device)
+        idx = torch.tensor(block_ids, dtype=torch.long, device=k0.device)
+        for layer, (k, v) in enumerate(self.caches):
+            k.index_copy_(0, idx, blocks[layer, 0])
+            v.index_copy_(0, idx, blocks[layer, 1])
+
+    def check_ids(self, block_ids, what: str) -> None:
+        """Ids a peer sent: each a real block (0 is the null block, never moved), none twice."""
+        num_blocks = self.caches[0][0].shape[0]
+        bad = [b for b in block_ids if not 0 < b < num_blocks]
+        if bad:
+            raise ValueError(f"{what}: block ids {bad[:5]} outside 1..{num_blocks - 1}")
+        if len(set(block_ids)) != len(block_ids):
+            raise ValueError(f"{what}: a block id appears twice")
+
+
+def digest(data: bytes | memoryview) -> int:
+    return xxhash.xxh3_64_intdigest(data)

@@ -1,0 +1,238 @@
+"""The executor's side of KV blocks that move: PullBlocks (the scheduler asks this executor to fetch blocks from a
+peer into blocks it reserved here) and ReadBlocks (a peer fetches blocks from here).
+
+Bytes are copied on a thread of their own, so a transfer overlaps the forward passes on both sides: the blocks
+it reads are pinned by the scheduler and no step writes them; the blocks it writes were reserved by the
+scheduler after the last step that could still write them, and the pull waits for that step (`after`) before
+its first write. Every chunk's digest is checked before it is written; a pull that fails part way leaves
+blocks the scheduler frees unread, so a failure is never wrong KV, only a recompute. A pull belongs to the
+Step stream epoch in which the scheduler reserved its blocks, and stops writing when a newer one begins.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+from opentelemetry.trace import SpanKind
+
+from executor_service.block_transport import CHUNK_BYTES, GrpcBlockSource
+from executor_service.kv_blocks import BlockBytes, digest
+from observability import tracing
+from stepwire.internal import executor_pb2
+
+log = logging.getLogger("stepwire.executor")
+MAX_ID_LEN = 128
+ADDRESS = re.compile(r"^[A-Za-z0-9.\-_\[\]:]{1,255}:[0-9]{1,5}$")
+
+
+class StepProgress:
+    """Where this executor's Step stream is: the epoch of the newest stream (from its metadata, then from its
+    steps; None until known), the last step of it that ran, and a generation that changes whenever a newer
+    stream or epoch begins. Its lock is also the gate a pull's writes pass: a new epoch waits for the write
+    under way, and no write of an older generation follows it."""
+
+    def __init__(self):
+        self.epoch: int | None = None
+        self.step = -1
+        self.generation = 0
+        self.changed = asyncio.Condition()
+
+    async def begin(self, epoch: int | None) -> None:
+        """A new stream (epoch from its metadata, if any) or a newer epoch on this one: before any step of it."""
+        async with self.changed:
+            self.generation += 1
+            self.epoch, self.step = epoch, -1
+            self.changed.notify_all()
+
+    async def changed_from(self, generation: int) -> None:
+        async with self.changed:
+            await self.changed.wait_for(lambda: self.generation != generation)
+
+    async def ran(self, epoch: int, step: int) -> None:
+        if epoch != self.epoch:
+            return
+        async with self.changed:
+            self.step = step
+            self.changed.notify_all()
+
+
+class _Refused(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class BlockMover:
+    def __init__(self, kv_caches, kv_layout: str, tls_files, server_name: str, metrics, progress: StepProgress,
+                 source_factory=GrpcBlockSource):
+        self.blocks = BlockBytes.of(kv_caches)
+        self.layout = kv_layout
+        self.tls_files = tls_files
+        self.server_name = server_name
+        self.metrics = metrics
+        self.progress = progress
+        self.source_factory = source_factory
+        # Copies and digests off the event loop and off the torch thread that runs the steps.
+        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-transfer")
+        self.per_chunk = max(1, CHUNK_BYTES // self.blocks.size)
+
+    def _check(self, transfer_id: str, kv_layout: str) -> None:
+        if len(transfer_id) > MAX_ID_LEN:
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"transfer_id longer than {MAX_ID_LEN} characters")
+        if not self.layout:
+            raise _Refused(grpc.StatusCode.FAILED_PRECONDITION, "this executor moves no KV blocks (tensor parallel)")
+        if kv_layout != self.layout:
+            raise _Refused(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"KV layout {kv_layout[:200]!r} is not this executor's {self.layout!r}")
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    # ------------------------------------------------------------------ source
+
+    async def read(self, request: executor_pb2.ReadBlocksRequest, context):
+        try:
+            self._check(request.transfer_id, request.kv_layout)
+            ids = list(request.blocks)
+            try:
+                self.blocks.check_ids(ids, "blocks")
+            except ValueError as e:
+                raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
+        except _Refused as e:
+            await context.abort(e.code, str(e))
+        size, starts = self.blocks.size, range(0, len(ids), self.per_chunk)
+        # The next chunk is read while this one is sent: the copy and the wire overlap.
+        reading = asyncio.ensure_future(self._run(self._read_chunk, ids[:self.per_chunk]))
+        for i, first in enumerate(starts):
+            data, xxh3 = await reading
+            if i + 1 < len(starts):
+                reading = asyncio.ensure_future(self._run(self._read_chunk, ids[starts[i + 1]:][:self.per_chunk]))
+            count = min(self.per_chunk, len(ids) - first)
+            self.metrics.kv_blocks_out.inc(count)
+            self.metrics.kv_bytes_out.inc(count * size)
+            yield executor_pb2.BlockChunk(first=first, count=count, data=data, xxh3=xxh3)
+
+    def _read_chunk(self, ids: list[int]) -> tuple[bytes, int]:
+        data = self.blocks.read(ids)
+        return data, digest(data)
+
+    # ------------------------------------------------------------------ target
+
+    async def pull(self, request: executor_pb2.PullBlocksRequest, context) -> executor_pb2.PullBlocksResponse:
+        tracer = tracing.tracer()
+        if tracer is None or not request.traceparent:
+            return await self._pull_or_abort(request, context)
+        with tracer.start_as_current_span("executor.kv_pull", context=tracing.from_traceparent(request.traceparent),
+                                          kind=SpanKind.SERVER, attributes={
+                                              "stepwire.kv.transfer_id": request.transfer_id[:MAX_ID_LEN],
+                                              "stepwire.kv.source": request.source[:255],
+                                              "stepwire.kv.blocks": len(request.target_blocks)}):
+            return await self._pull_or_abort(request, context)
+
+    async def _pull_or_abort(self, request, context):
+        t0 = time.perf_counter()
+        try:
+            n = await self._pull(request, context)
+        except _Refused as e:
+            self.metrics.kv_pull_failures.inc()
+            log.warning("KV pull %s from %s refused: %s", request.transfer_id[:MAX_ID_LEN], request.source[:255], e)
+            await context.abort(e.code, str(e))
+        seconds = time.perf_counter() - t0
+        self.metrics.kv_blocks_in.inc(n)
+        self.metrics.kv_bytes_in.inc(n * self.blocks.size)
+        return executor_pb2.PullBlocksResponse(bytes=n * self.blocks.size, seconds=seconds)
+
+    async def _pull(self, request, context) -> int:
+        self._check(request.transfer_id, request.kv_layout)
+        src, dst = list(request.source_blocks), list(request.target_blocks)
+        if not src or len(src) != len(dst):
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{len(src)} source blocks for {len(dst)} target blocks")
+        try:
+            self.blocks.check_ids(dst, "target_blocks")
+        except ValueError as e:
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
+        if not ADDRESS.match(request.source):
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "source must be host:port")
+        seconds = context.time_remaining() or 60.0
+        deadline = time.monotonic() + seconds
+        p = self.progress
+        async with p.changed:
+            if p.epoch != request.epoch:
+                raise _Refused(grpc.StatusCode.FAILED_PRECONDITION, f"epoch {request.epoch} is not this executor's "
+                               f"step stream's ({p.epoch}): its scheduler no longer reserves these blocks")
+            generation = p.generation
+            try:
+                await asyncio.wait_for(p.changed.wait_for(
+                    lambda: p.generation != generation or p.step >= request.after_step), seconds)
+            except TimeoutError:
+                raise _Refused(grpc.StatusCode.DEADLINE_EXCEEDED, f"step {request.after_step} of epoch "
+                               f"{request.epoch} did not run here in time") from None
+        # A newer stream voids the reservation: the pull stops at once, even while the source is silent.
+        copy = asyncio.ensure_future(self._copy(request, src, dst, generation, deadline))
+        newer = asyncio.ensure_future(p.changed_from(generation))
+        try:
+            await asyncio.wait({copy, newer}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            newer.cancel()
+            if not copy.done():
+                copy.cancel()
+                await asyncio.wait({copy})
+        if not copy.cancelled() and copy.exception() is None:
+            return copy.result()
+        if copy.cancelled():
+            raise _Refused(grpc.StatusCode.ABORTED, "a newer step stream began: its scheduler may have given these "
+                           "blocks to another request")
+        raise copy.exception()
+
+    async def _copy(self, request, src: list[int], dst: list[int], generation: int, deadline: float) -> int:
+        source = self.source_factory(request.source, self.tls_files, self.server_name)
+        size, got = self.blocks.size, 0
+        writing = None         # one chunk is checked and written while the next one arrives; in order
+        try:
+            chunks = source.read(request.transfer_id, src, self.layout, max(deadline - time.monotonic(), 0.001))
+            async for chunk in chunks:
+                count = chunk.count
+                if chunk.first != got or count == 0 or got + count > len(dst) or len(chunk.data) != count * size:
+                    raise _Refused(grpc.StatusCode.DATA_LOSS, f"chunk at block {chunk.first} of {count} blocks "
+                                   f"and {len(chunk.data)} bytes does not follow block {got} of {len(dst)}")
+                if writing is not None:
+                    await writing
+                writing = asyncio.ensure_future(self._check_and_write(chunk, dst[got:got + count], generation))
+                got += count
+            if writing is not None:
+                await writing
+        except grpc.RpcError as e:
+            code = grpc.StatusCode.DEADLINE_EXCEEDED if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else \
+                grpc.StatusCode.UNAVAILABLE
+            raise _Refused(code, f"source {request.source}: {e.code().name}: {e.details()}") from None
+        finally:
+            if writing is not None and not writing.done():
+                writing.cancel()
+                await asyncio.wait({writing})
+            await source.close()
+        if got != len(dst):
+            raise _Refused(grpc.StatusCode.DATA_LOSS, f"source sent {got} of {len(dst)} blocks")
+        return got
+
+    async def _check_and_write(self, chunk, ids: list[int], generation: int) -> None:
+        if await self._run(digest, chunk.data) != chunk.xxh3:
+            raise _Refused(grpc.StatusCode.DATA_LOSS, f"blocks {chunk.first}..{chunk.first + chunk.count - 1}: "
+                           "checksum does not match; nothing of them was written")
+        p = self.progress
+        async with p.changed:
+            if p.generation != generation:
+                raise asyncio.CancelledError        # a newer stream: nothing more is written
+            write = asyncio.get_running_loop().run_in_executor(self.pool, self.blocks.write, ids, chunk.data)
+            try:
+                await asyncio.shield(write)
+            except asyncio.CancelledError:
+                await write          # never release the gate while the thread still writes
+                raise
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)

@@ -1,0 +1,205 @@
+"""Requests that leave an executor with their KV: the scheduler picks where each goes, reserves blocks there,
+and asks that executor to pull the request's blocks from the one it leaves. It never carries KV bytes.
+
+The source's blocks are pinned (held, never reused) until the pull ends; the target's reserved blocks count
+as the request's computed prefix only once the pull reports every block written and checked, and only if
+nothing happened meanwhile that voids it (either side lost or resynced, the request aborted, the target
+draining). Anything else gives both sides' blocks back and recomputes the request from its tokens, as a
+move without KV always did: a failed transfer costs time, never correctness.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from opentelemetry.trace import Link, SpanKind, Status, StatusCode
+
+from observability import tracing
+from scheduler_service.request import Request
+from scheduler_service.routing import pick
+from stepwire.internal import executor_pb2
+
+log = logging.getLogger("stepwire.scheduler")
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Move:
+    req: Request
+    source: object                 # ExecutorLink
+    target: object
+    pin: list                      # the source's blocks, pinned
+    source_epoch: int
+    target_epoch: int
+    num_tokens: int                # tokens whose KV moves
+    transfer_id: str
+    aborted: bool = False
+    started: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class MoveCounts:
+    transfers: int = 0
+    failures: int = 0
+    blocks: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    tokens: int = 0                # moved with their KV: not recomputed
+
+
+class KVMoves:
+    def __init__(self, fleet, settings, metrics):
+        self.fleet = fleet
+        self.settings = settings
+        self.metrics = metrics
+        self.in_transit: dict[str, Move] = {}
+        self.counts = MoveCounts()
+        self._slots = asyncio.Semaphore(settings.kv_transfer_concurrency)
+        self._prefix = f"{os.getpid():x}-{time.time_ns():x}"
+
+    # ------------------------------------------------------------------ starting
+
+    def export_running(self, source) -> None:
+        """`source` is leaving and has no step in flight: every running request that another executor can take
+        with its KV leaves now. Those it cannot (no room, no executor of the same KV layout) stay to finish
+        there, or move without KV when its drain period ends."""
+        core = source.core
+        if not self.settings.kv_transfer or not source.kv_layout or core is None:
+            return
+        for req in list(core.running):
+            num_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
+            if num_tokens < core.config.block_size:
+                continue          # less than a block: a recompute costs less than a round trip
+            target = self._reserve(req, source, num_tokens)
+            if target is None:
+                continue
+            pin = source.detach(req)
+            blocks = -(-num_tokens // core.config.block_size)
+            mv = Move(req, source, target, pin, source.epoch, target.epoch, num_tokens,
+                      f"{self._prefix}-{next(_ids)}")
+            self.in_transit[req.request_id] = mv
+            asyncio.get_running_loop().create_task(self._run(mv, [b.block_id for b in pin[:blocks]],
+                                                             target.core.kv.get_block_ids(req.request_id)))
+        moved = [mv.req for mv in self.in_transit.values() if mv.source is source]
+        if moved:
+            self.fleet.count_moved(moved)
+            log.info("executor %s: %d requests leaving with their KV", source.address, len(moved))
+
+    def _reserve(self, req: Request, source, num_tokens: int):
+        links = [lk for lk in self.fleet.live() if lk is not source and lk.kv_layout == source.kv_layout
+                 and req.num_tokens < lk.core.config.max_model_len]
+        i, _ = pick(req, [lk.core for lk in links])
+        if i < 0 or links[i].core.kv.reserve(req, num_tokens) is None:
+            return None
+        return links[i]
+
+    # ------------------------------------------------------------------ the pull
+
+    async def _run(self, mv: Move, source_blocks: list[int], target_blocks: list[int]) -> None:
+        span = self._span(mv, len(source_blocks))
+        pull = executor_pb2.PullBlocksRequest(
+            transfer_id=mv.transfer_id, source=mv.source.address, source_blocks=source_blocks,
+            target_blocks=target_blocks, kv_layout=mv.source.kv_layout, epoch=mv.target_epoch,
+            after_step=mv.target.last_sent_step(), traceparent=tracing.traceparent(span) if span else "")
+        reply, why = None, ""
+        async with self._slots:
+            stub = mv.target.stub
+            try:
+                if stub is None:
+                    raise ConnectionError("target not connected")
+                reply = await stub.PullBlocks(pull, timeout=self.settings.kv_transfer_seconds)
+            except grpc.RpcError as e:
+                why = f"{e.code().name}: {e.details()}"
+            except (ConnectionError, asyncio.CancelledError) as e:
+                why = str(e) or type(e).__name__
+        self._end(mv, reply, why, len(source_blocks), span)
+
+    def _end(self, mv: Move, reply, why: str, num_blocks: int, span) -> None:
+        req, source, target = mv.req, mv.source, mv.target
+        rid = req.request_id
+        del self.in_transit[rid]
+        source_ok = source.core.kv.pinned(rid) is mv.pin and source.epoch == mv.source_epoch
+        source.core.kv.unpin(rid, mv.pin)
+        if source.epoch == mv.source_epoch:
+            source.drop_rows([rid])       # its executor still holds the row; a draining one may now go
+        target_ok = (target.connected and target.epoch == mv.target_epoch and not target.leaving
+                     and target.core.kv.reserved(rid) == mv.num_tokens)
+        if reply is not None and not source_ok:
+            why = "the source's blocks were released while they were read"
+        elif reply is not None and not target_ok:
+            why = "the target reset, left or drains"
+        ok = reply is not None and source_ok and target_ok and not mv.aborted
+        if not ok and target.core is not None and target.core.kv.reserved(rid) == mv.num_tokens:
+            target.core.kv.drop(req)
+        self._record(mv, ok, reply, why, num_blocks, span)
+        if mv.aborted:
+            return
+        if ok:
+            self.fleet.lifecycles.routed(rid, target.address, mv.num_tokens, "moved_with_kv")
+            for refused in target.adopt([req]):
+                self.fleet.fail(refused.request_id, grpc.StatusCode.UNAVAILABLE, "no executor left can hold it")
+        else:
+            # From its tokens, as any move without KV: routing picks the executor again.
+            self.fleet.lifecycles.preempted([rid])
+            self.fleet.place([req], exclude=source)
+
+    def _record(self, mv: Move, ok: bool, reply, why: str, num_blocks: int, span) -> None:
+        c, m = self.counts, self.metrics
+        outcome = "done" if ok else ("aborted" if mv.aborted else "failed")
+        m.kv_transfers.labels(outcome).inc()
+        if ok:
+            c.transfers += 1
+            c.blocks += num_blocks
+            c.bytes += reply.bytes
+            c.seconds += reply.seconds
+            c.tokens += mv.num_tokens
+            m.kv_transfer_blocks.inc(num_blocks)
+            m.kv_transfer_bytes.inc(reply.bytes)
+            m.kv_transfer_seconds.observe(reply.seconds)
+            m.recompute_avoided.inc(mv.num_tokens)
+        elif not mv.aborted:
+            c.failures += 1
+            log.warning("KV transfer of request %s from %s to %s failed (%s): recomputing it", mv.req.request_id,
+                        mv.source.address, mv.target.address, why)
+        if span is not None:
+            span.set_attribute("stepwire.kv.outcome", outcome)
+            if reply is not None:
+                span.set_attributes({"stepwire.kv.bytes": reply.bytes, "stepwire.kv.pull_seconds": reply.seconds})
+            if not ok and why:
+                span.set_status(Status(StatusCode.ERROR, why))
+            span.end()
+
+    def _span(self, mv: Move, num_blocks: int):
+        tracer = tracing.tracer()
+        if tracer is None:
+            return None
+        req_span = self.fleet.lifecycles.span_of(mv.req.request_id)
+        links = [Link(req_span.get_span_context())] if req_span is not None else []
+        if req_span is not None:
+            req_span.add_event("kv_transfer", {"stepwire.kv.source": mv.source.address,
+                                               "stepwire.kv.target": mv.target.address})
+        return tracer.start_span("scheduler.kv_transfer", kind=SpanKind.CLIENT, links=links, attributes={
+            "stepwire.request.id": mv.req.request_id, "stepwire.kv.transfer_id": mv.transfer_id,
+            "stepwire.kv.source": mv.source.address, "stepwire.kv.target": mv.target.address,
+            "stepwire.kv.blocks": num_blocks, "stepwire.kv.tokens": mv.num_tokens})
+
+    # ------------------------------------------------------------------ the fleet's view
+
+    def abort(self, request_ids) -> list[Request]:
+        """Requests in transit end now: the transfer runs out, then gives its blocks back."""
+        out = []
+        for rid in request_ids:
+            mv = self.in_transit.get(rid)
+            if mv is not None and not mv.aborted:
+                mv.aborted = True
+                out.append(mv.req)
+        return out
+
+    def __len__(self) -> int:
+        return len(self.in_transit)

@@ -1,0 +1,120 @@
+"""The scheduler cores' side of KV that moves (no process): a request detached from one core with its blocks
+pinned, and adopted by another whose reserved blocks hold its KV, resumes from there with nothing recomputed;
+a failed transfer gives every block back and recomputes, counted as such; a reset drops every move."""
+
+import pytest
+from helpers import OUT, make_scheduler, req, step
+from invariants import assert_pool_invariants
+
+from scheduler_service.migration import adopt, detach
+
+
+def running_on(core, n_prompt: int = 22, decode: int = 3, rid: str = "r"):
+    r = req(rid, n_prompt, max_tokens=20, ignore_eos=True)
+    core.add_request(r)
+    for _ in range(decode + 1):
+        step(core)
+    assert r.num_computed_tokens == r.num_tokens - 1 == n_prompt + decode
+    return r
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_a_request_adopted_with_its_kv_resumes_where_it_left_and_recomputes_nothing(caching):
+    a = make_scheduler(64, block_size=4, enable_prefix_caching=caching)
+    b = make_scheduler(64, block_size=4, enable_prefix_caching=caching)
+    r = running_on(a)
+    tokens = r.num_computed_tokens
+    free_a = a.kv.num_free_blocks
+    pin = detach(a, r)
+    assert len(pin) == 7 and a.kv.num_free_blocks == free_a          # pinned, not freed
+    assert not a.requests and not a.running and r.num_computed_before == tokens
+    reserved = b.kv.reserve(r, tokens)
+    assert len(reserved) == 7 and b.kv.reserved(r.request_id) == tokens
+    assert_pool_invariants(a)
+    assert_pool_invariants(b)
+
+    a.kv.unpin(r.request_id, pin)
+    assert a.kv.num_free_blocks == 63
+    assert adopt(b, [r]) == []
+    out, _ = step(b)
+    # Sent in full (the executor has never seen it) with the reserved blocks as its computed prefix: one token.
+    [new] = out.scheduled_new_reqs
+    assert new.num_computed_tokens == tokens and new.block_ids[:7] == reserved
+    assert out.num_scheduled_tokens == {r.request_id: 1}
+    assert b.kv.recomputed_tokens == 0 and not b.kv.imported()
+    assert b.stats().prefix_cache_queries == 0          # a moved prefix is not a prefix-cache hit
+    assert_pool_invariants(b)
+    while b.has_unfinished_requests():
+        step(b)
+    assert r.output_token_ids == [OUT] * 20
+    assert b.kv.num_free_blocks == 63 and b.kv.recomputed_tokens == 0
+
+
+def test_a_failed_transfer_frees_both_sides_and_the_recompute_is_counted():
+    a, b = make_scheduler(64, block_size=4), make_scheduler(64, block_size=4)
+    r = running_on(a)
+    tokens = r.num_computed_tokens
+    pin = detach(a, r)
+    b.kv.reserve(r, tokens)
+    b.kv.drop(r)                      # the pull failed: the reservation goes, never hashed
+    a.kv.unpin(r.request_id, pin)
+    assert a.kv.num_free_blocks == b.kv.num_free_blocks == 63 and not b.kv.imported()
+    adopt(b, [r])
+    out, _ = step(b)
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 0
+    while b.has_unfinished_requests():
+        step(b)
+    assert b.kv.recomputed_tokens == tokens
+    assert_pool_invariants(b)
+
+
+def test_an_executor_reset_drops_pins_and_reservations_so_every_block_is_free_and_the_cache_resets():
+    a, b = make_scheduler(64, block_size=4), make_scheduler(64, block_size=4)
+    r, other = running_on(a, rid="r"), running_on(b, rid="o", n_prompt=10, decode=1)
+    pin = detach(a, r)
+    b.kv.reserve(r, r.num_computed_tokens)
+    a.reset_executor_state()
+    b.reset_executor_state()
+    assert a.kv.pinned("r") is None and a.kv.num_free_blocks == 63
+    assert b.kv.reserved("r") is None and b.kv.num_free_blocks == 63
+    assert a.kv.pool.num_cached_blocks == b.kv.pool.num_cached_blocks == 0
+    a.kv.unpin("r", pin)                                  # the late end of the transfer changes nothing
+    assert a.kv.num_free_blocks == 63
+    assert other.num_computed_tokens == 0
+    assert_pool_invariants(a)
+    assert_pool_invariants(b)
+
+
+def test_an_arriving_request_waits_holding_its_blocks_and_an_abort_frees_them():
+    b = make_scheduler(64, block_size=4)
+    a = make_scheduler(64, block_size=4)
+    r = running_on(a)
+    detach(a, r)
+    b.kv.reserve(r, r.num_computed_tokens)
+    adopt(b, [r])
+    assert_pool_invariants(b)
+    b.abort_requests("r")
+    assert b.kv.num_free_blocks == 63 and not b.kv.imported()
+    assert_pool_invariants(b)
+
+
+def test_a_reservation_the_pool_cannot_hold_is_refused_and_changes_nothing():
+    a, b = make_scheduler(64, block_size=4), make_scheduler(6, block_size=4)
+    r = running_on(a)
+    assert b.kv.reserve(r, r.num_computed_tokens) is None
+    assert b.kv.num_free_blocks == 5 and not b.kv.imported()
+
+
+def test_every_chunk_of_a_recomputed_prompt_counts_not_only_the_first():
+    # Without the prefix cache, which would serve the preempted prompt's full blocks (a hit, not a recompute).
+    a = make_scheduler(64, block_size=4, max_num_batched_tokens=8, long_prefill_token_threshold=8,
+                       enable_prefix_caching=False)
+    r = req("r", 22, max_tokens=20, ignore_eos=True)
+    a.add_request(r)
+    while not r.output_token_ids:
+        step(a)                              # 22 prompt tokens in chunks of 8, 8, 6
+    assert a.kv.recomputed_tokens == 0
+    a._preempt(a.running.pop())
+    while r.num_computed_tokens < 23:        # the prompt and the token it had sampled
+        step(a)
+    assert a.kv.recomputed_tokens == 22      # the prompt again, chunk by chunk; the sampled token is new
