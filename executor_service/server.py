@@ -92,6 +92,7 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
         self.resync_log = Every()
         self.progress = StepProgress()         # the last step run, which a pull into reserved blocks waits for
         self.mover: BlockMover | None = None    # set once the KV cache exists
+        self.role = "mixed"                     # what Describe tells the scheduler (--role)
 
     @property
     def runner(self) -> ModelRunner | None:
@@ -126,7 +127,7 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
             max_model_len=d["max_model_len"], block_size=d["block_size"], num_blocks=d["num_blocks"],
             dtype=d["dtype"], device=d["device"], eos_token_ids=d["eos_token_ids"], instance_id=self.instance_id,
             tensor_parallel_size=d["tensor_parallel_size"], max_num_seqs=d["max_num_seqs"],
-            max_num_batched_tokens=d["max_num_batched_tokens"], kv_layout=d["kv_layout"])
+            max_num_batched_tokens=d["max_num_batched_tokens"], kv_layout=d["kv_layout"], role=self.role)
 
     async def PullBlocks(self, request, context):
         await self._ready(context)             # a draining executor takes no blocks, as it takes no requests
@@ -266,6 +267,7 @@ async def serve(settings: ExecutorSettings) -> int:
     reflection.enable_server_reflection([SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
     service = ExecutorService(worker)
+    service.role = settings.role
     executor_pb2_grpc.add_ExecutorServicer_to_server(service, server)
     serve_metrics(settings.metrics_address, service.metrics.registry, "executor")
     port = add_port(server, settings.address, tls, settings.insecure, "the executor")

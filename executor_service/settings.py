@@ -28,6 +28,10 @@ class ExecutorSettings(RoleSettings):
                          "core), or the cores shared out between the ranks of a tensor-parallel CPU executor")
     peer_server_name: str = Field("stepwire-executor", description="with TLS: the name a peer executor's "
                                   "certificate must carry when this one pulls KV blocks from it (dialled by IP)")
+    role: Literal["mixed", "prefill", "decode"] = Field(
+        "mixed", description="prefill: the scheduler sends new requests here and moves each, with its KV, to a decode "
+        "executor after its first token; decode: it takes requests from prefill executors (new ones only when no "
+        "prefill or mixed executor is up); mixed: both (docs/kv_transfer.md)")
     drain_seconds: float = Field(25.0, ge=0, description="after SIGTERM, how long to wait for the scheduler to "
                                  "finish or move this executor's requests (keep it under Kubernetes' "
                                  "terminationGracePeriodSeconds)")

@@ -46,6 +46,8 @@ class ServeSettings(ServiceSettings):
     grpc_port: int = Field(50050, description="gRPC port of the gateway (stepwire.v1)")
     scheduler_port: int = Field(50051)
     executors: int = Field(1, ge=1, description="local executors; they take ports from --executor-port up")
+    prefill_executors: int = Field(0, ge=0, description="of --executors, how many prefill (--role prefill; the "
+                                   "first ones); the others then decode (--role decode). 0: every executor mixed")
     executor_port: int = Field(50061, description="port of the first executor")
     tensor_parallel_size: int = Field(1, ge=1, description="ranks per executor (processes that split the model)")
     threads: int = Field(0, ge=0, description="torch threads per executor rank; 0: the host's cores split evenly "
@@ -87,6 +89,15 @@ def threads_per_executor(a: ServeSettings) -> int:
     return 0 if ranks == 1 else max(1, cores // ranks)
 
 
+def role_of(a: ServeSettings, i: int) -> str:
+    if not a.prefill_executors:
+        return "mixed"
+    if a.prefill_executors >= a.executors:
+        raise SystemExit(f"stepwire serve: --prefill-executors {a.prefill_executors} leaves none of --executors "
+                         f"{a.executors} to decode")
+    return "prefill" if i < a.prefill_executors else "decode"
+
+
 def children(a: ServeSettings, certs: Path | None = None) -> tuple[list[Child], list[Child]]:
     """(executors, the rest) as commands, built as every test's stack builds them (processes.py), each with its
     own certificate from `certs` (a `stepwire certs` folder) when given."""
@@ -101,7 +112,8 @@ def children(a: ServeSettings, certs: Path | None = None) -> tuple[list[Child], 
     executors = [child("executor", f"executor-{i}", {
         "--model": a.model, "--address": address, "--kv-cache-memory": a.kv_cache_memory, "--threads": threads,
         "--tensor-parallel-size": a.tensor_parallel_size, "--deterministic": a.deterministic,
-        "--metrics-address": f"127.0.0.1:{a.executor_metrics_port + i}"}) for i, address in enumerate(addresses)]
+        "--role": role_of(a, i), "--metrics-address": f"127.0.0.1:{a.executor_metrics_port + i}"})
+        for i, address in enumerate(addresses)]
     stack = [
         child("scheduler", "scheduler", {"--executors": ",".join(addresses), "--address": sc,
                                          "--metrics-address": f"127.0.0.1:{a.scheduler_metrics_port}"}),

@@ -44,7 +44,7 @@ class ExecutorLink:
                  streams: dict[str, asyncio.Queue] | None = None, on_change: Callable[[], None] = lambda: None,
                  on_lost: Callable[[ExecutorLink], None] = lambda link: None,
                  on_drain: Callable[[ExecutorLink, bool], None] = lambda link, everything: None,
-                 on_export: Callable[[ExecutorLink], None] = lambda link: None):
+                 on_export: Callable[[ExecutorLink, bool], None] = lambda link, handoff: None):
         self.address = address
         self.settings = settings
         self.lifecycles = lifecycles
@@ -52,11 +52,11 @@ class ExecutorLink:
         self.on_change = on_change        # called when the link connects, drops or drains
         self.on_lost = on_lost            # move its requests elsewhere
         self.on_drain = on_drain          # move its queue (or, `everything`, all its requests) elsewhere
-        self.on_export = on_export        # leaving, no step in flight: move running requests with their KV
+        self.on_export = on_export        # move running requests with their KV: all (leaving), or past prefill
         self.core: Scheduler | None = None
         self.eos_token_ids, self.vocab_size = (), 0
-        self.kv_layout, self.stub = "", None      # Describe's KV layout; the stub while connected (PullBlocks)
-        self.epoch = self._epoch_first_step = 0
+        self.kv_layout, self.role, self.stub = "", "mixed", None   # from Describe; the stub while connected
+        self.epoch, self.last_sent_step = 0, -1   # the last step sent in this epoch (-1: none yet)
         self._export = False              # leaving: move running requests with their KV once no step is in flight
         self.handles = HandleTable()
         # Counters for Stats: steps sent, their bytes and request slots, requests routed here (new and moved) and
@@ -119,10 +119,6 @@ class ExecutorLink:
         self.core.finished_req_ids.update(request_ids)
         self._wake.set()
 
-    def last_sent_step(self) -> int:
-        """The last step sent in this epoch, -1 if none: a step up to it may still write blocks freed since."""
-        return self.step - 1 if self.step > self._epoch_first_step else -1
-
     def abort(self, request_ids) -> list[Request]:
         """Abort at the core (blocks freed now) and close the requests' lives; the caller tells the streams."""
         reqs = self.core.abort_requests(request_ids)
@@ -180,11 +176,12 @@ class ExecutorLink:
         if self.core is None:       # the core outlives reconnects: its requests stay with the address
             self.core = core_for(self.settings, d)
             self.eos_token_ids, self.vocab_size, self.kv_layout = tuple(d.eos_token_ids), d.vocab_size, d.kv_layout
+            self.role = d.role or "mixed"
             # The executor names its model by directory; the gateway serves it under the directory's name too.
             self.lifecycles.model = self.lifecycles.model or os.path.basename(d.model.rstrip("/"))
         # Epochs only grow; a clock reading stays above any earlier one, across scheduler restarts too.
         self.epoch = max(self.epoch + 1, time.time_ns())
-        self._epoch_first_step = self.step
+        self.last_sent_step = -1
         self.handles = HandleTable()
         self.connected = True
         self._drain.draining = False             # it answered Describe, which a draining executor refuses
@@ -203,16 +200,17 @@ class ExecutorLink:
         # Async scheduling: step N+1 is scheduled and sent while the executor runs step N, so the hop, the
         # scheduler's Python and the executor's decoding hide behind the forward pass. The executor runs the
         # steps in order and holds the tokens N samples, which N+1 feeds back in (the core's placeholders).
-        depth = 2 if self.settings.async_scheduling else 1
+        # A prefill executor's requests leave after their first token, with no step of theirs in flight: one step.
+        depth = 2 if self.settings.async_scheduling and self.role != "prefill" else 1
         sent: deque[SentStep] = deque()
         while True:
             self._wake.clear()          # before looking for work: a wake from here on ends the wait below
             if self._export and sent:   # the KV of running requests is final once every step sent has run
                 await self._receive(call, core, sent)
                 continue
-            if self._export:
+            if self._export or (self.role == "prefill" and core.running and not sent):
+                self.on_export(self, not self._export)
                 self._export = False
-                self.on_export(self)
             if self.leaving and core.has_unfinished_requests() and self._drain.seconds_left() == 0:
                 log.warning("executor %s: drain period over; moving %d requests", self.address, len(core.requests))
                 self.on_drain(self, True)    # the answers to steps in flight are read and dropped
@@ -251,7 +249,7 @@ class ExecutorLink:
         span = None if tracing.tracer() is None else \
             step_span(self.lifecycles, out, start_ns, self.address, self.step, self.epoch, core.kv.usage)
         msg.traceparent = tracing.traceparent(span) if span is not None else ""
-        self.step, size = self.step + 1, msg.ByteSize()
+        self.last_sent_step, self.step, size = self.step, self.step + 1, msg.ByteSize()
         self.wire_bytes += size
         self.wire_request_steps += len(order)
         self.lifecycles.metrics.wire_bytes.observe(size)
@@ -276,7 +274,7 @@ class ExecutorLink:
                     log.warning("executor %s refused a step (%s): its %d requests are recomputed from their "
                                 "tokens%s", self.address, reply.resync.reason, len(moved), held_note(held))
                 lives.preempted(moved)
-                self.epoch, self._epoch_first_step = self.epoch + 1, self.step
+                self.epoch, self.last_sent_step = self.epoch + 1, -1
                 self.handles = HandleTable()
                 for later in sent:
                     later.stale = True

@@ -20,7 +20,7 @@ from scheduler_service.executor_link import ExecutorLink
 from scheduler_service.kv_moves import KVMoves
 from scheduler_service.lifecycle import Lifecycles
 from scheduler_service.request import Request
-from scheduler_service.routing import pick
+from scheduler_service.routing import by_role, pick
 from scheduler_service.settings import SchedulerSettings
 
 log = logging.getLogger("stepwire.scheduler")
@@ -112,7 +112,7 @@ class Fleet:
 
     def route(self, req: Request, exclude: ExecutorLink | None = None) -> tuple[ExecutorLink | None, int]:
         """The live executor to run `req` (routing.py) and its prefix hit there; None when none can take it."""
-        links = [lk for lk in self.live() if lk is not exclude]
+        links = by_role([lk for lk in self.live() if lk is not exclude], decoding=False)
         i, hit = pick(req, [lk.core for lk in links])
         return (links[i], hit) if i >= 0 else (None, 0)
 

@@ -22,7 +22,7 @@ from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
 from observability import tracing
 from scheduler_service.request import Request
-from scheduler_service.routing import pick
+from scheduler_service.routing import by_role, pick
 from stepwire.internal import executor_pb2
 
 log = logging.getLogger("stepwire.scheduler")
@@ -39,6 +39,7 @@ class Move:
     target_epoch: int
     num_tokens: int                # tokens whose KV moves
     transfer_id: str
+    handoff: bool                  # prefill to decode, not a drain
     aborted: bool = False
     started: float = field(default_factory=time.monotonic)
 
@@ -65,35 +66,42 @@ class KVMoves:
 
     # ------------------------------------------------------------------ starting
 
-    def export_running(self, source) -> None:
-        """`source` is leaving and has no step in flight: every running request that another executor can take
-        with its KV leaves now. Those it cannot (no room, no executor of the same KV layout) stay to finish
-        there, or move without KV when its drain period ends."""
+    def export_running(self, source, handoff: bool = False) -> None:
+        """`source` has no step in flight. Leaving (`handoff` False): every running request that another executor
+        can take with its KV leaves now; those it cannot (no room, no executor of the same KV layout) stay to
+        finish there, or move without KV when its drain period ends. A prefill executor's handoff: the requests
+        past their prefill (a token sampled) leave for a decode executor; with none to take them, they decode
+        here."""
         core = source.core
         if not self.settings.kv_transfer or not source.kv_layout or core is None:
             return
         for req in list(core.running):
             num_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
-            if num_tokens < core.config.block_size:
+            if handoff and (req.num_output_tokens == 0 or req.is_finished):
+                continue
+            if num_tokens < core.config.block_size and not handoff:
                 continue          # less than a block: a recompute costs less than a round trip
-            target = self._reserve(req, source, num_tokens)
+            target = self._reserve(req, source, num_tokens, handoff)
             if target is None:
                 continue
             pin = source.detach(req)
             blocks = -(-num_tokens // core.config.block_size)
             mv = Move(req, source, target, pin, source.epoch, target.epoch, num_tokens,
-                      f"{self._prefix}-{next(_ids)}")
+                      f"{self._prefix}-{next(_ids)}", handoff)
             self.in_transit[req.request_id] = mv
             asyncio.get_running_loop().create_task(self._run(mv, [b.block_id for b in pin[:blocks]],
                                                              target.core.kv.get_block_ids(req.request_id)))
         moved = [mv.req for mv in self.in_transit.values() if mv.source is source]
-        if moved:
+        if moved and not handoff:
             self.fleet.count_moved(moved)
             log.info("executor %s: %d requests leaving with their KV", source.address, len(moved))
 
-    def _reserve(self, req: Request, source, num_tokens: int):
+    def _reserve(self, req: Request, source, num_tokens: int, handoff: bool):
         links = [lk for lk in self.fleet.live() if lk is not source and lk.kv_layout == source.kv_layout
                  and req.num_tokens < lk.core.config.max_model_len]
+        if handoff:       # only to where decoding is done: a handoff to another prefill executor gains nothing
+            links = [lk for lk in links if lk.role != "prefill"]
+        links = by_role(links, decoding=req.num_output_tokens > 0)
         i, _ = pick(req, [lk.core for lk in links])
         if i < 0 or links[i].core.kv.reserve(req, num_tokens) is None:
             return None
@@ -106,7 +114,7 @@ class KVMoves:
         pull = executor_pb2.PullBlocksRequest(
             transfer_id=mv.transfer_id, source=mv.source.address, source_blocks=source_blocks,
             target_blocks=target_blocks, kv_layout=mv.source.kv_layout, epoch=mv.target_epoch,
-            after_step=mv.target.last_sent_step(), traceparent=tracing.traceparent(span) if span else "")
+            after_step=mv.target.last_sent_step, traceparent=tracing.traceparent(span) if span else "")
         reply, why = None, ""
         async with self._slots:
             stub = mv.target.stub
@@ -141,7 +149,8 @@ class KVMoves:
         if mv.aborted:
             return
         if ok:
-            self.fleet.lifecycles.routed(rid, target.address, mv.num_tokens, "moved_with_kv")
+            self.fleet.lifecycles.routed(rid, target.address, mv.num_tokens, "handoff" if mv.handoff else
+                                         "moved_with_kv")
             for refused in target.adopt([req]):
                 self.fleet.fail(refused.request_id, grpc.StatusCode.UNAVAILABLE, "no executor left can hold it")
         else:

@@ -75,6 +75,12 @@ class _Live:
         recomputed = CounterMetricFamily("stepwire:recomputed_tokens", "Tokens computed again because their KV "
                                          "was lost (preemption, a move without KV, an executor lost).",
                                          labels=["executor"])
+        # By role (prefill, decode, mixed): what the chart's per-role autoscalers read.
+        role_waiting = GaugeMetricFamily("stepwire:role_requests_waiting", "Requests waiting on the executors of a "
+                                         "role.", labels=["role"])
+        role_running = GaugeMetricFamily("stepwire:role_requests_running", "Requests running on the executors of a "
+                                         "role.", labels=["role"])
+        by_role: dict[str, list[int]] = {}
         connected = GaugeMetricFamily("stepwire:executor_connected", "1 while the executor's step stream is up.",
                                       labels=["executor"])
         draining = GaugeMetricFamily("stepwire:executor_draining", "1 while the executor drains or leaves the "
@@ -92,4 +98,11 @@ class _Live:
             hits.add_metric([link.address], s.prefix_cache_hits)
             preemptions.add_metric([link.address], s.num_preemptions)
             recomputed.add_metric([link.address], link.core.kv.recomputed_tokens)
-        yield from (running, waiting, usage, queries, hits, preemptions, recomputed, connected, draining)
+            counts = by_role.setdefault(link.role, [0, 0])
+            counts[0] += s.num_waiting
+            counts[1] += s.num_running
+        for role, (w, r) in sorted(by_role.items()):
+            role_waiting.add_metric([role], w)
+            role_running.add_metric([role], r)
+        yield from (running, waiting, usage, queries, hits, preemptions, recomputed, role_waiting, role_running,
+                    connected, draining)

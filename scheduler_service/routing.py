@@ -11,6 +11,13 @@ from scheduler_service.request import Request
 from scheduler_service.scheduler import Scheduler
 
 
+def by_role(links: list, decoding: bool) -> list:
+    """Links to prefer by role: a request that has sampled a token goes where decoding is done (decode or mixed),
+    one still to prefill where prefill is done (prefill or mixed); the others only when none of those is up."""
+    avoid = "prefill" if decoding else "decode"
+    return [lk for lk in links if lk.role != avoid] or links
+
+
 def pick(req: Request, cores: list[Scheduler], by_prefix: bool = True) -> tuple[int, int]:
     """The index in `cores` of the one to run `req` (-1 if there is none) and the prefix hit there, in tokens.
     Leaves `req.block_hashes` at the chosen core's block size, so queuing it there does not hash again."""

@@ -39,6 +39,8 @@ VALUE_SETS = {
     "default": {},
     "gpu-tp2": GPU_TP2,
     "keda": {"executor": {"keda": {"enabled": True}, "deterministic": True}},
+    "disaggregated-keda": {"executor": {"keda": {"enabled": True}, "disaggregation": {
+        "enabled": True, "prefill": {"replicas": 2}, "decode": {"replicas": 5}}}},
     "cert-manager": {"tls": {"certManager": {"enabled": True}, "trustDomain": "prod.example"}},
     "ingress-public-tls": {"gateway": {"ingress": {"enabled": True, "className": "nginx",
                                                   "tls": [{"secretName": "public-tls",
@@ -164,6 +166,39 @@ def test_the_chart_lints_clean_and_each_value_set_renders_what_it_asks_for(rende
         assert env["OTEL_RESOURCE_ATTRIBUTES"].endswith(",env=test")
     assert find(plain, "PodMonitor")["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
     assert not [o for o in plain if o["kind"] == "Secret"]          # the API keys come from an existing Secret
+
+
+def test_disaggregation_makes_a_deployment_per_role_each_scaled_on_its_own_metric_behind_one_service(rendered):
+    objects = rendered["disaggregated-keda"]
+    deployments = {d["metadata"]["name"]: d for d in objects if d["kind"] == "Deployment"}
+    prefill, decode = (deployments[f"{RELEASE}-stepwire-executor-{role}"] for role in ("prefill", "decode"))
+    for d, role in ((prefill, "prefill"), (decode, "decode")):
+        assert flag(container(d)["args"], "--role") == role
+        labels = d["spec"]["selector"]["matchLabels"]
+        assert labels["stepwire.io/role"] == role and d["spec"]["template"]["metadata"]["labels"] | labels == \
+            d["spec"]["template"]["metadata"]["labels"]
+    assert f"{RELEASE}-stepwire-executor" not in deployments          # no mixed executors beside them
+    # One headless Service over both: the scheduler discovers every executor and learns its role from Describe.
+    (service,) = [o for o in objects if o["kind"] == "Service" and "executor" in o["metadata"]["name"]]
+    assert "stepwire.io/role" not in service["spec"]["selector"]
+    assert service["spec"]["selector"].items() <= prefill["spec"]["template"]["metadata"]["labels"].items()
+    assert service["spec"]["selector"].items() <= decode["spec"]["template"]["metadata"]["labels"].items()
+    scaled = {o["spec"]["scaleTargetRef"]["name"]: o for o in objects if o["kind"] == "ScaledObject"}
+    assert set(scaled) == {prefill["metadata"]["name"], decode["metadata"]["name"]}
+    assert 'role_requests_waiting{role="prefill"' in scaled[prefill["metadata"]["name"]]["spec"]["triggers"][0][
+        "metadata"]["query"]
+    assert 'role_requests_running{role="decode"' in scaled[decode["metadata"]["name"]]["spec"]["triggers"][0][
+        "metadata"]["query"]
+    pdbs = [o for o in objects if o["kind"] == "PodDisruptionBudget" and "executor" in o["metadata"]["name"]]
+    assert sorted(p["spec"]["selector"]["matchLabels"]["stepwire.io/role"] for p in pdbs) == ["decode", "prefill"]
+    # Without KEDA each keeps its own count.
+    plain = render({"executor": {"disaggregation": {"enabled": True, "prefill": {"replicas": 2},
+                                                    "decode": {"replicas": 5}}}})
+    counts = {d["metadata"]["name"]: d["spec"]["replicas"] for d in plain if d["kind"] == "Deployment"
+              and "executor" in d["metadata"]["name"]}
+    assert counts == {f"{RELEASE}-stepwire-executor-prefill": 2, f"{RELEASE}-stepwire-executor-decode": 5}
+    scheduler = find(objects, "Deployment", "scheduler")
+    assert "--kv-transfer" in container(scheduler)["args"]
 
 
 def test_a_bad_model_source_fails_the_render_with_a_message_naming_the_value():

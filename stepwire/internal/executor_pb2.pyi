@@ -12,7 +12,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("model", "architecture", "vocab_size", "max_model_len", "block_size", "num_blocks", "dtype", "device", "eos_token_ids", "instance_id", "tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "kv_layout")
+    __slots__ = ("model", "architecture", "vocab_size", "max_model_len", "block_size", "num_blocks", "dtype", "device", "eos_token_ids", "instance_id", "tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "kv_layout", "role")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class DescribeResponse(_message.Message):
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     vocab_size: int
@@ -41,7 +42,8 @@ class DescribeResponse(_message.Message):
     max_num_seqs: int
     max_num_batched_tokens: int
     kv_layout: str
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., kv_layout: _Optional[str] = ...) -> None: ...
+    role: str
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., kv_layout: _Optional[str] = ..., role: _Optional[str] = ...) -> None: ...
 
 class NewRequest(_message.Message):
     __slots__ = ("handle", "prompt_token_ids", "output_token_ids", "params", "block_ids", "num_computed_tokens")
