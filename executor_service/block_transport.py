@@ -28,7 +28,8 @@ class Chunk:
 
 
 class BlockSource(Protocol):
-    def read(self, transfer_id: str, block_ids: list[int], kv_layout: str, seconds: float) -> AsyncIterator[Chunk]:
+    def read(self, transfer_id: str, block_ids: list[int], kv_layout: str, epoch: int,
+             seconds: float) -> AsyncIterator[Chunk]:
         ...
 
     async def close(self) -> None:
@@ -38,14 +39,14 @@ class BlockSource(Protocol):
 class GrpcBlockSource:
     """The peer executor's ReadBlocks, dialled as the scheduler dials executors (same server name, same files)."""
 
-    def __init__(self, address: str, files: tls.TLSFiles | None, server_name: str):
-        limit = 2 * CHUNK_BYTES + (1 << 20)
-        self.channel = tls.channel(address, files, server_name, [("grpc.max_receive_message_length", limit)])
+    def __init__(self, address: str, files: tls.TLSFiles | None, server_name: str, max_message: int):
+        # `max_message`: the largest chunk the source sends (a chunk holds one block at least, whatever its size).
+        self.channel = tls.channel(address, files, server_name, [("grpc.max_receive_message_length", max_message)])
 
-    async def read(self, transfer_id: str, block_ids: list[int], kv_layout: str, seconds: float):
+    async def read(self, transfer_id: str, block_ids: list[int], kv_layout: str, epoch: int, seconds: float):
         stub = executor_pb2_grpc.ExecutorStub(self.channel)
         call = stub.ReadBlocks(executor_pb2.ReadBlocksRequest(transfer_id=transfer_id, blocks=block_ids,
-                                                              kv_layout=kv_layout), timeout=seconds)
+                                                              kv_layout=kv_layout, epoch=epoch), timeout=seconds)
         async for msg in call:
             yield Chunk(msg.first, msg.count, msg.data, msg.xxh3)
 

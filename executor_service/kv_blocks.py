@@ -8,10 +8,12 @@ is written.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import xxhash
@@ -27,7 +29,24 @@ def layout(cfg: ModelConfig, num_kv_heads: int, block_size: int, dtype: torch.dt
         return ""
     name = os.path.basename(str(model).rstrip("/"))
     return (f"{name}:{cfg.architecture}:{str(dtype).removeprefix('torch.')}:layers={cfg.num_layers}:"
-            f"kv_heads={num_kv_heads}:head_dim={cfg.head_dim}:block={block_size}")
+            f"kv_heads={num_kv_heads}:head_dim={cfg.head_dim}:block={block_size}:weights={fingerprint(model)}")
+
+
+def fingerprint(model) -> str:
+    """Which weights these are, cheaply: two revisions of a model under one directory name (a rolling update)
+    write different KV for the same tokens, so their blocks must not move between them. Reads config.json and,
+    of each safetensors file, its size, its header and 64 KiB from its middle."""
+    h = hashlib.sha256()
+    root = Path(model)
+    h.update((root / "config.json").read_bytes() if (root / "config.json").exists() else b"")
+    for f in sorted(root.glob("*.safetensors")):
+        size = f.stat().st_size
+        with open(f, "rb") as fh:
+            head = fh.read(8)
+            header = fh.read(min(int.from_bytes(head, "little"), 1 << 24)) if len(head) == 8 else b""
+            fh.seek(size // 2)
+            h.update(f"{f.name}:{size}".encode() + header + fh.read(1 << 16))
+    return h.hexdigest()[:16]
 
 _scratch = threading.local()
 

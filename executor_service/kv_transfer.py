@@ -23,6 +23,7 @@ from opentelemetry.trace import SpanKind
 from executor_service.block_transport import CHUNK_BYTES, GrpcBlockSource
 from executor_service.kv_blocks import BlockBytes, digest
 from observability import tracing
+from stepwire.contract.metadata import PULL_ENDED
 from stepwire.internal import executor_pb2
 
 log = logging.getLogger("stepwire.executor")
@@ -103,19 +104,29 @@ class BlockMover:
                 self.blocks.check_ids(ids, "blocks")
             except ValueError as e:
                 raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
+            if not ids:
+                raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "no blocks")
+            if self.progress.epoch != request.epoch:
+                raise _Refused(grpc.StatusCode.FAILED_PRECONDITION, f"epoch {request.epoch} is not this executor's "
+                               f"step stream's: the blocks were pinned under another")
         except _Refused as e:
             await context.abort(e.code, str(e))
         size, starts = self.blocks.size, range(0, len(ids), self.per_chunk)
         # The next chunk is read while this one is sent: the copy and the wire overlap.
         reading = asyncio.ensure_future(self._run(self._read_chunk, ids[:self.per_chunk]))
-        for i, first in enumerate(starts):
-            data, xxh3 = await reading
-            if i + 1 < len(starts):
-                reading = asyncio.ensure_future(self._run(self._read_chunk, ids[starts[i + 1]:][:self.per_chunk]))
-            count = min(self.per_chunk, len(ids) - first)
-            self.metrics.kv_blocks_out.inc(count)
-            self.metrics.kv_bytes_out.inc(count * size)
-            yield executor_pb2.BlockChunk(first=first, count=count, data=data, xxh3=xxh3)
+        try:
+            for i, first in enumerate(starts):
+                data, xxh3 = await reading
+                if i + 1 < len(starts):
+                    reading = asyncio.ensure_future(self._run(self._read_chunk,
+                                                              ids[starts[i + 1]:][:self.per_chunk]))
+                count = min(self.per_chunk, len(ids) - first)
+                self.metrics.kv_blocks_out.inc(count)
+                self.metrics.kv_bytes_out.inc(count * size)
+                yield executor_pb2.BlockChunk(first=first, count=count, data=data, xxh3=xxh3)
+        finally:
+            if not reading.done():       # the reader went away: let the read-ahead finish, unobserved
+                reading.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     def _read_chunk(self, ids: list[int]) -> tuple[bytes, int]:
         data = self.blocks.read(ids)
@@ -141,6 +152,8 @@ class BlockMover:
         except _Refused as e:
             self.metrics.kv_pull_failures.inc()
             log.warning("KV pull %s from %s refused: %s", request.transfer_id[:MAX_ID_LEN], request.source[:255], e)
+            # Said by this executor, so the scheduler knows that nothing more is written: the blocks may be reused.
+            context.set_trailing_metadata(((PULL_ENDED, "1"),))
             await context.abort(e.code, str(e))
         seconds = time.perf_counter() - t0
         self.metrics.kv_blocks_in.inc(n)
@@ -158,7 +171,8 @@ class BlockMover:
             raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
         if not ADDRESS.match(request.source):
             raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "source must be host:port")
-        seconds = context.time_remaining() or 60.0
+        remaining = context.time_remaining()
+        seconds = min(remaining if remaining is not None else 60.0, request.deadline_seconds or 60.0)
         deadline = time.monotonic() + seconds
         p = self.progress
         async with p.changed:
@@ -172,11 +186,19 @@ class BlockMover:
             except TimeoutError:
                 raise _Refused(grpc.StatusCode.DEADLINE_EXCEEDED, f"step {request.after_step} of epoch "
                                f"{request.epoch} did not run here in time") from None
+            if p.generation != generation:
+                raise _Refused(grpc.StatusCode.ABORTED, "a newer step stream began before the pull started")
         # A newer stream voids the reservation: the pull stops at once, even while the source is silent.
         copy = asyncio.ensure_future(self._copy(request, src, dst, generation, deadline))
         newer = asyncio.ensure_future(p.changed_from(generation))
         try:
-            await asyncio.wait({copy, newer}, return_when=asyncio.FIRST_COMPLETED)
+            # The deadline holds here, whatever the source does: no write starts after it.
+            await asyncio.wait({copy, newer}, timeout=max(deadline - time.monotonic(), 0.001),
+                               return_when=asyncio.FIRST_COMPLETED)
+            if not copy.done() and not newer.done():
+                copy.cancel()
+                await asyncio.wait({copy})
+                raise _Refused(grpc.StatusCode.DEADLINE_EXCEEDED, f"the pull did not end within {seconds:.1f}s")
         finally:
             newer.cancel()
             if not copy.done():
@@ -190,11 +212,13 @@ class BlockMover:
         raise copy.exception()
 
     async def _copy(self, request, src: list[int], dst: list[int], generation: int, deadline: float) -> int:
-        source = self.source_factory(request.source, self.tls_files, self.server_name)
+        source = self.source_factory(request.source, self.tls_files, self.server_name,
+                                     self.per_chunk * self.blocks.size + (1 << 20))
         size, got = self.blocks.size, 0
         writing = None         # one chunk is checked and written while the next one arrives; in order
         try:
-            chunks = source.read(request.transfer_id, src, self.layout, max(deadline - time.monotonic(), 0.001))
+            chunks = source.read(request.transfer_id, src, self.layout, request.source_epoch,
+                                 max(deadline - time.monotonic(), 0.001))
             async for chunk in chunks:
                 count = chunk.count
                 if chunk.first != got or count == 0 or got + count > len(dst) or len(chunk.data) != count * size:

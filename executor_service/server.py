@@ -53,6 +53,7 @@ from security import peer_roles
 from security.identity import EXECUTOR, SCHEDULER
 from security.listen import add_port, describe
 from security.strict_decode import DecodeErrorsAreInvalidArgument
+from stepwire.contract.metadata import STEP_EPOCH
 from stepwire.contract.settings import load
 from stepwire.internal import executor_pb2, executor_pb2_grpc
 
@@ -246,7 +247,7 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
 
 def _epoch_of(context) -> int | None:
     """The epoch a scheduler names in the Step stream's metadata (absent or malformed: unknown until a step)."""
-    value = dict(context.invocation_metadata() or ()).get("stepwire-epoch", "")
+    value = dict(context.invocation_metadata() or ()).get(STEP_EPOCH, "")
     return int(value) if value.isdigit() and len(value) <= 20 else None
 
 

@@ -31,6 +31,7 @@ from scheduler_service.scheduler import Scheduler
 from scheduler_service.sent_step import SentStep, step_span
 from scheduler_service.settings import SchedulerSettings
 from scheduler_service.wire import HandleTable, decode_result, encode_step
+from stepwire.contract.metadata import STEP_EPOCH
 from stepwire.internal import executor_pb2_grpc
 
 log = logging.getLogger("stepwire.scheduler")
@@ -192,7 +193,7 @@ class ExecutorLink:
 
     async def _drive(self, stub) -> None:
         # The epoch in the metadata lets the executor stop KV pulls of an older stream before this one's first step.
-        call = stub.Step(metadata=(("stepwire-epoch", str(self.epoch)),))
+        call = stub.Step(metadata=((STEP_EPOCH, str(self.epoch)),))
         # An idle link reads nothing, so it learns that the executor is gone from the call ending.
         broken = asyncio.Event()
         call.add_done_callback(lambda _: (broken.set(), self._wake.set()))

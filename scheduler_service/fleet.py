@@ -110,17 +110,18 @@ class Fleet:
 
     # ------------------------------------------------------------------ routing
 
-    def route(self, req: Request, exclude: ExecutorLink | None = None) -> tuple[ExecutorLink | None, int]:
+    def route(self, req: Request, exclude: ExecutorLink | None = None,
+              decoding: bool = False) -> tuple[ExecutorLink | None, int]:
         """The live executor to run `req` (routing.py) and its prefix hit there; None when none can take it."""
-        links = by_role([lk for lk in self.live() if lk is not exclude], decoding=False)
+        links = by_role([lk for lk in self.live() if lk is not exclude], decoding)
         i, hit = pick(req, [lk.core for lk in links])
         return (links[i], hit) if i >= 0 else (None, 0)
 
-    def place(self, reqs: list[Request], exclude: ExecutorLink | None = None) -> None:
+    def place(self, reqs: list[Request], exclude: ExecutorLink | None = None, decoding: bool = False) -> None:
         """Give each request to the best live executor, or make it an orphan."""
         by_link: dict[str, list[Request]] = {}
         for req in reqs:
-            link, hit = self.route(req, exclude)
+            link, hit = self.route(req, exclude, decoding)
             if link is None:
                 self.wait_for_executor(req)
                 continue

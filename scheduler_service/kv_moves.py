@@ -23,9 +23,11 @@ from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 from observability import tracing
 from scheduler_service.request import Request
 from scheduler_service.routing import by_role, pick
+from stepwire.contract.metadata import PULL_ENDED
 from stepwire.internal import executor_pb2
 
 log = logging.getLogger("stepwire.scheduler")
+MARGIN_SECONDS = 5.0              # our wait beyond the target's own deadline
 _ids = itertools.count()
 
 
@@ -62,6 +64,7 @@ class KVMoves:
         self.in_transit: dict[str, Move] = {}
         self.counts = MoveCounts()
         self._slots = asyncio.Semaphore(settings.kv_transfer_concurrency)
+        self._tasks: set[asyncio.Task] = set()
         self._prefix = f"{os.getpid():x}-{time.time_ns():x}"
 
     # ------------------------------------------------------------------ starting
@@ -89,8 +92,7 @@ class KVMoves:
             mv = Move(req, source, target, pin, source.epoch, target.epoch, num_tokens,
                       f"{self._prefix}-{next(_ids)}", handoff)
             self.in_transit[req.request_id] = mv
-            asyncio.get_running_loop().create_task(self._run(mv, [b.block_id for b in pin[:blocks]],
-                                                             target.core.kv.get_block_ids(req.request_id)))
+            self._start(mv, [b.block_id for b in pin[:blocks]], target.core.kv.get_block_ids(req.request_id))
         moved = [mv.req for mv in self.in_transit.values() if mv.source is source]
         if moved and not handoff:
             self.fleet.count_moved(moved)
@@ -109,26 +111,41 @@ class KVMoves:
 
     # ------------------------------------------------------------------ the pull
 
-    async def _run(self, mv: Move, source_blocks: list[int], target_blocks: list[int]) -> None:
-        span = self._span(mv, len(source_blocks))
-        pull = executor_pb2.PullBlocksRequest(
-            transfer_id=mv.transfer_id, source=mv.source.address, source_blocks=source_blocks,
-            target_blocks=target_blocks, kv_layout=mv.source.kv_layout, epoch=mv.target_epoch,
-            after_step=mv.target.last_sent_step, traceparent=tracing.traceparent(span) if span else "")
-        reply, why = None, ""
-        async with self._slots:
-            stub = mv.target.stub
-            try:
-                if stub is None:
-                    raise ConnectionError("target not connected")
-                reply = await stub.PullBlocks(pull, timeout=self.settings.kv_transfer_seconds)
-            except grpc.RpcError as e:
-                why = f"{e.code().name}: {e.details()}"
-            except (ConnectionError, asyncio.CancelledError) as e:
-                why = str(e) or type(e).__name__
-        self._end(mv, reply, why, len(source_blocks), span)
+    def _start(self, mv: Move, source_blocks: list[int], target_blocks: list[int]) -> None:
+        task = asyncio.get_running_loop().create_task(self._run(mv, source_blocks, target_blocks))
+        self._tasks.add(task)          # held, so that it runs to its end; whatever happens, `_run` ends the move
+        task.add_done_callback(self._tasks.discard)
 
-    def _end(self, mv: Move, reply, why: str, num_blocks: int, span) -> None:
+    async def _run(self, mv: Move, source_blocks: list[int], target_blocks: list[int]) -> None:
+        reply, why, span, ended = None, "", None, True
+        try:
+            span = self._span(mv, len(source_blocks))
+            async with self._slots:
+                stub = mv.target.stub
+                if mv.aborted or stub is None:
+                    raise ConnectionError("aborted" if mv.aborted else "target not connected")
+                pull = executor_pb2.PullBlocksRequest(
+                    transfer_id=mv.transfer_id, source=mv.source.address, source_blocks=source_blocks,
+                    target_blocks=target_blocks, kv_layout=mv.source.kv_layout, epoch=mv.target_epoch,
+                    after_step=mv.target.last_sent_step, traceparent=tracing.traceparent(span) if span else "",
+                    deadline_seconds=self.settings.kv_transfer_seconds, source_epoch=mv.source_epoch)
+                ended = False      # from here the target may write, until it says it stopped
+                try:
+                    # The target keeps its own deadline; ours is later, so that its answer (and the word that
+                    # it stopped writing) normally comes first.
+                    reply = await stub.PullBlocks(pull, timeout=self.settings.kv_transfer_seconds + MARGIN_SECONDS)
+                    ended = True
+                except grpc.RpcError as e:
+                    why = f"{e.code().name}: {e.details()}"
+                    ended = dict(e.trailing_metadata() or ()).get(PULL_ENDED) == "1"
+        except (ConnectionError, asyncio.CancelledError) as e:
+            why = str(e) or type(e).__name__
+        except Exception as e:   # noqa: BLE001 -- a move that died here would strand its request
+            log.exception("KV transfer %s: unexpected error", mv.transfer_id)
+            why = f"internal error: {e}"
+        self._end(mv, reply, why, len(source_blocks), span, ended)
+
+    def _end(self, mv: Move, reply, why: str, num_blocks: int, span, ended: bool) -> None:
         req, source, target = mv.req, mv.source, mv.target
         rid = req.request_id
         del self.in_transit[rid]
@@ -144,7 +161,11 @@ class KVMoves:
             why = "the target reset, left or drains"
         ok = reply is not None and source_ok and target_ok and not mv.aborted
         if not ok and target.core is not None and target.core.kv.reserved(rid) == mv.num_tokens:
-            target.core.kv.drop(req)
+            if ended or not target.connected or target.epoch != mv.target_epoch:
+                target.core.kv.drop(req)     # nothing more is written there (a new epoch stops any pull)
+            else:
+                # The target did not say it stopped writing: hold its blocks past the longest it may go on.
+                target.core.kv.quarantine(req, self.settings.kv_transfer_seconds + MARGIN_SECONDS)
         self._record(mv, ok, reply, why, num_blocks, span)
         if mv.aborted:
             return
@@ -156,7 +177,7 @@ class KVMoves:
         else:
             # From its tokens, as any move without KV: routing picks the executor again.
             self.fleet.lifecycles.preempted([rid])
-            self.fleet.place([req], exclude=source)
+            self.fleet.place([req], exclude=source, decoding=req.num_output_tokens > 0)
 
     def _record(self, mv: Move, ok: bool, reply, why: str, num_blocks: int, span) -> None:
         c, m = self.counts, self.metrics

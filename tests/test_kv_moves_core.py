@@ -72,7 +72,7 @@ def test_an_executor_reset_drops_pins_and_reservations_so_every_block_is_free_an
     a, b = make_scheduler(64, block_size=4), make_scheduler(64, block_size=4)
     r, other = running_on(a, rid="r"), running_on(b, rid="o", n_prompt=10, decode=1)
     pin = detach(a, r)
-    b.kv.reserve(r, r.num_computed_tokens)
+    assert b.kv.reserve(r, r.num_computed_before)
     a.reset_executor_state()
     b.reset_executor_state()
     assert a.kv.pinned("r") is None and a.kv.num_free_blocks == 63
@@ -90,7 +90,7 @@ def test_an_arriving_request_waits_holding_its_blocks_and_an_abort_frees_them():
     a = make_scheduler(64, block_size=4)
     r = running_on(a)
     detach(a, r)
-    b.kv.reserve(r, r.num_computed_tokens)
+    assert b.kv.reserve(r, r.num_computed_before)
     adopt(b, [r])
     assert_pool_invariants(b)
     b.abort_requests("r")
@@ -118,3 +118,27 @@ def test_every_chunk_of_a_recomputed_prompt_counts_not_only_the_first():
     while r.num_computed_tokens < 23:        # the prompt and the token it had sampled
         step(a)
     assert a.kv.recomputed_tokens == 22      # the prompt again, chunk by chunk; the sampled token is new
+
+
+def test_a_quarantined_reservation_comes_back_only_after_its_delay_or_at_a_reset():
+    import asyncio
+
+    async def run():
+        a, b = make_scheduler(64, block_size=4), make_scheduler(64, block_size=4)
+        r = running_on(a)
+        detach(a, r)
+        b.kv.reserve(r, r.num_computed_before)
+        b.kv.quarantine(r, 0.2)           # the target did not say its pull stopped
+        assert b.kv.num_free_blocks == 63 - 7 and not b.kv.imported()
+        assert_pool_invariants(b)
+        await asyncio.sleep(0.3)
+        assert b.kv.num_free_blocks == 63
+        r2 = running_on(a, rid="r2", n_prompt=10)
+        detach(a, r2)
+        b.kv.reserve(r2, r2.num_computed_before)
+        b.kv.quarantine(r2, 60)
+        b.reset_executor_state()          # a new epoch stops any write: the blocks are free at once
+        assert b.kv.num_free_blocks == 63
+        assert_pool_invariants(b)
+
+    asyncio.run(run())

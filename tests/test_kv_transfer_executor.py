@@ -67,15 +67,17 @@ def prefill_and_decode(stream: Stream, blocks: list[int], decode: int) -> list[i
     return out
 
 
-def read(stub, blocks: list[int], layout: str) -> bytes:
-    return b"".join(c.data for c in stub.ReadBlocks(executor_pb2.ReadBlocksRequest(blocks=blocks, kv_layout=layout),
-                                                   timeout=10))
+def read(stub, blocks: list[int], layout: str, epoch: int) -> bytes:
+    """The blocks' bytes, as a peer reads them: named under the executor's current Step stream epoch."""
+    return b"".join(c.data for c in stub.ReadBlocks(executor_pb2.ReadBlocksRequest(
+        blocks=blocks, kv_layout=layout, epoch=epoch), timeout=10))
 
 
-def pull(stub, source: str, src: list[int], dst: list[int], layout: str, epoch: int, after: int = -1, timeout=10):
+def pull(stub, source: str, src: list[int], dst: list[int], layout: str, epoch: int, source_epoch: int,
+         after: int = -1, timeout=10):
     return stub.PullBlocks(executor_pb2.PullBlocksRequest(
         transfer_id="t", source=source, source_blocks=src, target_blocks=dst, kv_layout=layout, epoch=epoch,
-        after_step=after), timeout=timeout)
+        after_step=after, source_epoch=source_epoch, deadline_seconds=timeout), timeout=timeout + 5)
 
 
 def test_blocks_pulled_from_a_peer_continue_the_request_as_if_it_had_never_moved(pair):
@@ -86,9 +88,9 @@ def test_blocks_pulled_from_a_peer_continue_the_request_as_if_it_had_never_moved
     computed = len(PROMPT) + len(got) - 1
     moved = -(-computed // 4)
     dst = list(range(40, 40 + moved))
-    reply = pull(stub["b"], pair["stack"]["a"].address, src[:moved], dst, layout, b.epoch)
-    assert reply.bytes == len(read(stub["a"], src[:moved], layout)) > 0
-    assert read(stub["b"], dst, layout) == read(stub["a"], src[:moved], layout)
+    reply = pull(stub["b"], pair["stack"]["a"].address, src[:moved], dst, layout, b.epoch, a.epoch)
+    assert reply.bytes == len(read(stub["a"], src[:moved], layout, a.epoch)) > 0
+    assert read(stub["b"], dst, layout, b.epoch) == read(stub["a"], src[:moved], layout, a.epoch)
     # B goes on from the pulled KV alone: only the last sampled token is computed, and the tokens are A's.
     new = executor_pb2.NewRequest(handle=5, prompt_token_ids=PROMPT, output_token_ids=got, params=GREEDY,
                                   block_ids=dst + [60, 61], num_computed_tokens=computed)
@@ -102,43 +104,51 @@ def test_blocks_pulled_from_a_peer_continue_the_request_as_if_it_had_never_moved
 
 def test_a_pull_waits_for_the_last_step_that_could_write_its_blocks(pair):
     stub, layout = pair["stub"], pair["layout"]
-    b = Stream(stub["b"], fresh_epoch())
+    a, b = Stream(stub["a"], fresh_epoch()), Stream(stub["b"], fresh_epoch())
     b.send()                                                    # step 0 ran
     done = []
     t = threading.Thread(target=lambda: done.append(pull(stub["b"], pair["stack"]["a"].address, [1], [50], layout,
-                                                         b.epoch, after=1)))
+                                                         b.epoch, a.epoch, after=1)))
     t.start()
     time.sleep(1.0)
     assert not done                                             # step 1 was sent before the blocks were reserved
     b.send()
     t.join(10)
     assert done and done[0].bytes > 0
+    a.close()
     b.close()
 
 
-@pytest.mark.parametrize("case", ["stale epoch", "foreign layout", "null block", "twice", "lengths", "address"])
+@pytest.mark.parametrize("case", ["stale epoch", "foreign layout", "null block", "twice", "lengths", "address",
+                                  "stale source"])
 def test_a_bad_pull_is_refused_and_writes_nothing(pair, case):
     stub, layout = pair["stub"], pair["layout"]
-    b = Stream(stub["b"], fresh_epoch())
+    a, b = Stream(stub["a"], fresh_epoch()), Stream(stub["b"], fresh_epoch())
     b.send()
-    before = read(stub["b"], [20, 21], layout)
-    args = {"source": pair["stack"]["a"].address, "src": [1, 2], "dst": [20, 21], "layout": layout, "epoch": b.epoch}
+    before = read(stub["b"], [20, 21], layout, b.epoch)
+    args = {"source": pair["stack"]["a"].address, "src": [1, 2], "dst": [20, 21], "layout": layout, "epoch": b.epoch,
+            "source_epoch": a.epoch}
     args |= {"stale epoch": {"epoch": b.epoch - 1}, "foreign layout": {"layout": layout + "x"},
              "null block": {"dst": [0, 21]}, "twice": {"dst": [21, 21]}, "lengths": {"dst": [20]},
-             "address": {"source": "no port"}}[case]
+             "address": {"source": "no port"}, "stale source": {"source_epoch": a.epoch - 1}}[case]
     with pytest.raises(grpc.RpcError) as e:
         pull(stub["b"], **args)
-    expected = grpc.StatusCode.FAILED_PRECONDITION if case in ("stale epoch", "foreign layout") else \
-        grpc.StatusCode.INVALID_ARGUMENT
+    stale = grpc.StatusCode.FAILED_PRECONDITION
+    # A source refuses a read under another epoch than its stream's: the pull ends without a byte.
+    expected = {"stale epoch": stale, "foreign layout": stale,
+                "stale source": grpc.StatusCode.UNAVAILABLE}.get(case, grpc.StatusCode.INVALID_ARGUMENT)
     assert e.value.code() == expected, e.value.details()
-    assert read(stub["b"], [20, 21], layout) == before
+    # The executor said so itself: nothing of the pull goes on, the scheduler may reuse the blocks at once.
+    assert dict(e.value.trailing_metadata())["stepwire-pull-ended"] == "1"
+    assert read(stub["b"], [20, 21], layout, b.epoch) == before
+    a.close()
     b.close()
 
 
 @pytest.mark.parametrize("ids", [[0], [64], [3, 3], []])
 def test_reading_blocks_that_do_not_exist_is_refused(pair, ids):
     with pytest.raises(grpc.RpcError) as e:
-        read(pair["stub"]["a"], ids, pair["layout"]) if ids else list(pair["stub"]["a"].ReadBlocks(
+        read(pair["stub"]["a"], ids, pair["layout"], 0) if ids else list(pair["stub"]["a"].ReadBlocks(
             executor_pb2.ReadBlocksRequest(blocks=[1], kv_layout="other"), timeout=5))
     assert e.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
 
@@ -153,7 +163,7 @@ class FakeSource(executor_pb2_grpc.ExecutorServicer):
         if self.mode == "stall":
             await asyncio.sleep(3600)
         chunks = list(self.real.ReadBlocks(executor_pb2.ReadBlocksRequest(blocks=request.blocks,
-                                                                          kv_layout=self.layout)))
+                                                                          kv_layout=self.layout, epoch=request.epoch)))
         first = chunks[0]
         data = bytearray(first.data)
         data[len(data) // 2] ^= 0xFF
@@ -186,16 +196,18 @@ def test_a_corrupt_or_stalled_source_fails_the_pull_and_the_bad_block_is_not_wri
     prefill_and_decode(a, list(range(1, 10)), decode=0)       # A's blocks 1..7 hold KV, not zeros
     b = Stream(stub["b"], fresh_epoch())
     b.send()
-    before = read(stub["b"], [30, 31], layout)
+    before = read(stub["b"], [30, 31], layout, b.epoch)
     address, stop = serve_fake(FakeSource(stub["a"], layout, mode))
     try:
         t0 = time.monotonic()
         with pytest.raises(grpc.RpcError) as e:
-            pull(stub["b"], address, [1, 2], [30, 31], layout, b.epoch, timeout=3)
+            pull(stub["b"], address, [1, 2], [30, 31], layout, b.epoch, a.epoch, timeout=3)
         assert e.value.code() == (grpc.StatusCode.DATA_LOSS if mode == "corrupt" else
                                   grpc.StatusCode.DEADLINE_EXCEEDED), e.value.details()
         assert time.monotonic() - t0 < 30
-        assert read(stub["b"], [30, 31], layout) == before
+        # The target's own deadline ended the stalled pull, and it said it stopped writing.
+        assert dict(e.value.trailing_metadata()).get("stepwire-pull-ended") == "1"
+        assert read(stub["b"], [30, 31], layout, b.epoch) == before
     finally:
         stop()
         a.close()
@@ -211,7 +223,7 @@ def test_a_new_step_stream_stops_a_pull_of_the_old_one(pair):
 
     def run():
         try:
-            pull(stub["b"], address, [1], [33], layout, b.epoch, timeout=30)
+            pull(stub["b"], address, [1], [33], layout, b.epoch, 0, timeout=30)
         except grpc.RpcError as e:
             errors.append(e)
 

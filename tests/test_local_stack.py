@@ -41,6 +41,14 @@ def test_serve_gives_each_executor_its_own_port_and_a_share_of_the_cores():
                for c in children(load(ServeSettings, ["--executors", "2", "--deterministic"]))[0])
 
 
+def test_serve_splits_its_executors_into_prefill_and_decode_only_when_asked_and_keeps_one_of_each():
+    assert {_flag(c.command, "--role") for c in children(load(ServeSettings, ["--executors", "2"]))[0]} == {"mixed"}
+    executors, _ = children(load(ServeSettings, ["--executors", "3", "--prefill-executors", "1"]))
+    assert [_flag(c.command, "--role") for c in executors] == ["prefill", "decode", "decode"]
+    with pytest.raises(SystemExit, match="leaves none"):
+        children(load(ServeSettings, ["--executors", "2", "--prefill-executors", "2"]))
+
+
 def test_a_certs_folder_from_before_roles_is_made_again_and_a_current_one_is_kept(tmp_path):
     from security.identity import ROLES, role_of
 

@@ -6,6 +6,8 @@ have N more tokens?", and never touches blocks itself.
 
 from __future__ import annotations
 
+import asyncio
+
 from scheduler_service.kv_cache.block_pool import BlockPool, PrefixCacheStats
 from scheduler_service.kv_cache.free_queue import KVCacheBlock
 from scheduler_service.request import Request
@@ -225,6 +227,16 @@ class KVCacheManager:
         """Give a reservation back (its transfer failed): its blocks were never hashed, so nobody can hit them."""
         if request.request_id in self._imported:
             self.free(request)
+
+    def quarantine(self, request: Request, seconds: float) -> None:
+        """Like `drop`, but the blocks come back only after `seconds`: a peer may still be writing them (it did not
+        say it stopped). A reset frees them at once, since a new epoch stops any write (drop_moves)."""
+        if request.request_id not in self._imported:
+            return
+        del self._imported[request.request_id]
+        key = f"quarantine:{request.request_id}"
+        blocks = self._pinned[key] = self._held.pop(request.request_id).blocks
+        asyncio.get_running_loop().call_later(seconds, self.unpin, key, blocks)
 
     def drop_moves(self, requests_here: set[str]) -> None:
         """Free every pin, and every reservation of a request not (yet) on this core: the executor's state is
