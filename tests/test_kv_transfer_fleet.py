@@ -25,7 +25,7 @@ class KVFleet:
     """`n` executors and a scheduler; with `proxied`, the scheduler and every peer reach executor-0 through a
     proxy whose new connections a test can stall."""
 
-    def __init__(self, tmp, n: int, *scheduler_flags, proxied: bool = False):
+    def __init__(self, tmp, n: int, *scheduler_flags, proxied: bool = False, executor_flags: dict | None = None):
         self.model = write_tiny_llama(tmp / "llama")
         ports = free_ports(n)
         self.proxy = Proxy(ports[0]) if proxied else None
@@ -33,7 +33,8 @@ class KVFleet:
         executors = [Service("executor", name, {
             "--model": self.model, "--address": f"127.0.0.1:{port}", "--block-size": 4,
             "--kv-cache-memory": kv_bytes(256), "--max-num-seqs": 8, "--max-model-len": 128, "--metrics-address": "",
-            "--threads": 1, "--drain-seconds": 30}) for name, port in zip(self.names, ports, strict=True)]
+            "--threads": 1, "--drain-seconds": 30, **(executor_flags or {}).get(name, {})})
+            for name, port in zip(self.names, ports, strict=True)]
         listed = [f"127.0.0.1:{p}" for p in ports]
         if self.proxy:
             listed[0] = self.proxy.address
@@ -71,7 +72,10 @@ def expected(tmp_path_factory):
 
 def drain_first_executor_under_load(fleet: KVFleet, before_sigterm=lambda: None) -> Streams:
     streams = Streams(fleet.stub, PROMPTS)
-    fleet.stack.wait_until(lambda: all(len(t) >= 5 for t in streams.tokens), "five tokens on every stream", 60)
+    # Polled often: the tiny model makes a stream's 60 tokens in well under a second, and the drain must find
+    # them running.
+    fleet.stack.wait_until(lambda: all(len(t) >= 5 for t in streams.tokens), "five tokens on every stream", 60,
+                           interval=0.005)
     before_sigterm()
     fleet.stack.terminate("executor-0")
     return streams
