@@ -28,8 +28,9 @@ class Chunk:
 
 
 class BlockSource(Protocol):
-    def read(self, transfer_id: str, block_ids: list[int], kv_layout: str, epoch: int,
-             seconds: float) -> AsyncIterator[Chunk]:
+    def read(self, transfer_id: str, block_ids: list[int], kv_layout: str, epoch: int, seconds: float,
+             after_step: int | None = None) -> AsyncIterator[Chunk]:
+        """`after_step`: the source sends nothing before that step of `epoch` ran there (None: no wait)."""
         ...
 
     async def close(self) -> None:
@@ -43,10 +44,12 @@ class GrpcBlockSource:
         # `max_message`: the largest chunk the source sends (a chunk holds one block at least, whatever its size).
         self.channel = tls.channel(address, files, server_name, [("grpc.max_receive_message_length", max_message)])
 
-    async def read(self, transfer_id: str, block_ids: list[int], kv_layout: str, epoch: int, seconds: float):
+    async def read(self, transfer_id: str, block_ids: list[int], kv_layout: str, epoch: int, seconds: float,
+                   after_step: int | None = None):
         stub = executor_pb2_grpc.ExecutorStub(self.channel)
         call = stub.ReadBlocks(executor_pb2.ReadBlocksRequest(transfer_id=transfer_id, blocks=block_ids,
-                                                              kv_layout=kv_layout, epoch=epoch), timeout=seconds)
+                                                              kv_layout=kv_layout, epoch=epoch,
+                                                              after_step=after_step), timeout=seconds)
         async for msg in call:
             yield Chunk(msg.first, msg.count, msg.data, msg.xxh3)
 

@@ -109,6 +109,8 @@ class BlockMover:
             if self.progress.epoch != request.epoch:
                 raise _Refused(grpc.StatusCode.FAILED_PRECONDITION, f"epoch {request.epoch} is not this executor's "
                                f"step stream's: the blocks were pinned under another")
+            if request.HasField("after_step"):
+                await self._ran(request.epoch, request.after_step, context.time_remaining())
         except _Refused as e:
             await context.abort(e.code, str(e))
         size, starts = self.blocks.size, range(0, len(ids), self.per_chunk)
@@ -127,6 +129,19 @@ class BlockMover:
         finally:
             if not reading.done():       # the reader went away: let the read-ahead finish, unobserved
                 reading.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    async def _ran(self, epoch: int, step: int, seconds: float | None) -> None:
+        """Wait until `step` of `epoch` ran here: blocks a prefix pull reads may be filled by a step still in flight."""
+        p = self.progress
+        async with p.changed:
+            generation = p.generation
+            try:
+                await asyncio.wait_for(p.changed.wait_for(
+                    lambda: p.generation != generation or p.step >= step), min(seconds or 60.0, 60.0))
+            except TimeoutError:
+                raise _Refused(grpc.StatusCode.DEADLINE_EXCEEDED, f"step {step} did not run here in time") from None
+            if p.generation != generation or p.epoch != epoch:
+                raise _Refused(grpc.StatusCode.ABORTED, "a newer step stream began: the blocks may hold anything now")
 
     def _read_chunk(self, ids: list[int]) -> tuple[bytes, int]:
         data = self.blocks.read(ids)
@@ -217,8 +232,9 @@ class BlockMover:
         size, got = self.blocks.size, 0
         writing = None         # one chunk is checked and written while the next one arrives; in order
         try:
+            after = request.source_after_step if request.HasField("source_after_step") else None
             chunks = source.read(request.transfer_id, src, self.layout, request.source_epoch,
-                                 max(deadline - time.monotonic(), 0.001))
+                                 max(deadline - time.monotonic(), 0.001), after)
             async for chunk in chunks:
                 count = chunk.count
                 if chunk.first != got or count == 0 or got + count > len(dst) or len(chunk.data) != count * size:

@@ -119,6 +119,37 @@ def test_a_pull_waits_for_the_last_step_that_could_write_its_blocks(pair):
     b.close()
 
 
+def test_a_prefix_read_waits_for_the_step_that_fills_its_blocks_and_ends_with_the_stream(pair):
+    stub, layout = pair["stub"], pair["layout"]
+    a = Stream(stub["a"], fresh_epoch())
+    a.send()                                                    # step 0 ran
+    got, errors = [], []
+
+    def read_after(step):
+        try:
+            got.append(b"".join(c.data for c in stub["a"].ReadBlocks(executor_pb2.ReadBlocksRequest(
+                blocks=[1, 2], kv_layout=layout, epoch=a.epoch, after_step=step), timeout=10)))
+        except grpc.RpcError as e:
+            errors.append(e.code())
+
+    t = threading.Thread(target=read_after, args=(1,))
+    t.start()
+    time.sleep(1.0)
+    assert not got and not errors                               # step 1 may still fill blocks 1 and 2
+    a.send()
+    t.join(10)
+    assert len(got) == 1 and len(got[0]) > 0 and not errors
+    t = threading.Thread(target=read_after, args=(5,))
+    t.start()
+    time.sleep(0.5)
+    b = Stream(stub["a"], fresh_epoch())                        # a new stream: the blocks may hold anything now
+    b.send()
+    t.join(10)
+    assert errors == [grpc.StatusCode.ABORTED] and len(got) == 1
+    a.close()
+    b.close()
+
+
 @pytest.mark.parametrize("case", ["stale epoch", "foreign layout", "null block", "twice", "lengths", "address",
                                   "stale source"])
 def test_a_bad_pull_is_refused_and_writes_nothing(pair, case):

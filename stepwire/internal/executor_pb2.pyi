@@ -130,7 +130,7 @@ class StepResponse(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., all_sampled: _Optional[bool] = ..., sampled: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprob_rows: _Optional[_Iterable[int]] = ..., logprob_counts: _Optional[_Iterable[int]] = ..., logprob_token_ids: _Optional[_Iterable[int]] = ..., logprob_values: _Optional[_Iterable[float]] = ..., resync: _Optional[_Union[Resync, _Mapping]] = ..., forward_seconds: _Optional[float] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class PullBlocksRequest(_message.Message):
-    __slots__ = ("transfer_id", "source", "source_blocks", "target_blocks", "kv_layout", "epoch", "after_step", "traceparent", "deadline_seconds", "source_epoch")
+    __slots__ = ("transfer_id", "source", "source_blocks", "target_blocks", "kv_layout", "epoch", "after_step", "traceparent", "deadline_seconds", "source_epoch", "source_after_step")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     SOURCE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +141,7 @@ class PullBlocksRequest(_message.Message):
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_AFTER_STEP_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     source: str
     source_blocks: _containers.RepeatedScalarFieldContainer[int]
@@ -151,7 +152,8 @@ class PullBlocksRequest(_message.Message):
     traceparent: str
     deadline_seconds: float
     source_epoch: int
-    def __init__(self, transfer_id: _Optional[str] = ..., source: _Optional[str] = ..., source_blocks: _Optional[_Iterable[int]] = ..., target_blocks: _Optional[_Iterable[int]] = ..., kv_layout: _Optional[str] = ..., epoch: _Optional[int] = ..., after_step: _Optional[int] = ..., traceparent: _Optional[str] = ..., deadline_seconds: _Optional[float] = ..., source_epoch: _Optional[int] = ...) -> None: ...
+    source_after_step: int
+    def __init__(self, transfer_id: _Optional[str] = ..., source: _Optional[str] = ..., source_blocks: _Optional[_Iterable[int]] = ..., target_blocks: _Optional[_Iterable[int]] = ..., kv_layout: _Optional[str] = ..., epoch: _Optional[int] = ..., after_step: _Optional[int] = ..., traceparent: _Optional[str] = ..., deadline_seconds: _Optional[float] = ..., source_epoch: _Optional[int] = ..., source_after_step: _Optional[int] = ...) -> None: ...
 
 class PullBlocksResponse(_message.Message):
     __slots__ = ("bytes", "seconds")
@@ -162,16 +164,18 @@ class PullBlocksResponse(_message.Message):
     def __init__(self, bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class ReadBlocksRequest(_message.Message):
-    __slots__ = ("transfer_id", "blocks", "kv_layout", "epoch")
+    __slots__ = ("transfer_id", "blocks", "kv_layout", "epoch", "after_step")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    AFTER_STEP_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     blocks: _containers.RepeatedScalarFieldContainer[int]
     kv_layout: str
     epoch: int
-    def __init__(self, transfer_id: _Optional[str] = ..., blocks: _Optional[_Iterable[int]] = ..., kv_layout: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+    after_step: int
+    def __init__(self, transfer_id: _Optional[str] = ..., blocks: _Optional[_Iterable[int]] = ..., kv_layout: _Optional[str] = ..., epoch: _Optional[int] = ..., after_step: _Optional[int] = ...) -> None: ...
 
 class BlockChunk(_message.Message):
     __slots__ = ("first", "count", "data", "xxh3")
