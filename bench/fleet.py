@@ -7,7 +7,8 @@ fake model of bench/scheduler_step.py (a request gets `output_token` in every st
 complete; EOS ignored; it stops at max_tokens), in three set-ups:
   one pool      one Scheduler core with the trace's config;
   stepwire      4 cores with a quarter of the blocks and of max_num_seqs each, every request routed on arrival by
-                scheduler_service.routing.pick (longest prefix hit, then least loaded);
+                scheduler_service.routing.pick (least tokens to compute before the first: its uncached prompt
+                plus the work queued there; with prefix pulls at the scheduler's default cost, done at once);
   least-loaded  the same 4 cores, routed by pick(..., by_prefix=False).
 A set-up's hit rate is the sum over its cores of prefix-cache hit tokens over queried tokens.
 hit_ratio = stepwire's hit rate / one pool's; least_loaded_hit_ratio likewise.
@@ -47,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(1, str(ROOT / "tests"))     # the tiny test model and the port/health helpers
 
 from scheduler_service import Request, RunnerOutput, Scheduler, SchedulerConfig  # noqa: E402
-from scheduler_service.routing import pick  # noqa: E402
+from scheduler_service.routing import PullCost, pick  # noqa: E402
 from stepwire.contract import SamplingParams  # noqa: E402
 
 SHARED = Path(os.environ.get("STEPWIRE_SHARED", ROOT.parent / "shared"))
@@ -91,7 +92,10 @@ def fake_step(core: Scheduler, token: int, prompt_len: dict[str, int]) -> None:
 
 
 def simulate(trace: dict, cores: list[Scheduler], route) -> dict:
-    """Run the trace to its end on `cores`, giving each arriving request to cores[route(req, cores)]."""
+    """Run the trace to its end on `cores`, giving each arriving request to the core `route(req, cores)` chooses
+    (an int, or a routing.Choice, whose prefix pull happens at once: the sim has no wire). A pulled prefix
+    counts as hit tokens: it is not computed again."""
+    pulled_queries = pulled_hits = 0
     token = trace["output_token"]
     pending = sorted(trace["requests"], key=lambda r: r["arrival_step"])
     prompt_len = {r["id"]: len(r["prompt_token_ids"]) for r in pending}
@@ -100,15 +104,23 @@ def simulate(trace: dict, cores: list[Scheduler], route) -> dict:
         while i < len(pending) and pending[i]["arrival_step"] <= step:
             r = pending[i]
             req = Request(r["id"], r["prompt_token_ids"], SamplingParams(max_tokens=r["max_tokens"], ignore_eos=True))
-            cores[route(req, cores)].add_request(req)
+            choice = route(req, cores)
+            if isinstance(choice, int):
+                cores[choice].add_request(req)
+            else:
+                core = cores[choice.index]
+                hits = core.kv.get_computed_blocks(req)[0][:choice.hit // core.config.block_size]
+                if choice.source >= 0 and core.kv.reserve(req, choice.pulled, hits) is not None:
+                    pulled_queries, pulled_hits = pulled_queries + req.num_tokens, pulled_hits + choice.pulled
+                core.add_request(req)
             i += 1
         for core in cores:
             if core.has_unfinished_requests():
                 fake_step(core, token, prompt_len)
         step += 1
     stats = [c.stats() for c in cores]
-    queries = sum(s.prefix_cache_queries for s in stats)
-    hits = sum(s.prefix_cache_hits for s in stats)
+    queries = sum(s.prefix_cache_queries for s in stats) + pulled_queries
+    hits = sum(s.prefix_cache_hits for s in stats) + pulled_hits
     return {"hit_rate": hits / queries if queries else 0.0, "steps": step,
             "preemptions": sum(s.num_preemptions for s in stats)}
 
@@ -130,6 +142,10 @@ def conversations(cfg: dict, num: int = 200, turns: int = 5) -> dict:
     return {"name": "conversations", "config": cfg, "output_token": 42, "requests": reqs}
 
 
+def stepwire_route(req: Request, cores: list[Scheduler]):
+    return pick(req, cores, pulls=PullCost(), layouts=["same"] * len(cores))
+
+
 def run_routing() -> str:
     t0 = time.monotonic()
     trace = load_trace("mixed")
@@ -142,8 +158,8 @@ def run_routing() -> str:
 
     setups = {
         "one pool": simulate(trace, [make_core(cfg, cfg["num_blocks"], cfg["max_num_seqs"])], lambda req, cores: 0),
-        "stepwire": simulate(trace, split(), lambda req, cores: pick(req, cores)[0]),
-        "least-loaded": simulate(trace, split(), lambda req, cores: pick(req, cores, by_prefix=False)[0]),
+        "stepwire": simulate(trace, split(), stepwire_route),
+        "least-loaded": simulate(trace, split(), lambda req, cores: pick(req, cores, by_prefix=False).index),
     }
     print(f"{'routing (mixed)':<16} {'hit rate':>9} {'steps':>7} {'preemptions':>12}")
     for name, s in setups.items():
@@ -152,8 +168,8 @@ def run_routing() -> str:
     # little there. Conversations show what routing by prefix is for.
     chats = conversations(cfg)
     print(f"{'(conversations)':<16}")
-    for name, route in (("one pool", lambda req, cores: 0), ("stepwire", lambda req, cores: pick(req, cores)[0]),
-                        ("least-loaded", lambda req, cores: pick(req, cores, by_prefix=False)[0])):
+    for name, route in (("one pool", lambda req, cores: 0), ("stepwire", stepwire_route),
+                        ("least-loaded", lambda req, cores: pick(req, cores, by_prefix=False).index)):
         cores = ([make_core(cfg, cfg["num_blocks"], cfg["max_num_seqs"])] if name == "one pool" else split())
         c = simulate(chats, cores, route)
         print(f"{name:<16} {c['hit_rate']:>9.4f} {c['steps']:>7} {c['preemptions']:>12}")

@@ -38,7 +38,7 @@ def admit(fleet: Fleet, submit, max_waiting: int) -> str:
         check_prompt(prompt, model.vocab_size, "prompt_token_ids")
         req = Request(rid, prompt, submit.params, eos_token_ids=model.eos_token_ids, priority=submit.priority,
                       cache_salt=submit.cache_salt or None)
-        link, hit = fleet.route(req)
+        link, choice, source = fleet.route(req, pull=True)
         if link is None:
             fleet.lifecycles.admitted(req, submit.traceparent, "")
             fleet.wait_for_executor(req)
@@ -46,9 +46,12 @@ def admit(fleet: Fleet, submit, max_waiting: int) -> str:
         waiting = len(link.core.waiting)
         if waiting >= max_waiting:
             raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{waiting} requests already waiting; retry later")
-        link.admit(req)
+        link.check(req)
     except InvalidRequestError as e:
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
     fleet.lifecycles.admitted(req, submit.traceparent, link.address)
-    fleet.lifecycles.routed(rid, link.address, hit, "new")
+    pulled = source is not None and fleet.kv_moves.pull_prefix(req, source, link, choice)
+    fleet.lifecycles.routed(rid, link.address, choice.hit, "new_prefix_pull" if pulled else "new")
+    if not pulled:
+        link.admit(req)      # checked above: it cannot be refused now
     return rid

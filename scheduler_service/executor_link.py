@@ -45,7 +45,7 @@ class ExecutorLink:
                  streams: dict[str, asyncio.Queue] | None = None, on_change: Callable[[], None] = lambda: None,
                  on_lost: Callable[[ExecutorLink], None] = lambda link: None,
                  on_drain: Callable[[ExecutorLink, bool], None] = lambda link, everything: None,
-                 on_export: Callable[[ExecutorLink, bool], None] = lambda link, handoff: None):
+                 on_export: Callable[[ExecutorLink, object], None] = lambda link, which: None):
         self.address = address
         self.settings = settings
         self.lifecycles = lifecycles
@@ -53,12 +53,13 @@ class ExecutorLink:
         self.on_change = on_change        # called when the link connects, drops or drains
         self.on_lost = on_lost            # move its requests elsewhere
         self.on_drain = on_drain          # move its queue (or, `everything`, all its requests) elsewhere
-        self.on_export = on_export        # move running requests with their KV: all (leaving), or past prefill
+        self.on_export = on_export        # move running requests with their KV (kv_moves.export_running)
         self.core: Scheduler | None = None
         self.eos_token_ids, self.vocab_size = (), 0
         self.kv_layout, self.role, self.stub = "", "mixed", None   # from Describe; the stub while connected
         self.epoch, self.last_sent_step = 0, -1   # the last step sent in this epoch (-1: none yet)
-        self._export = False              # leaving: move running requests with their KV once no step is in flight
+        self._export = None               # "leave" or a set of request ids: they move with their KV once no
+                                          # step is in flight
         self.handles = HandleTable()
         # Counters for Stats: steps sent, their bytes and request slots, requests routed here (new and moved) and
         # moved off; forward_seconds is executor time inside execute(), summed over steps.
@@ -92,6 +93,10 @@ class ExecutorLink:
         self.num_routed += 1
         self._wake.set()
 
+    def check(self, req: Request) -> None:
+        """Raise InvalidRequestError if `admit` would refuse `req`."""
+        self.core.check_request(req)
+
     def adopt(self, moved: list[Request]) -> list[Request]:
         """Requests moved here from another executor; returns those this one cannot hold."""
         self.num_routed += len(moved)
@@ -105,10 +110,16 @@ class ExecutorLink:
         self.num_migrated_out += len(moved)
         return moved
 
-    def start_export(self) -> None:
-        """Leaving: once no step is in flight here, `on_export` moves the running requests with their KV."""
-        self._export = self.settings.kv_transfer and bool(self.kv_layout)
-        self._wake.set()
+    def start_export(self, request_ids: frozenset | None = None) -> None:
+        """Once no step is in flight here, `on_export` moves running requests with their KV: all of them (leaving)
+        or those named (the rebalancer's choice)."""
+        if self.settings.kv_transfer and self.kv_layout and self._export != "leave":
+            self._export = "leave" if request_ids is None else request_ids
+            self._wake.set()
+
+    @property
+    def exporting(self) -> bool:
+        return self._export is not None
 
     def detach(self, req: Request) -> list:
         """A running request leaves with its KV (no step in flight): returns its blocks, pinned (migration.py)."""
@@ -206,12 +217,12 @@ class ExecutorLink:
         sent: deque[SentStep] = deque()
         while True:
             self._wake.clear()          # before looking for work: a wake from here on ends the wait below
-            if self._export and sent:   # the KV of running requests is final once every step sent has run
+            if self._export is not None and sent:   # the KV of running requests is final once every step sent has run
                 await self._receive(call, core, sent)
                 continue
-            if self._export or (self.role == "prefill" and core.running and not sent):
-                self.on_export(self, not self._export)
-                self._export = False
+            if self._export is not None or (self.role == "prefill" and core.running and not sent):
+                self.on_export(self, "handoff" if self._export is None else self._export)
+                self._export = None
             if self.leaving and core.has_unfinished_requests() and self._drain.seconds_left() == 0:
                 log.warning("executor %s: drain period over; moving %d requests", self.address, len(core.requests))
                 self.on_drain(self, True)    # the answers to steps in flight are read and dropped

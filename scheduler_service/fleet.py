@@ -20,7 +20,7 @@ from scheduler_service.executor_link import ExecutorLink
 from scheduler_service.kv_moves import KVMoves
 from scheduler_service.lifecycle import Lifecycles
 from scheduler_service.request import Request
-from scheduler_service.routing import by_role, pick
+from scheduler_service.routing import Choice, PullCost, by_role, pick
 from scheduler_service.settings import SchedulerSettings
 
 log = logging.getLogger("stepwire.scheduler")
@@ -45,6 +45,8 @@ class Fleet:
         self.orphans: dict[str, tuple[Request, float]] = {}   # request id -> (request, give-up time)
         self.num_migrated = 0
         self.kv_moves = KVMoves(self, settings, lifecycles.metrics)
+        self.pull_cost = PullCost(settings.kv_pull_overhead_tokens, settings.kv_pull_token_cost)
+        self.num_rebalanced = 0
 
     # ------------------------------------------------------------------ membership
 
@@ -110,23 +112,31 @@ class Fleet:
 
     # ------------------------------------------------------------------ routing
 
-    def route(self, req: Request, exclude: ExecutorLink | None = None,
-              decoding: bool = False) -> tuple[ExecutorLink | None, int]:
-        """The live executor to run `req` (routing.py) and its prefix hit there; None when none can take it."""
+    def route(self, req: Request, exclude: ExecutorLink | None = None, decoding: bool = False,
+              pull: bool = False) -> tuple[ExecutorLink | None, Choice, ExecutorLink | None]:
+        """The live executor to run `req` (routing.py), the choice's figures, and (`pull`) the executor to pull
+        its prefix from, if that costs less than computing it; None when none can take it."""
         links = by_role([lk for lk in self.live() if lk is not exclude], decoding)
-        i, hit = pick(req, [lk.core for lk in links])
-        return (links[i], hit) if i >= 0 else (None, 0)
+        pulls = self.pull_cost if pull and self.settings.kv_transfer else None
+        if pulls is not None and exclude in self.live():
+            links.append(exclude)             # it holds the prefix, perhaps: a source, never the choice
+        choice = pick(req, [lk.core for lk in links], pulls=pulls, layouts=[lk.kv_layout for lk in links],
+                      exclude=links.index(exclude) if exclude in links else -1)
+        if choice.index < 0:
+            return None, choice, None
+        return links[choice.index], choice, links[choice.source] if choice.source >= 0 else None
 
-    def place(self, reqs: list[Request], exclude: ExecutorLink | None = None, decoding: bool = False) -> None:
+    def place(self, reqs: list[Request], exclude: ExecutorLink | None = None, decoding: bool = False,
+              why: str = "moved") -> None:
         """Give each request to the best live executor, or make it an orphan."""
         by_link: dict[str, list[Request]] = {}
         for req in reqs:
-            link, hit = self.route(req, exclude, decoding)
+            link, choice, _ = self.route(req, exclude, decoding)
             if link is None:
                 self.wait_for_executor(req)
                 continue
             by_link.setdefault(link.address, []).append(req)
-            self.lifecycles.routed(req.request_id, link.address, hit, "moved")
+            self.lifecycles.routed(req.request_id, link.address, choice.hit, why)
         for address, moved in by_link.items():
             for req in self.links[address].adopt(moved):
                 self.fail(req.request_id, grpc.StatusCode.UNAVAILABLE,
@@ -175,6 +185,10 @@ class Fleet:
     def count_moved(self, moved: list[Request]) -> None:
         self.num_migrated += len(moved)
         self.lifecycles.metrics.migrations.inc(len(moved))
+
+    def count_rebalanced(self, n: int, kind: str) -> None:
+        self.num_rebalanced += n
+        self.lifecycles.metrics.rebalanced.labels(kind).inc(n)
 
     # ------------------------------------------------------------------ ending requests
 

@@ -1,5 +1,11 @@
-"""Requests that leave an executor with their KV: the scheduler picks where each goes, reserves blocks there,
-and asks that executor to pull the request's blocks from the one it leaves. It never carries KV bytes.
+"""Requests that leave an executor with their KV, and prefixes pulled from one executor to another: the
+scheduler picks where each goes, reserves blocks there, and asks that executor to pull the blocks from the
+one that holds them. It never carries KV bytes.
+
+A request leaves with its KV when its executor drains (`leave`), when a prefill executor hands it to a decode
+one (`handoff`), or when the rebalancer moves it off a much fuller pool (`rebalance`). A new or queued request
+routed to B pulls its cached prefix from A (`prefix`) when routing.py's cost model says that costs less than
+computing it again. Blocks the target already caches are not sent.
 
 The source's blocks are pinned (held, never reused) until the pull ends; the target's reserved blocks count
 as the request's computed prefix only once the pull reports every block written and checked, and only if
@@ -22,7 +28,7 @@ from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
 from observability import tracing
 from scheduler_service.request import Request
-from scheduler_service.routing import by_role, pick
+from scheduler_service.routing import Choice, by_role, pick
 from stepwire.contract.metadata import PULL_ENDED
 from stepwire.internal import executor_pb2
 
@@ -36,12 +42,14 @@ class Move:
     req: Request
     source: object                 # ExecutorLink
     target: object
-    pin: list                      # the source's blocks, pinned
+    pin: list                      # the source's blocks, pinned under `pin_key`
     source_epoch: int
     target_epoch: int
-    num_tokens: int                # tokens whose KV moves
+    num_tokens: int                # tokens of KV it has at the target once the pull is done
     transfer_id: str
-    handoff: bool                  # prefill to decode, not a drain
+    kind: str                      # leave | handoff | rebalance | prefix
+    pin_key: str
+    source_after_step: int         # the source's last step sent when its blocks were pinned
     aborted: bool = False
     started: float = field(default_factory=time.monotonic)
 
@@ -53,7 +61,8 @@ class MoveCounts:
     blocks: int = 0
     bytes: int = 0
     seconds: float = 0.0
-    tokens: int = 0                # moved with their KV: not recomputed
+    tokens: int = 0                # moved with their KV or pulled: not recomputed
+    prefix_pulls: int = 0          # of `transfers`, those of a prefix
 
 
 class KVMoves:
@@ -69,45 +78,88 @@ class KVMoves:
 
     # ------------------------------------------------------------------ starting
 
-    def export_running(self, source, handoff: bool = False) -> None:
-        """`source` has no step in flight. Leaving (`handoff` False): every running request that another executor
-        can take with its KV leaves now; those it cannot (no room, no executor of the same KV layout) stay to
-        finish there, or move without KV when its drain period ends. A prefill executor's handoff: the requests
-        past their prefill (a token sampled) leave for a decode executor; with none to take them, they decode
-        here."""
+    def export_running(self, source, which) -> None:
+        """`source` has no step in flight. `which`: "leave" (it drains): every running request that another
+        executor can take with its KV leaves now; those it cannot (no room, no executor of the same KV layout)
+        stay to finish there, or move without KV when its drain period ends. "handoff" (a prefill executor):
+        the requests past their prefill (a token sampled) leave for a decode executor; with none to take them,
+        they decode here. A set of request ids: the rebalancer's choice, each to the executor routing picks."""
         core = source.core
         if not self.settings.kv_transfer or not source.kv_layout or core is None:
             return
+        handoff = which == "handoff"
+        kind = which if isinstance(which, str) else "rebalance"
         for req in list(core.running):
             num_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
+            if kind == "rebalance" and req.request_id not in which:
+                continue
             if handoff and (req.num_output_tokens == 0 or req.is_finished):
                 continue
             if num_tokens < core.config.block_size and not handoff:
                 continue          # less than a block: a recompute costs less than a round trip
-            target = self._reserve(req, source, num_tokens, handoff)
-            if target is None:
+            reserved = self._reserve(req, source, num_tokens, handoff)
+            if reserved is None:
                 continue
+            target, num_hits, fresh = reserved
             pin = source.detach(req)
             blocks = -(-num_tokens // core.config.block_size)
-            mv = Move(req, source, target, pin, source.epoch, target.epoch, num_tokens,
-                      f"{self._prefix}-{next(_ids)}", handoff)
+            mv = Move(req, source, target, pin, source.epoch, target.epoch, num_tokens, self._transfer_id(), kind,
+                      req.request_id, source.last_sent_step)
             self.in_transit[req.request_id] = mv
-            self._start(mv, [b.block_id for b in pin[:blocks]], target.core.kv.get_block_ids(req.request_id))
-        moved = [mv.req for mv in self.in_transit.values() if mv.source is source]
-        if moved and not handoff:
+            self._start(mv, [b.block_id for b in pin[num_hits:blocks]], fresh)
+        moved = [mv.req for mv in self.in_transit.values() if mv.source is source and mv.kind == kind]
+        if moved and kind == "leave":
             self.fleet.count_moved(moved)
             log.info("executor %s: %d requests leaving with their KV", source.address, len(moved))
+        elif moved and kind == "rebalance":
+            self.fleet.count_rebalanced(len(moved), "running")
 
     def _reserve(self, req: Request, source, num_tokens: int, handoff: bool):
+        """(target, blocks it already caches, fresh block ids reserved there) for a request leaving `source`."""
         links = [lk for lk in self.fleet.live() if lk is not source and lk.kv_layout == source.kv_layout
                  and req.num_tokens < lk.core.config.max_model_len]
         if handoff:       # only to where decoding is done: a handoff to another prefill executor gains nothing
             links = [lk for lk in links if lk.role != "prefill"]
         links = by_role(links, decoding=req.num_output_tokens > 0)
-        i, _ = pick(req, [lk.core for lk in links])
-        if i < 0 or links[i].core.kv.reserve(req, num_tokens) is None:
+        choice = pick(req, [lk.core for lk in links])
+        if choice.index < 0:
             return None
-        return links[i]
+        kv = links[choice.index].core.kv
+        hits = kv.get_computed_blocks(req)[0][:num_tokens // kv.block_size]
+        fresh = kv.reserve(req, num_tokens, hits)
+        return None if fresh is None else (links[choice.index], len(hits), fresh)
+
+    def pull_prefix(self, req: Request, source, target, choice: Choice) -> bool:
+        """`req` (new, or queued elsewhere and never run) is to run on `target`: pull its prefix cached on `source`
+        (tokens [choice.hit, choice.pulled)) into blocks reserved there, then queue it there. False: nothing was
+        started (the blocks are gone, or no room), and the caller queues it as it would have without a pull."""
+        req.routed_hit = choice.hit             # unless the pull starts: what `target` caches is all it gets
+        bs = target.core.config.block_size
+        if not self.settings.kv_transfer or source.core.config.block_size != bs or source.kv_layout != \
+                target.kv_layout or not source.kv_layout or req.request_id in self.in_transit:
+            return False
+        cached = source.core.kv.get_computed_blocks(req)[0]
+        hits = target.core.kv.get_computed_blocks(req)[0][:choice.hit // bs]
+        if len(cached) * bs < choice.pulled or len(hits) * bs != choice.hit or choice.pulled <= choice.hit:
+            return False
+        fresh = target.core.kv.reserve(req, choice.pulled, hits)
+        if fresh is None:
+            return False
+        tid = self._transfer_id()
+        pin = source.core.kv.pin_blocks(f"prefix:{tid}", cached[len(hits):choice.pulled // bs])
+        req.routed_hit = choice.pulled
+        mv = Move(req, source, target, pin, source.epoch, target.epoch, choice.pulled, tid, "prefix",
+                  f"prefix:{tid}", source.last_sent_step)
+        self.in_transit[req.request_id] = mv
+        self._start(mv, [b.block_id for b in pin], fresh)
+        return True
+
+    def busy(self, link) -> bool:
+        """A transfer from or to `link` is under way (the rebalancer leaves it alone until it ends)."""
+        return any(mv.source is link or mv.target is link for mv in self.in_transit.values())
+
+    def _transfer_id(self) -> str:
+        return f"{self._prefix}-{next(_ids)}"
 
     # ------------------------------------------------------------------ the pull
 
@@ -128,7 +180,8 @@ class KVMoves:
                     transfer_id=mv.transfer_id, source=mv.source.address, source_blocks=source_blocks,
                     target_blocks=target_blocks, kv_layout=mv.source.kv_layout, epoch=mv.target_epoch,
                     after_step=mv.target.last_sent_step, traceparent=tracing.traceparent(span) if span else "",
-                    deadline_seconds=self.settings.kv_transfer_seconds, source_epoch=mv.source_epoch)
+                    deadline_seconds=self.settings.kv_transfer_seconds, source_epoch=mv.source_epoch,
+                    source_after_step=mv.source_after_step)
                 ended = False      # from here the target may write, until it says it stopped
                 try:
                     # The target keeps its own deadline; ours is later, so that its answer (and the word that
@@ -149,9 +202,9 @@ class KVMoves:
         req, source, target = mv.req, mv.source, mv.target
         rid = req.request_id
         del self.in_transit[rid]
-        source_ok = source.core.kv.pinned(rid) is mv.pin and source.epoch == mv.source_epoch
-        source.core.kv.unpin(rid, mv.pin)
-        if source.epoch == mv.source_epoch:
+        source_ok = source.core.kv.pinned(mv.pin_key) is mv.pin and source.epoch == mv.source_epoch
+        source.core.kv.unpin(mv.pin_key, mv.pin)
+        if source.epoch == mv.source_epoch and mv.kind != "prefix":
             source.drop_rows([rid])       # its executor still holds the row; a draining one may now go
         target_ok = (target.connected and target.epoch == mv.target_epoch and not target.leaving
                      and target.core.kv.reserved(rid) == mv.num_tokens)
@@ -162,7 +215,7 @@ class KVMoves:
         ok = reply is not None and source_ok and target_ok and not mv.aborted
         if not ok and target.core is not None and target.core.kv.reserved(rid) == mv.num_tokens:
             if ended or not target.connected or target.epoch != mv.target_epoch:
-                target.core.kv.drop(req)     # nothing more is written there (a new epoch stops any pull)
+                target.core.kv.drop(req)     # nothing more is written there (a new epoch stops any write)
             else:
                 # The target did not say it stopped writing: hold its blocks past the longest it may go on.
                 target.core.kv.quarantine(req, self.settings.kv_transfer_seconds + MARGIN_SECONDS)
@@ -170,10 +223,13 @@ class KVMoves:
         if mv.aborted:
             return
         if ok:
-            self.fleet.lifecycles.routed(rid, target.address, mv.num_tokens, "handoff" if mv.handoff else
-                                         "moved_with_kv")
+            if mv.kind != "prefix":
+                why = {"handoff": "handoff", "rebalance": "rebalanced_with_kv"}.get(mv.kind, "moved_with_kv")
+                self.fleet.lifecycles.routed(rid, target.address, mv.num_tokens, why)
             for refused in target.adopt([req]):
                 self.fleet.fail(refused.request_id, grpc.StatusCode.UNAVAILABLE, "no executor left can hold it")
+        elif mv.kind == "prefix":
+            self.fleet.place([req], why="pull_failed")       # it computes its prefix where it goes
         else:
             # From its tokens, as any move without KV: routing picks the executor again.
             self.fleet.lifecycles.preempted([rid])
@@ -189,14 +245,18 @@ class KVMoves:
             c.bytes += reply.bytes
             c.seconds += reply.seconds
             c.tokens += mv.num_tokens
+            c.prefix_pulls += mv.kind == "prefix"
             m.kv_transfer_blocks.inc(num_blocks)
             m.kv_transfer_bytes.inc(reply.bytes)
             m.kv_transfer_seconds.observe(reply.seconds)
             m.recompute_avoided.inc(mv.num_tokens)
+            if mv.kind == "prefix":
+                m.prefix_pulls.inc()
         elif not mv.aborted:
             c.failures += 1
-            log.warning("KV transfer of request %s from %s to %s failed (%s): recomputing it", mv.req.request_id,
-                        mv.source.address, mv.target.address, why)
+            log.warning("KV transfer of request %s from %s to %s failed (%s): %s", mv.req.request_id,
+                        mv.source.address, mv.target.address, why,
+                        "computing its prefix instead" if mv.kind == "prefix" else "recomputing it")
         if span is not None:
             span.set_attribute("stepwire.kv.outcome", outcome)
             if reply is not None:
@@ -217,7 +277,7 @@ class KVMoves:
         return tracer.start_span("scheduler.kv_transfer", kind=SpanKind.CLIENT, links=links, attributes={
             "stepwire.request.id": mv.req.request_id, "stepwire.kv.transfer_id": mv.transfer_id,
             "stepwire.kv.source": mv.source.address, "stepwire.kv.target": mv.target.address,
-            "stepwire.kv.blocks": num_blocks, "stepwire.kv.tokens": mv.num_tokens})
+            "stepwire.kv.blocks": num_blocks, "stepwire.kv.tokens": mv.num_tokens, "stepwire.kv.kind": mv.kind})
 
     # ------------------------------------------------------------------ the fleet's view
 

@@ -50,7 +50,13 @@ class SchedulerMetrics:
         self.kv_transfer_seconds = Histogram("stepwire:kv_transfer_seconds", "One request's KV transfer, as the "
                                              "executor that pulled it timed it.", buckets=LATENCY, registry=r)
         self.recompute_avoided = Counter("stepwire:recompute_avoided_tokens", "Tokens that moved with their KV "
-                                         "instead of being computed again.", registry=r)
+                                         "or were pulled as a cached prefix, instead of being computed again.",
+                                         registry=r)
+        self.prefix_pulls = Counter("stepwire:kv_prefix_pulls", "Cached prefixes pulled from another executor "
+                                    "instead of computed again.", registry=r)
+        self.rebalanced = Counter("stepwire:rebalanced_requests", "Requests the rebalancer moved to a less loaded "
+                                  "executor, by kind: queued (not yet run) or running (with their KV).",
+                                  ["kind"], registry=r)
         r.register(_Live(links))
 
 

@@ -52,6 +52,13 @@ def detach(core: Scheduler, req: Request) -> list:
     return pin
 
 
+def take_queued(core: Scheduler, req: Request) -> None:
+    """Take a queued request that never ran off `core` (the rebalancer's): it holds no blocks, and its executor
+    never heard of it."""
+    core.waiting.remove_all((req,))
+    del core.requests[req.request_id]
+
+
 def adopt(core: Scheduler, moved: list[Request]) -> list[Request]:
     """Queue moved requests on `core` ahead of anything queued there (they are older), keeping their order.
     Returns those this core's executor cannot hold (its context is shorter than where they came from)."""

@@ -59,6 +59,9 @@ class Request:
     num_computed_before: int = field(init=False, default=0)
     # Prompt tokens served from the prefix cache at first admission; -1 until then.
     num_cached_tokens: int = field(init=False, default=-1)
+    # Prompt tokens routing expected cached (or pulled) where it placed it: the router's estimate of the work
+    # a queued request still brings (routing.queued_tokens), without a cache lookup per queued request.
+    routed_hit: int = field(init=False, default=0)
     # Set when the executor lost its copy (restart, resync): the next admission re-sends it in full.
     resend_in_full: bool = field(init=False, default=False)
     # Chained hashes of every full block of all_token_ids, kept up to date as tokens are appended.

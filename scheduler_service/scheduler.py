@@ -56,9 +56,13 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests in and out
 
+    def check_request(self, request: Request) -> None:
+        """Raise InvalidRequestError naming the bad field if `add_request` would refuse `request`."""
+        check_new_request(request, self.config, self.kv.pool.num_blocks, self.requests)
+
     def add_request(self, request: Request) -> None:
         """Queue a request, or raise InvalidRequestError naming the bad field without changing anything."""
-        check_new_request(request, self.config, self.kv.pool.num_blocks, self.requests)
+        self.check_request(request)
         rid = request.request_id
         if self.config.enable_prefix_caching:
             request.update_block_hashes(self.config.block_size)

@@ -17,7 +17,7 @@ from observability import tracing
 from observability.health_port import HealthServicer, serve_health
 from observability.metrics_server import serve_metrics
 from observability.shutdown import serve_until_sigterm
-from scheduler_service import membership
+from scheduler_service import membership, rebalance
 from scheduler_service.fleet import Fleet
 from scheduler_service.lifecycle import Lifecycles
 from scheduler_service.metrics import SchedulerMetrics
@@ -79,6 +79,7 @@ async def serve(settings: SchedulerSettings) -> None:
              describe(tls), settings.discovery)
     discovery = membership.start(settings, fleet.sync)
     orphans = asyncio.create_task(fleet.watch_orphans())
+    rebalancing = asyncio.create_task(rebalance.run(fleet, settings))
     async def shut_down() -> None:
         # Not serving first, so probes and the gateways' health watch stop sending here; then the sessions.
         for name in ("", SERVICE):
@@ -92,6 +93,7 @@ async def serve(settings: SchedulerSettings) -> None:
         await serve_until_sigterm(server, grace=0.5, before_stop=shut_down)
     finally:
         orphans.cancel()
+        rebalancing.cancel()
         if discovery is not None:
             discovery.cancel()
         for link in list(fleet.links.values()):

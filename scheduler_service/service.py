@@ -130,7 +130,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                                            num_migrations=fleet.num_migrated, num_requests=fleet.num_requests(),
                                            num_kv_transfers=moves.transfers, num_kv_transfer_failures=moves.failures,
                                            kv_transfer_blocks=moves.blocks, kv_transfer_bytes=moves.bytes,
-                                           kv_transfer_seconds=moves.seconds, recompute_avoided_tokens=moves.tokens)
+                                           kv_transfer_seconds=moves.seconds, recompute_avoided_tokens=moves.tokens,
+                                           num_prefix_pulls=moves.prefix_pulls, num_rebalanced=fleet.num_rebalanced)
         for link in fleet.links.values():
             e = resp.executors.add(address=link.address, connected=link.connected, epoch=link.epoch,
                                    num_steps=link.step, wire_bytes=link.wire_bytes,

@@ -60,6 +60,15 @@ class SchedulerSettings(RoleSettings):
     kv_transfer_seconds: float = Field(30.0, gt=0, description="longest one request's KV transfer may take; one "
                                        "that does not finish in time is given up and the request recomputed")
     kv_transfer_concurrency: int = Field(4, ge=1, le=256, description="KV transfers under way at once")
+    kv_pull_overhead_tokens: int = Field(256, ge=0, description="routing's cost of pulling a cached prefix from "
+                                         "another executor, fixed part, in prompt tokens computed (README: cost "
+                                         "model)")
+    kv_pull_token_cost: float = Field(0.25, ge=0, description="routing's cost of pulling one cached token, as a "
+                                      "fraction of computing it; 1 or more: no prefix pulls")
+    rebalance_seconds: float = Field(2.0, ge=0, description="how often the rebalancer compares executors' queues "
+                                     "and KV pools and moves requests off the fuller one; 0: never")
+    rebalance_threshold: float = Field(0.25, gt=0, le=1, description="KV usage gap between two executors above "
+                                       "which running requests move (with their KV) to the emptier one")
 
     async_scheduling: bool = Field(True, description="schedule and send each executor's next step while it runs "
                                    "the current one (a request that stops costs one wasted token)")

@@ -142,3 +142,57 @@ def test_a_quarantined_reservation_comes_back_only_after_its_delay_or_at_a_reset
         assert_pool_invariants(b)
 
     asyncio.run(run())
+
+
+def test_a_pulled_prefix_reuses_the_targets_own_hits_and_the_source_keeps_its_cache():
+    a, b = make_scheduler(64, block_size=4), make_scheduler(64, block_size=4)
+    for core in (a, b):
+        core.add_request(req("warm", 9, max_tokens=1))        # both cache the first 2 blocks (8 tokens)
+        while core.has_unfinished_requests():
+            step(core)
+    a.add_request(req("long", 25, max_tokens=1))              # only a caches blocks 3..6 (24 tokens)
+    while a.has_unfinished_requests():
+        step(a)
+    r = req("new", 26)
+    r.update_block_hashes(4)
+    cached_a, hit_a = a.kv.get_computed_blocks(r)
+    hits_b, hit_b = b.kv.get_computed_blocks(r)
+    assert (hit_a, hit_b) == (24, 8)
+
+    free_a = a.kv.num_free_blocks
+    pin = a.kv.pin_blocks("prefix:t1", cached_a[2:])          # what b lacks: 4 blocks, held, not taken off
+    assert a.kv.num_free_blocks == free_a - 4 and a.kv.get_computed_blocks(r)[1] == 24
+    fresh = b.kv.reserve(r, hit_a, hits_b)
+    assert len(fresh) == 4 and b.kv.get_block_ids("new")[:2] == [blk.block_id for blk in hits_b]
+    assert_pool_invariants(a)
+    assert_pool_invariants(b)
+
+    a.kv.unpin("prefix:t1", pin)                              # the pull ended: a's cache is as it was
+    assert a.kv.num_free_blocks == free_a and a.kv.get_computed_blocks(r)[1] == 24
+    b.add_request(r)
+    out, _ = step(b)
+    [new] = out.scheduled_new_reqs
+    assert new.num_computed_tokens == 24 and out.num_scheduled_tokens == {"new": 2}
+    assert b.kv.recomputed_tokens == 0
+    r2 = req("next", 26)                                      # the pulled blocks are b's prefix cache now
+    r2.update_block_hashes(4)
+    assert b.kv.get_computed_blocks(r2)[1] == 24
+    while b.has_unfinished_requests():
+        step(b)
+    assert b.kv.num_free_blocks == 63
+    assert_pool_invariants(b)
+
+
+def test_a_dropped_prefix_reservation_gives_back_its_fresh_blocks_and_keeps_the_hits_cached():
+    b = make_scheduler(64, block_size=4)
+    b.add_request(req("warm", 9, max_tokens=1))
+    while b.has_unfinished_requests():
+        step(b)
+    r = req("new", 26)
+    r.update_block_hashes(4)
+    hits, _ = b.kv.get_computed_blocks(r)
+    assert b.kv.reserve(r, 24, hits) is not None and b.kv.num_free_blocks == 63 - 6
+    assert b.kv.reserve(req("other", 26), 24 * 100) is None            # more than the pool: refused, nothing taken
+    b.kv.drop(r)
+    assert b.kv.num_free_blocks == 63 and b.kv.get_computed_blocks(r)[1] == 8
+    assert_pool_invariants(b)

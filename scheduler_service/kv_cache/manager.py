@@ -40,8 +40,9 @@ class KVCacheManager:
         self.prefix_cache_stats = PrefixCacheStats()
         self._held: dict[str, _Held] = {}
         # Blocks that move (scheduler_service/kv_moves.py). Pinned: taken off a request that left for another
-        # executor, held until the peer has read them. Imported: reserved here for a request whose KV a peer
-        # is writing, then its prefix until it is admitted; request id -> the tokens they hold.
+        # executor, or a cached prefix a peer pulls, held until the peer has read them. Imported: reserved here
+        # for a request whose KV a peer is writing, then its prefix until it is admitted; request id -> the
+        # tokens they hold.
         self._pinned: dict[str, list[KVCacheBlock]] = {}
         self._imported: dict[str, int] = {}
         self.recomputed_tokens = 0      # tokens computed again after their KV was lost (preemption, a move)
@@ -207,24 +208,37 @@ class KVCacheManager:
             del self._pinned[request_id]
             self.pool.free_blocks(reversed(blocks))
 
-    def reserve(self, request: Request, num_tokens: int) -> list[int] | None:
-        """Fresh blocks for `num_tokens` tokens of KV a peer will write; None if the pool cannot spare them.
-        Until `drop`ped or the request is admitted, they are its computed prefix here."""
-        n = -(-num_tokens // self.block_size)
-        if n > self.pool.free_queue.num_free_blocks or request.request_id in self._held:
+    def pin_blocks(self, key: str, blocks: list[KVCacheBlock]) -> list[KVCacheBlock]:
+        """Hold cached blocks (a prefix a peer pulls) under `key` until `unpin`: they stay hittable here, and are
+        neither evicted nor reused meanwhile. Full blocks are never written again, so reading them is safe."""
+        self.pool.touch(blocks)
+        pin = self._pinned[key] = list(blocks)
+        return pin
+
+    def reserve(self, request: Request, num_tokens: int, hits: list[KVCacheBlock] | tuple = ()) -> list[int] | None:
+        """Blocks for `num_tokens` tokens of KV: `hits`, blocks of its prefix already cached here, then fresh
+        ones a peer will write. Returns the fresh blocks' ids; None if the pool cannot spare them. Until
+        `drop`ped or the request is admitted, they are its computed prefix here."""
+        n = -(-num_tokens // self.block_size) - len(hits)
+        taken = n + sum(1 for b in hits if b.ref_cnt == 0)      # a hit nobody holds is a free block too
+        if n < 0 or taken > self.pool.free_queue.num_free_blocks or request.request_id in self._held:
             return None
         held = self._held[request.request_id] = _Held()
-        held.blocks = self.pool.get_new_blocks(n)
-        held.capacity = n * self.block_size
+        self.pool.touch(hits)
+        fresh = self.pool.get_new_blocks(n)
+        held.blocks = [*hits, *fresh]
+        held.num_cached = len(hits)
+        held.capacity = len(held.blocks) * self.block_size
         self._imported[request.request_id] = num_tokens
-        return [b.block_id for b in held.blocks]
+        return [b.block_id for b in fresh]
 
     def reserved(self, request_id: str) -> int | None:
         """The tokens reserved for `request_id`, while the reservation stands."""
         return self._imported.get(request_id)
 
     def drop(self, request: Request) -> None:
-        """Give a reservation back (its transfer failed): its blocks were never hashed, so nobody can hit them."""
+        """Give a reservation back (its transfer failed): its fresh blocks were never hashed, so nobody can hit
+        them; its hits stay cached."""
         if request.request_id in self._imported:
             self.free(request)
 
