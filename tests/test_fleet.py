@@ -38,7 +38,7 @@ def _kill_executor_0_mid_stream(fleet, seeded: dict) -> tuple[Streams, Streams]:
     """16 greedy and 8 seeded streams; executor 0 killed once every stream has its first token. Returns them
     ended, every one without an error."""
     greedy, sampled = Streams(fleet.stub, PROMPTS), Streams(fleet.stub, PROMPTS[:8], **seeded)
-    wait_until(lambda: greedy.started() and sampled.started(), 30, "every stream's first token")
+    wait_until(lambda: greedy.started() and sampled.started(), 30, "every stream's first token", interval=0.005)
     assert fleet.stats().executors[0].num_running > 0
     fleet.stack.kill("executor-0")
     greedy.join()
@@ -83,7 +83,7 @@ def test_an_executor_that_stops_answering_is_found_by_keepalive_and_its_requests
     try:
         expected = reference_greedy(fleet.model, PROMPTS, max_tokens=TOKENS, budget=BUDGET)
         streams = Streams(fleet.stub, PROMPTS)
-        wait_until(streams.started, 30, "every stream's first token")
+        wait_until(streams.started, 30, "every stream's first token", interval=0.005)
         assert fleet.stats().executors[0].num_running > 0
         fleet.stack.pause("executor-0")
         streams.join()
@@ -107,7 +107,7 @@ def test_a_listed_executor_that_starts_under_load_takes_requests_without_a_resta
 def test_sigterm_drains_an_executor_under_load_and_no_client_sees_an_error(two):
     expected = reference_greedy(two.model, PROMPTS, max_tokens=TOKENS, budget=BUDGET)
     streams = Streams(two.stub, PROMPTS)
-    wait_until(streams.started, 30, "every stream's first token")
+    wait_until(streams.started, 30, "every stream's first token", interval=0.005)
     t0 = time.monotonic()
     two.stack.terminate("executor-0")
     # While it drains, the executor opens nothing new: Describe (and so a new Step stream) is refused.
@@ -136,7 +136,7 @@ def test_with_no_executor_left_open_and_new_requests_end_unavailable_within_the_
     fleet = Fleet(tmp_path, 1, "--executor-wait-seconds", "2")
     try:
         streams = Streams(fleet.stub, PROMPTS[:8])
-        wait_until(streams.started, 30, "every stream's first token")
+        wait_until(streams.started, 30, "every stream's first token", interval=0.005)
         fleet.stack.kill("executor-0")
         killed = time.monotonic()
         late = Streams(fleet.stub, PROMPTS[8:10])
@@ -185,12 +185,12 @@ def _joins_under_load_then_one_leaves(fleet, add, remove=None):
     prompts = PROMPTS[:8]
     expected = reference_greedy(fleet.model, prompts, max_tokens=TOKENS, budget=BUDGET)
     first = Streams(fleet.stub, prompts)
-    wait_until(first.started, 30, "every stream's first token")
+    wait_until(first.started, 30, "every stream's first token", interval=0.005)
     fleet.start_executor(1)
     add()
     fleet.wait_connected(fleet.addresses)
     second = Streams(fleet.stub, prompts)
-    wait_until(second.started, 30, "the second wave's first tokens")
+    wait_until(second.started, 30, "the second wave's first tokens", interval=0.005)
     assert fleet.steps()[fleet.addresses[1]] > 0        # the newcomer took requests, with no restart
     assert {e.address: e.num_routed for e in fleet.stats().executors}[fleet.addresses[1]] > 0
     if remove is not None:

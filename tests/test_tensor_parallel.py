@@ -255,7 +255,7 @@ def test_a_stranger_taking_over_the_step_stream_mid_load_leaves_every_rank_in_li
         rank0 = fleet.procs["executor-0"]
         (rank1,) = children(rank0.pid)
         streams = Streams(fleet.stub, PROMPTS[:8])
-        wait_until(streams.started, 30, "every stream's first token")
+        wait_until(streams.started, 30, "every stream's first token", interval=0.005)
         hostile = executor_pb2.StepRequest(epoch=2**64 - 1, step=7, handles=[4000000000], num_tokens=[5])
         with grpc.insecure_channel(fleet.addresses[0]) as stranger:
             try:
@@ -282,7 +282,7 @@ def test_a_lost_rank_stops_its_executor_and_its_requests_finish_on_another(tmp_p
         rank0 = fleet.procs["executor-0"]
         (rank1,) = children(rank0.pid)
         streams = Streams(fleet.stub, PROMPTS, max_tokens=tokens)
-        wait_until(streams.started, 30, "every stream's first token")
+        wait_until(streams.started, 30, "every stream's first token", interval=0.005)
         assert fleet.stats().executors[0].num_running > 0
         t0 = time.monotonic()
         if fault == "kill rank 1":
