@@ -123,8 +123,11 @@ class ExecutorLink:
 
     def detach(self, req: Request) -> list:
         """A running request leaves with its KV (no step in flight): returns its blocks, pinned (migration.py)."""
-        self.num_migrated_out += 1
         return migration.detach(self.core, req)
+
+    def count_migrated_out(self, n: int) -> None:
+        """`n` requests left because this executor drained or was lost (not a rebalance or a handoff)."""
+        self.num_migrated_out += n
 
     def drop_rows(self, request_ids) -> None:
         """Requests that left with their KV: the executor may now drop their rows (and a draining one exit)."""

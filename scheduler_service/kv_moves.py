@@ -110,6 +110,7 @@ class KVMoves:
         moved = [mv.req for mv in self.in_transit.values() if mv.source is source and mv.kind == kind]
         if moved and kind == "leave":
             self.fleet.count_moved(moved)
+            source.count_migrated_out(len(moved))
             log.info("executor %s: %d requests leaving with their KV", source.address, len(moved))
         elif moved and kind == "rebalance":
             self.fleet.count_rebalanced(len(moved), "running")
@@ -232,6 +233,9 @@ class KVMoves:
             self.fleet.place([req], why="pull_failed")       # it computes its prefix where it goes
         else:
             # From its tokens, as any move without KV: routing picks the executor again.
+            if mv.kind == "rebalance" and (not source.connected or source.epoch != mv.source_epoch):
+                self.fleet.count_moved([req])        # its executor was lost under it: a migration after all
+                source.count_migrated_out(1)
             self.fleet.lifecycles.preempted([rid])
             self.fleet.place([req], exclude=source, decoding=req.num_output_tokens > 0)
 

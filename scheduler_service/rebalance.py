@@ -64,7 +64,6 @@ def move_queued(fleet, min_gain: int) -> int:
                 req.block_hashes = hashes      # it stays: hashed at this core's block size
                 break
             migration.take_queued(core, req)
-            link.num_migrated_out += 1
             fleet.lifecycles.routed(req.request_id, target.address, choice.hit, "rebalanced")
             if source is None or not fleet.kv_moves.pull_prefix(req, source, target, choice):
                 target.adopt([req])            # cannot be refused: routing checked its length there

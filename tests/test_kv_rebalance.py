@@ -95,7 +95,7 @@ def test_a_prefix_pull_whose_source_stalls_or_dies_ends_in_a_recompute_with_the_
         streams.join(90)
         assert streams.errors == [None] * len(PULLED) and streams.tokens == expected["pulled"]
         s = fleet.stats()
-        assert s.num_kv_transfer_failures > 0 and s.num_prefix_pulls == 0
+        assert s.num_kv_transfer_failures > 0
         fleet.stack.wait_until(fleet.settled, "every request ended and every block freed", 30)
     finally:
         fleet.close()
