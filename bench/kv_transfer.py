@@ -13,7 +13,8 @@ Figures:
   recomputed_tokens  the transfer run's recomputed tokens, as the scheduler's Stats count them (goal 0);
   stall_ratio        the longest gap between two tokens of any stream after the SIGTERM, transfer / recompute;
   identical          yes if both drain runs gave every stream exactly the reference tokens;
-  gbps               bytes moved / seconds the pulling executors spent on them (Stats), transfer run;
+  gbps               bytes moved / wall time with at least one transfer under way (Stats), transfer run
+                     (also printed: the rate one pull saw, bytes / the pulling executors' copy seconds summed);
   copy_gbps          one in-process memcpy of 256 MiB (numpy, best of 3) in the same run: the loopback ceiling.
 
 Then prefill/decode disaggregation on the same two executors, twice on a fresh stack: both mixed, then
@@ -22,9 +23,16 @@ each; once each has 8 tokens, --long-prompts prompts of --context-tokens arrive 
 (4 tokens each). decode_gap_ratio = p99 of the decode streams' inter-token gaps while long prompts arrive,
 P/D / mixed; identical = every stream (decode and long) got the same tokens in both.
 
+Then scale-up with conversations (prefix pulls and rebalancing): --conversations histories of --history-tokens
+run on executor-0 alone (so they are cached there), executor-1 joins, and every conversation's next turn (the
+history plus --turn-tokens new tokens, 16 tokens out) arrives at once. Twice on a fresh stack: with prefix
+pulls and rebalancing (the defaults), and without (--kv-pull-token-cost 1 --rebalance-seconds 0: every turn
+queues where its history is cached). Not a RESULT line: time to first token (p50, max) and the time until the
+last turn ends, pulls / without, with the pulls made and whether the tokens are the same.
+
 Usage: bench/kv_transfer.py [--streams 4] [--context-tokens 2048] [--max-tokens 48] [--decode-streams 4]
-                            [--decode-tokens 160] [--long-prompts 8] [--long-every 1.0] [--only drain|pd]
-                            [--model DIR]
+                            [--decode-tokens 160] [--long-prompts 8] [--long-every 1.0] [--conversations 6]
+                            [--history-tokens 1536] [--turn-tokens 256] [--only drain|pd|pull] [--model DIR]
 """
 
 from __future__ import annotations
@@ -113,7 +121,7 @@ def run(args, mode: str, prompt_ids: list[list[int]]) -> dict:
         return {"tokens": tokens, "errors": errors, "longest_gap": max(gaps, default=0.0),
                 "recomputed": sum(e.num_recomputed_tokens for e in s.executors), "transfers": s.num_kv_transfers,
                 "failures": s.num_kv_transfer_failures, "bytes": s.kv_transfer_bytes,
-                "seconds": s.kv_transfer_seconds, "moved_from": moved_on}
+                "seconds": s.kv_transfer_seconds, "busy": s.kv_transfer_busy_seconds, "moved_from": moved_on}
 
 
 def run_pd(args, roles: list[str], short: list[list[int]], long: list[list[int]]) -> dict:
@@ -164,6 +172,75 @@ def run_pd(args, roles: list[str], short: list[list[int]], long: list[list[int]]
                 "recomputed": sum(e.num_recomputed_tokens for e in s.executors)}
 
 
+def run_pull(args, pulls: bool, histories: list[list[int]], turns: list[list[int]]) -> dict:
+    import grpc
+
+    from stepwire.internal import sampling_pb2, scheduler_pb2, scheduler_pb2_grpc
+
+    tmp = Path(tempfile.mkdtemp(prefix=f"pull-{pulls}-"))
+    flags = {"--model": args.model, "--metrics-address": "", "--threads": 1, "--max-num-seqs": 16,
+             "--kv-cache-memory": 2 << 30}
+    sched = {"--metrics-address": "", "--max-num-seqs": 16, "--retry-seconds": 0.2}
+    if not pulls:
+        sched |= {"--kv-pull-token-cost": 1, "--rebalance-seconds": 0}
+    with Stack([Service("executor", "executor-0", dict(flags)),
+                Service("executor", "executor-1", dict(flags), autostart=False),
+                Service("scheduler", flags=sched)], tmp) as stack, \
+            grpc.insecure_channel(stack["scheduler"].address) as channel:
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        stats = lambda: stub.Stats(scheduler_pb2.StatsRequest(), timeout=10)  # noqa: E731
+
+        def submit(i, prompt, max_tokens, out, times):
+            params = sampling_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, top_p=1.0, top_k=-1,
+                                                 ignore_eos=True)
+            for o in stub.Submit(scheduler_pb2.SubmitRequest(request_id=f"turn-{i}-{max_tokens}",
+                                                             prompt_token_ids=prompt, params=params)):
+                out[i] += o.token_ids
+                times[i] += [time.monotonic()] * len(o.token_ids)
+
+        stack.wait_until(lambda: sum(e.connected for e in stats().executors) == 1, "executor-0", 120)
+        warm = [[] for _ in histories]
+        threads = [threading.Thread(target=submit, args=(i, h, 1, warm, [[] for _ in histories]), daemon=True)
+                   for i, h in enumerate(histories)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(600)
+        stack.start("executor-1")
+        stack.wait_until(lambda: sum(e.connected for e in stats().executors) == 2, "executor-1 to join", 120)
+        tokens, times = [[] for _ in turns], [[] for _ in turns]
+        start = time.monotonic()
+        threads = [threading.Thread(target=submit, args=(i, p, 16, tokens, times), daemon=True)
+                   for i, p in enumerate(turns)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(600)
+        ttft = sorted(ts[0] - start for ts in times if ts)
+        s = stats()
+        return {"tokens": tokens, "ttft_p50": ttft[len(ttft) // 2], "ttft_max": ttft[-1],
+                "end": max(ts[-1] for ts in times if ts) - start, "pulls": s.num_prefix_pulls,
+                "rebalanced": s.num_rebalanced, "failures": s.num_kv_transfer_failures,
+                "recomputed": sum(e.num_recomputed_tokens for e in s.executors),
+                "routed": [e.num_routed for e in s.executors]}
+
+
+def pull(args, vocab: int) -> None:
+    histories = prompts(args.conversations, args.history_tokens, vocab)
+    rng = random.Random(1)
+    turns = [h + [rng.randrange(100, vocab - 100) for _ in range(args.turn_tokens)] for h in histories]
+    runs = {"pulls": run_pull(args, True, histories, turns), "without": run_pull(args, False, histories, turns)}
+    print(f"{'run':<8} {'TTFT p50 s':>10} {'TTFT max s':>10} {'last end s':>10} {'pulls':>5} {'rebalanced':>10} "
+          f"{'failed':>6} {'routed':>9}")
+    for name, x in runs.items():
+        print(f"{name:<8} {x['ttft_p50']:>10.2f} {x['ttft_max']:>10.2f} {x['end']:>10.2f} {x['pulls']:>5} "
+              f"{x['rebalanced']:>10} {x['failures']:>6} {'/'.join(map(str, x['routed'])):>9}")
+    p, w = runs["pulls"], runs["without"]
+    print(f"# scale-up with conversations, pulls / without: TTFT p50 {p['ttft_p50'] / w['ttft_p50']:.2f}, "
+          f"TTFT max {p['ttft_max'] / w['ttft_max']:.2f}, last end {p['end'] / w['end']:.2f}; "
+          f"identical={'yes' if p['tokens'] == w['tokens'] else 'no'}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--streams", type=int, default=4)
@@ -173,15 +250,20 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=160)
     ap.add_argument("--long-prompts", type=int, default=8)
     ap.add_argument("--long-every", type=float, default=1.0)
-    ap.add_argument("--only", choices=["drain", "pd"])
+    ap.add_argument("--conversations", type=int, default=6)
+    ap.add_argument("--history-tokens", type=int, default=1536)
+    ap.add_argument("--turn-tokens", type=int, default=256)
+    ap.add_argument("--only", choices=["drain", "pd", "pull"])
     ap.add_argument("--model", default=str(MODEL))
     args = ap.parse_args()
     import json
     vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
-    if args.only != "pd":
+    if args.only in (None, "drain"):
         drain(args, vocab)
-    if args.only != "drain":
+    if args.only in (None, "pd"):
         pd(args, vocab)
+    if args.only in (None, "pull"):
+        pull(args, vocab)
 
 
 def pd(args, vocab: int) -> None:
@@ -212,7 +294,9 @@ def drain(args, vocab: int) -> None:
     for mode, x in runs.items():
         if any(x["errors"]):
             print(f"{mode}: errors {x['errors']}")
-    gbps = t["bytes"] / t["seconds"] / 1e9 if t["seconds"] else 0.0
+    gbps = t["bytes"] / t["busy"] / 1e9 if t["busy"] else 0.0
+    print(f"# transfer run: {t['bytes'] / 1e6:.1f} MB in {t['busy']:.2f} s with a transfer under way; one pull saw "
+          f"{t['bytes'] / t['seconds'] / 1e9 if t['seconds'] else 0.0:.2f} GB/s")
     stall = t["longest_gap"] / r["longest_gap"] if r["longest_gap"] else float("nan")
     print(f"RESULT kv_transfer recomputed_tokens={t['recomputed']} stall_ratio={stall:.2f} "
           f"identical={'yes' if identical else 'no'} gbps={gbps:.2f} copy_gbps={copy:.2f}")

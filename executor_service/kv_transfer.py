@@ -161,21 +161,20 @@ class BlockMover:
             return await self._pull_or_abort(request, context)
 
     async def _pull_or_abort(self, request, context):
-        t0 = time.perf_counter()
         try:
-            n = await self._pull(request, context)
+            n, seconds = await self._pull(request, context)
         except _Refused as e:
             self.metrics.kv_pull_failures.inc()
             log.warning("KV pull %s from %s refused: %s", request.transfer_id[:MAX_ID_LEN], request.source[:255], e)
             # Said by this executor, so the scheduler knows that nothing more is written: the blocks may be reused.
             context.set_trailing_metadata(((PULL_ENDED, "1"),))
             await context.abort(e.code, str(e))
-        seconds = time.perf_counter() - t0
         self.metrics.kv_blocks_in.inc(n)
         self.metrics.kv_bytes_in.inc(n * self.blocks.size)
         return executor_pb2.PullBlocksResponse(bytes=n * self.blocks.size, seconds=seconds)
 
-    async def _pull(self, request, context) -> int:
+    async def _pull(self, request, context) -> tuple[int, float]:
+        """(blocks written, seconds from the first request to the source to the last write)."""
         self._check(request.transfer_id, request.kv_layout)
         src, dst = list(request.source_blocks), list(request.target_blocks)
         if not src or len(src) != len(dst):
@@ -226,7 +225,9 @@ class BlockMover:
                            "blocks to another request")
         raise copy.exception()
 
-    async def _copy(self, request, src: list[int], dst: list[int], generation: int, deadline: float) -> int:
+    async def _copy(self, request, src: list[int], dst: list[int], generation: int,
+                    deadline: float) -> tuple[int, float]:
+        t0 = time.perf_counter()     # the copy alone: not the wait for this executor's steps before it
         source = self.source_factory(request.source, self.tls_files, self.server_name,
                                      self.per_chunk * self.blocks.size + (1 << 20))
         size, got = self.blocks.size, 0
@@ -257,7 +258,7 @@ class BlockMover:
             await source.close()
         if got != len(dst):
             raise _Refused(grpc.StatusCode.DATA_LOSS, f"source sent {got} of {len(dst)} blocks")
-        return got
+        return got, time.perf_counter() - t0
 
     async def _check_and_write(self, chunk, ids: list[int], generation: int) -> None:
         if await self._run(digest, chunk.data) != chunk.xxh3:

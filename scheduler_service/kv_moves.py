@@ -60,7 +60,8 @@ class MoveCounts:
     failures: int = 0
     blocks: int = 0
     bytes: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0           # summed over transfers, as the target executors timed their copies
+    busy_seconds: float = 0.0      # wall time with at least one transfer under way: what aggregate rates divide by
     tokens: int = 0                # moved with their KV or pulled: not recomputed
     prefix_pulls: int = 0          # of `transfers`, those of a prefix
 
@@ -74,6 +75,7 @@ class KVMoves:
         self.counts = MoveCounts()
         self._slots = asyncio.Semaphore(settings.kv_transfer_concurrency)
         self._tasks: set[asyncio.Task] = set()
+        self._running, self._busy_since = 0, 0.0
         self._prefix = f"{os.getpid():x}-{time.time_ns():x}"
 
     # ------------------------------------------------------------------ starting
@@ -184,6 +186,7 @@ class KVMoves:
                     deadline_seconds=self.settings.kv_transfer_seconds, source_epoch=mv.source_epoch,
                     source_after_step=mv.source_after_step)
                 ended = False      # from here the target may write, until it says it stopped
+                self._busy(+1)
                 try:
                     # The target keeps its own deadline; ours is later, so that its answer (and the word that
                     # it stopped writing) normally comes first.
@@ -192,12 +195,22 @@ class KVMoves:
                 except grpc.RpcError as e:
                     why = f"{e.code().name}: {e.details()}"
                     ended = dict(e.trailing_metadata() or ()).get(PULL_ENDED) == "1"
+                finally:
+                    self._busy(-1)
         except (ConnectionError, asyncio.CancelledError) as e:
             why = str(e) or type(e).__name__
         except Exception as e:   # noqa: BLE001 -- a move that died here would strand its request
             log.exception("KV transfer %s: unexpected error", mv.transfer_id)
             why = f"internal error: {e}"
         self._end(mv, reply, why, len(source_blocks), span, ended)
+
+    def _busy(self, delta: int) -> None:
+        now = time.monotonic()
+        if self._running == 0:
+            self._busy_since = now
+        self._running += delta
+        if self._running == 0:
+            self.counts.busy_seconds += now - self._busy_since
 
     def _end(self, mv: Move, reply, why: str, num_blocks: int, span, ended: bool) -> None:
         req, source, target = mv.req, mv.source, mv.target

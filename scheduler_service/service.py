@@ -131,7 +131,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                                            num_kv_transfers=moves.transfers, num_kv_transfer_failures=moves.failures,
                                            kv_transfer_blocks=moves.blocks, kv_transfer_bytes=moves.bytes,
                                            kv_transfer_seconds=moves.seconds, recompute_avoided_tokens=moves.tokens,
-                                           num_prefix_pulls=moves.prefix_pulls, num_rebalanced=fleet.num_rebalanced)
+                                           num_prefix_pulls=moves.prefix_pulls, num_rebalanced=fleet.num_rebalanced,
+                                           kv_transfer_busy_seconds=moves.busy_seconds)
         for link in fleet.links.values():
             e = resp.executors.add(address=link.address, connected=link.connected, epoch=link.epoch,
                                    num_steps=link.step, wire_bytes=link.wire_bytes,
