@@ -40,7 +40,7 @@ class Choice:
     hit: int = 0        # prompt tokens cached there
     source: int = -1    # the core to pull the prefix from; -1: no pull
     pulled: int = 0     # prompt tokens cached on `source`: the pull brings tokens [hit, pulled)
-    cost: float = 0.0
+    cost: float = 0.0   # tokens to compute before its first one there (set only where pulls are weighed)
 
 
 NOWHERE = Choice(-1)
@@ -88,8 +88,10 @@ def pick(req: Request, cores: list[Scheduler], by_prefix: bool = True, pulls: Pu
             best, best_key = i, key
     if best < 0:
         return NOWHERE
-    choice = Choice(best, hits[best], cost=req.num_tokens - hits[best] + queued_tokens(cores[best]))
-    if pulls is not None and layouts is not None:
+    choice = Choice(best, hits[best])
+    if pulls is not None and layouts is not None and max(hits) * (1 - pulls.token_cost) > pulls.overhead_tokens:
+        # Costs only where a pull is weighed: queued_tokens walks a core's requests.
+        choice = Choice(best, hits[best], cost=req.num_tokens - hits[best] + queued_tokens(cores[best]))
         choice = _pull(req, cores, hits, choice, pulls, layouts, exclude) or choice
     req.block_hashes = hashes[cores[choice.index].config.block_size]
     req.routed_hit = choice.pulled if choice.source >= 0 else choice.hit

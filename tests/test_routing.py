@@ -24,7 +24,8 @@ def test_a_request_goes_where_its_prefix_is_cached_even_if_that_executor_is_busi
         cores[2].add_request(req(f"busy{i}", 8, first=100 + 10 * i))
     choice = pick(req("new", 20), cores)               # same first 16 tokens as "warm"
     assert (choice.index, choice.hit, choice.source) == (2, 16, -1)
-    assert choice.cost == 20 - 16 + 24                  # its own 4 tokens and the 24 queued there
+    choice = pick(req("new", 20), cores, pulls=PullCost(), layouts=["L"] * 3)
+    assert (choice.index, choice.source) == (2, -1)     # 16 cached tokens are never worth a pull
 
 
 def test_without_a_hit_the_least_loaded_executor_wins_waiting_then_running():
@@ -70,7 +71,7 @@ def test_no_pull_when_computing_the_prefix_costs_less_the_layouts_differ_or_the_
     _warm(cores[0], "warm2", 512, first=5000)
     big = req("new2", 520, first=5000)
     pulls = PullCost(64, 0.25)
-    assert pick(big, cores, pulls=pulls, layouts=["L", "L"]) == pick(big, cores)     # nothing queued on core 0
+    assert pick(big, cores, pulls=pulls, layouts=["L", "L"]).source == -1            # nothing queued on core 0
     for i in range(4):
         cores[0].add_request(req(f"busy{i}", 200, first=2000 + 300 * i))
     # 64 cached tokens: pulling costs 16 + 256 overhead, more than computing them (64). It waits on core 0.
