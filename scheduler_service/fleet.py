@@ -113,10 +113,11 @@ class Fleet:
     # ------------------------------------------------------------------ routing
 
     def route(self, req: Request, exclude: ExecutorLink | None = None, decoding: bool = False,
-              pull: bool = False) -> tuple[ExecutorLink | None, Choice, ExecutorLink | None]:
+              pull: bool = False, any_role: bool = True) -> tuple[ExecutorLink | None, Choice, ExecutorLink | None]:
         """The live executor to run `req` (routing.py), the choice's figures, and (`pull`) the executor to pull
-        its prefix from, if that costs less than computing it; None when none can take it."""
-        links = by_role([lk for lk in self.live() if lk is not exclude], decoding)
+        its prefix from, if that costs less than computing it; None when none can take it. Without `any_role`,
+        only an executor of the role the request needs."""
+        links = by_role([lk for lk in self.live() if lk is not exclude], decoding, fallback=any_role)
         pulls = self.pull_cost if pull and self.settings.kv_transfer else None
         if pulls is not None and exclude in self.live():
             links.append(exclude)             # it holds the prefix, perhaps: a source, never the choice

@@ -59,7 +59,8 @@ def move_queued(fleet, min_gain: int) -> int:
                 return moved
             hashes = req.block_hashes
             stay = req.num_tokens - core.kv.get_computed_blocks(req)[1] + queued_tokens(core) - pending_tokens(req)
-            target, choice, source = fleet.route(req, exclude=link, pull=True)
+            # Only to an executor that prefills: a queue moved onto a decode executor would undo P/D.
+            target, choice, source = fleet.route(req, exclude=link, pull=True, any_role=False)
             if target is None or choice.cost + min_gain >= stay:
                 req.block_hashes = hashes      # it stays: hashed at this core's block size
                 break

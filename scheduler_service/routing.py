@@ -40,17 +40,18 @@ class Choice:
     hit: int = 0        # prompt tokens cached there
     source: int = -1    # the core to pull the prefix from; -1: no pull
     pulled: int = 0     # prompt tokens cached on `source`: the pull brings tokens [hit, pulled)
-    cost: float = 0.0   # tokens to compute before its first one there (set only where pulls are weighed)
+    cost: float = 0.0   # tokens to compute before its first one there (set where pulls are weighed)
 
 
 NOWHERE = Choice(-1)
 
 
-def by_role(links: list, decoding: bool) -> list:
+def by_role(links: list, decoding: bool, fallback: bool = True) -> list:
     """Links to prefer by role: a request that has sampled a token goes where decoding is done (decode or mixed),
-    one still to prefill where prefill is done (prefill or mixed); the others only when none of those is up."""
+    one still to prefill where prefill is done (prefill or mixed); the others only when none of those is up
+    (and `fallback`: a request that already has an executor of the right role stays there rather)."""
     avoid = "prefill" if decoding else "decode"
-    return [lk for lk in links if lk.role != avoid] or links
+    return [lk for lk in links if lk.role != avoid] or (links if fallback else [])
 
 
 def pending_tokens(req: Request) -> int:
@@ -89,10 +90,11 @@ def pick(req: Request, cores: list[Scheduler], by_prefix: bool = True, pulls: Pu
     if best < 0:
         return NOWHERE
     choice = Choice(best, hits[best])
-    if pulls is not None and layouts is not None and max(hits) * (1 - pulls.token_cost) > pulls.overhead_tokens:
-        # Costs only where a pull is weighed: queued_tokens walks a core's requests.
+    if pulls is not None and layouts is not None:
+        # Costs only where pulls are weighed (admission, the rebalancer): queued_tokens walks a core's requests.
         choice = Choice(best, hits[best], cost=req.num_tokens - hits[best] + queued_tokens(cores[best]))
-        choice = _pull(req, cores, hits, choice, pulls, layouts, exclude) or choice
+        if max(hits) * (1 - pulls.token_cost) > pulls.overhead_tokens:      # else no pull can pay
+            choice = _pull(req, cores, hits, choice, pulls, layouts, exclude) or choice
     req.block_hashes = hashes[cores[choice.index].config.block_size]
     req.routed_hit = choice.pulled if choice.source >= 0 else choice.hit
     return choice
