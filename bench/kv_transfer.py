@@ -131,7 +131,7 @@ def run_pd(args, roles: list[str], short: list[list[int]], long: list[list[int]]
 
     tmp = Path(tempfile.mkdtemp(prefix=f"pd-{roles[0]}-"))
     flags = {"--model": args.model, "--metrics-address": "", "--threads": 1, "--max-num-seqs": 16,
-             "--kv-cache-memory": 2 << 30}
+             "--kv-cache-memory": 2 << 30, "--deterministic": args.deterministic}
     with Stack([*(Service("executor", f"executor-{i}", {**flags, "--role": r}) for i, r in enumerate(roles)),
                 Service("scheduler", flags={"--metrics-address": "", "--max-num-seqs": 16})], tmp) as stack, \
             grpc.insecure_channel(stack["scheduler"].address) as channel:
@@ -254,6 +254,8 @@ def main() -> None:
     ap.add_argument("--history-tokens", type=int, default=1536)
     ap.add_argument("--turn-tokens", type=int, default=256)
     ap.add_argument("--only", choices=["drain", "pd", "pull"])
+    ap.add_argument("--deterministic", action="store_true", help="pd: executors in deterministic mode, whose "
+                    "tokens do not depend on the batch (the default mode's may, by a rounding)")
     ap.add_argument("--model", default=str(MODEL))
     args = ap.parse_args()
     import json
@@ -276,6 +278,10 @@ def pd(args, vocab: int) -> None:
     for name, x in runs.items():
         print(f"{name:<6} {x['p50']:>16.3f} {x['p99']:>7.3f} {x['gaps']:>5} {x['transfers']:>9} {x['recomputed']:>10}")
     m, d = runs["mixed"], runs["P/D"]
+    for i, (a, b) in enumerate(zip(m["tokens"], d["tokens"], strict=True)):
+        if a != b:
+            at = next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+            print(f"# stream {i} ({'decode' if i < len(short) else 'long'}): differs from token {at} of {len(a)}")
     ratio = d["p99"] / m["p99"] if m["p99"] else float("nan")
     print(f"RESULT pd decode_gap_ratio={ratio:.2f} identical={'yes' if m['tokens'] == d['tokens'] else 'no'}")
 
