@@ -117,9 +117,10 @@ class Fleet:
         """The live executor to run `req` (routing.py), the choice's figures, and (`pull`) the executor to pull
         its prefix from, if that costs less than computing it; None when none can take it. Without `any_role`,
         only an executor of the role the request needs."""
-        links = by_role([lk for lk in self.live() if lk is not exclude], decoding, fallback=any_role)
+        live = self.live()
+        links = by_role([lk for lk in live if lk is not exclude], decoding, fallback=any_role)
         pulls = self.pull_cost if pull and self.settings.kv_transfer else None
-        if pulls is not None and exclude in self.live():
+        if pulls is not None and exclude in live:
             links.append(exclude)             # it holds the prefix, perhaps: a source, never the choice
         choice = pick(req, [lk.core for lk in links], pulls=pulls, layouts=[lk.kv_layout for lk in links],
                       exclude=links.index(exclude) if exclude in links else -1)

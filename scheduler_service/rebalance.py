@@ -54,16 +54,19 @@ def move_queued(fleet, min_gain: int) -> int:
                    and r.request_id not in imported]
         by_priority = core.config.policy == "priority"
         waiting.sort(key=lambda r: (r.priority if by_priority else 0, r.arrival_time), reverse=True)
+        queued = queued_tokens(core)
         for req in waiting:                    # the last to run here first: the most work ahead of them
             if moved >= MAX_QUEUED_MOVES:
                 return moved
-            hashes = req.block_hashes
-            stay = req.num_tokens - core.kv.get_computed_blocks(req)[1] + queued_tokens(core) - pending_tokens(req)
+            hashes, routed_hit, own = req.block_hashes, req.routed_hit, pending_tokens(req)
+            stay = req.num_tokens - core.kv.get_computed_blocks(req)[1] + queued - own
             # Only to an executor that prefills: a queue moved onto a decode executor would undo P/D.
             target, choice, source = fleet.route(req, exclude=link, pull=True, any_role=False)
             if target is None or choice.cost + min_gain >= stay:
-                req.block_hashes = hashes      # it stays: hashed at this core's block size
+                # It stays: routing left what it saw elsewhere on it (block size, expected hit); put back this core's.
+                req.block_hashes, req.routed_hit = hashes, routed_hit
                 break
+            queued -= own
             migration.take_queued(core, req)
             fleet.lifecycles.routed(req.request_id, target.address, choice.hit, "rebalanced")
             if source is None or not fleet.kv_moves.pull_prefix(req, source, target, choice):
