@@ -33,6 +33,8 @@ class RequestState:
     seed: int | None = None
     generator: object | None = None      # the request's own RNG when seeded (a torch.Generator)
     grammar: object | None = None        # its structured output's matcher (structured_rows.RowGrammar), rank 0
+    draft: np.ndarray | None = None      # speculation: its proposals, made when it held `draft_at` tokens
+    draft_at: int = -1
 
 
 @dataclass
@@ -48,6 +50,12 @@ class StepInputs:
     slot_mapping: np.ndarray    # [T]
     seq_lens: np.ndarray        # [B] tokens in cache after the step
     sample_mask: np.ndarray     # [B] True where the step reaches the end of the request's known tokens
+    # Positions of the flat batch whose logits are sampled: the last of each sampling request, and with
+    # speculation every position from its last known token on (the proposals' and the one after them).
+    logits_index: np.ndarray
+    # Speculation: [B] proposed tokens each request verifies this step (positions past its known tokens);
+    # None when no request speculates.
+    num_spec: np.ndarray | None = None
 
 
 class InputBatch:
@@ -188,13 +196,21 @@ class InputBatch:
 
     # ------------------------------------------------------------------ building a step's inputs
 
-    def prepare(self, handles: list[int], num_tokens: list[int], total: int) -> StepInputs:
-        """Inputs for `handles` computing `num_tokens` each (`total` in all) this step."""
+    def prepare(self, handles: list[int], num_tokens: list[int], total: int, propose=None) -> StepInputs:
+        """Inputs for `handles` computing `num_tokens` each (`total` in all) this step. A request scheduled past
+        its known tokens verifies proposals there: `propose(row, k)` gives up to k of them (speculation.py)."""
         b = len(handles)
         rows = self.rows_of(handles)
         n_sched = (np.ones(b, dtype=np.int64) if total == b else np.asarray(num_tokens, dtype=np.int64))
         computed = self.num_computed[rows]
         seq_lens = computed + n_sched
+        known = self.num_tokens[rows]
+        num_spec = None
+        if total != b:
+            spec = seq_lens - known
+            if spec.max() > 0:
+                num_spec = np.maximum(spec, 0)
+                self._fill_proposals(rows, known, num_spec, propose)
         bs = self.block_size
         if total == b:
             # Pure decode: one token per request, so the per-token arrays are the per-request ones.
@@ -208,15 +224,52 @@ class InputBatch:
             tok_rows = rows[req_of_tok]
         input_ids = self.token_ids[tok_rows, positions]
         slot_mapping = self.block_table[tok_rows, positions // bs] * bs + positions % bs
-        sample_mask = seq_lens >= self.num_tokens[rows]
+        sample_mask = seq_lens >= known
+        last = query_start + n_sched - 1
+        if num_spec is None:
+            logits_index = last[sample_mask]
+        else:
+            counts = (1 + num_spec)[sample_mask]
+            first = (last - num_spec)[sample_mask]
+            logits_index = np.repeat(first, counts) + ramps(counts)
         return StepInputs(handles, rows, n_sched, query_start, input_ids, positions, slot_mapping, seq_lens,
-                          sample_mask)
+                          sample_mask, logits_index, num_spec)
 
-    def append_sampled(self, inputs: StepInputs, sampled: np.ndarray) -> None:
-        """Record the step: computed counts advance; rows that sampled get their new token."""
+    def _fill_proposals(self, rows: np.ndarray, known: np.ndarray, num_spec: np.ndarray, propose) -> None:
+        # Written past the row's known tokens, where nothing reads them but this step's inputs. A proposer with
+        # fewer to offer than scheduled leaves the rest to a filler token: verification refuses it like any
+        # wrong proposal, so what comes out never depends on what went in.
+        for i in np.flatnonzero(num_spec):
+            row, n, k = rows[i], known[i], num_spec[i]
+            got = propose(row, int(k)) if propose is not None else ()
+            self.token_ids[row, n:n + k] = self.token_ids[row, n - 1]
+            self.token_ids[row, n:n + len(got)] = got
+
+    def proposals(self, row: int, k: int) -> np.ndarray:
+        """The k tokens a step put after the row's known ones (its proposals)."""
+        n = self.num_tokens[row]
+        return self.token_ids[row, n:n + k]
+
+    def append_sampled(self, inputs: StepInputs, sampled: np.ndarray, counts: np.ndarray | None = None) -> None:
+        """Record the step: computed counts advance; rows that sampled get their new token, or with speculation
+        their `counts` tokens (accepted proposals and one more), and forget the KV of the proposals refused."""
         rows = inputs.rows
         self.num_computed[rows] = inputs.seq_lens
         r = rows[inputs.sample_mask]
         pos = self.num_tokens[r]
-        self.token_ids[r, pos] = sampled
-        self.num_tokens[r] = pos + 1
+        if counts is None:
+            self.token_ids[r, pos] = sampled
+            self.num_tokens[r] = pos + 1
+            return
+        refused = inputs.num_spec[inputs.sample_mask] + 1 - counts
+        self.num_computed[r] -= refused
+        at = 0
+        for row, n, c in zip(r.tolist(), pos.tolist(), counts.tolist(), strict=True):
+            self.token_ids[row, n:n + c] = sampled[at:at + c]
+            at += c
+        self.num_tokens[r] = pos + counts
+
+
+def ramps(counts: np.ndarray) -> np.ndarray:
+    """0..c-1 for each c in counts, concatenated."""
+    return np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)

@@ -63,3 +63,24 @@ class _Live:
         for kind, seconds in runner.comm.seconds.items():
             collective.add_metric([kind], seconds)
         yield from (rows, blocks, tp, collective)
+        spec = runner.spec
+        if spec.cfg.enabled:
+            yield from _speculation(spec)
+
+
+def _speculation(spec):
+    proposed = CounterMetricFamily("stepwire:executor_spec_proposed_tokens", "Proposed tokens verified "
+                                   "(speculative decoding).")
+    proposed.add_metric([], spec.proposed)
+    accepted = CounterMetricFamily("stepwire:executor_spec_accepted_tokens", "Proposed tokens the target model "
+                                   "accepted.")
+    accepted.add_metric([], spec.accepted)
+    verified = CounterMetricFamily("stepwire:executor_spec_verifications", "Steps of one request that verified "
+                                   "proposals.")
+    verified.add_metric([], spec.verified)
+    rate = GaugeMetricFamily("stepwire:executor_spec_acceptance_rate", "Accepted ÷ proposed tokens since start.")
+    rate.add_metric([], spec.accepted / spec.proposed if spec.proposed else 0.0)
+    length = GaugeMetricFamily("stepwire:executor_spec_mean_accepted_length", "Tokens a verifying step gives a "
+                               "request on average: accepted proposals plus the one it always samples.")
+    length.add_metric([], (spec.accepted + spec.verified) / spec.verified if spec.verified else 0.0)
+    return proposed, accepted, verified, rate, length

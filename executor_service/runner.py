@@ -14,7 +14,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from executor_service.attention import GatherScratch, build_attention_metadata
 from executor_service.collectives import Collectives, RankFailure, join, leave
-from executor_service.input_batch import InputBatch, RequestState, StepInputs
+from executor_service.input_batch import InputBatch, RequestState, StepInputs, ramps
 from executor_service.kv_blocks import layout
 from executor_service.kv_tensors import allocate_kv_caches, num_blocks_for_budget
 from executor_service.loader import load_model
@@ -33,6 +33,7 @@ from executor_service.runner_config import (
 )
 from executor_service.sample_rows import sample_rows, step_result
 from executor_service.sampler import Sampler
+from executor_service.speculation import SpecConfig, Speculator
 from executor_service.step import Step, StepResult, seed_of
 from executor_service.structured_rows import StructuredRows
 from observability import tracing
@@ -48,6 +49,13 @@ class ModelRunner:
     def __init__(self, cfg: RunnerConfig, rank: int = 0, store_port: int | None = None):
         # Resolved once, by rank 0, and handed to the other ranks: their all-reduces must agree on it.
         check_deterministic(cfg)
+        spec = SpecConfig(cfg.speculative_method, cfg.num_speculative_tokens, cfg.prompt_lookup_min,
+                          cfg.prompt_lookup_max, cfg.speculative_max_batch)
+        spec.check()
+        if spec.enabled and cfg.tensor_parallel_size > 1:
+            raise ValueError("speculative decoding with tensor parallelism is not supported yet: the ranks would "
+                             "need the verified tokens of every row (leave --speculative-method at none)")
+        self.spec = Speculator(spec)
         # The in-process engine honours the executor's dtype variable too, so both run alike where it is set.
         dtype = cfg.dtype or os.environ.get("STEPWIRE_EXECUTOR_DTYPE") or default_dtype(cfg.device)
         if dtype not in DTYPES:
@@ -154,7 +162,13 @@ class ModelRunner:
                 "device": str(self.device), "eos_token_ids": list(mc.eos_token_ids), "attention": self.attention,
                 "cuda_graphs": self.graphs is not None, "tensor_parallel_size": self.comm.size,
                 "max_num_seqs": self.cfg.max_num_seqs, "max_num_batched_tokens": self.max_num_batched_tokens,
-                "deterministic": self.cfg.deterministic, "kv_layout": self.kv_layout}
+                "deterministic": self.cfg.deterministic, "kv_layout": self.kv_layout,
+                "speculative": {"method": self.spec.cfg.method, "num_tokens": self.max_spec_tokens}}
+
+    @property
+    def max_spec_tokens(self) -> int:
+        """Most proposals one request may verify in a step here (0: no speculation)."""
+        return self.spec.cfg.num_tokens if self.spec.cfg.enabled else 0
 
     def _new_state(self, state: RequestState) -> None:
         state.seed = seed_of(state.sampling_params)
@@ -179,7 +193,15 @@ class ModelRunner:
                 self.phase_seconds = (clock() - t0, 0.0, 0.0)
                 return StepResult(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64))
         b = self.batch
-        states = [b.states[b.handles[r]] for r in inputs.rows[inputs.sample_mask]]
+        rows = inputs.rows[inputs.sample_mask]
+        states = row_states = [b.states[b.handles[r]] for r in rows]
+        positions = None
+        if inputs.num_spec is not None:
+            # A request verifying k proposals samples k + 1 positions, each a logits row of its own.
+            per = 1 + inputs.num_spec[inputs.sample_mask]
+            positions = np.repeat(b.num_tokens[rows], per) + ramps(per)
+            rows = np.repeat(rows, per)
+            states = [s for s, c in zip(row_states, per.tolist(), strict=True) for _ in range(c)]
         # Constrained rows' masks are filled on another thread while the forward pass runs.
         masks = self.structured.start(states)
         t1 = clock()
@@ -189,14 +211,21 @@ class ModelRunner:
         with tracing.phase("sample"):
             if masks is not None:
                 self.structured.apply(logits, masks)
-            sampled, logprobs = sample_rows(self.batch, self.sampler, inputs.rows[inputs.sample_mask], states,
-                                            logits, self.model_config.vocab_size, self.device)
+            sampled, logprobs = sample_rows(b, self.sampler, rows, states, logits, self.model_config.vocab_size,
+                                            self.device, positions)
+            counts = keep = None
+            self.spec.last = (0, 0)
+            if inputs.num_spec is not None:
+                sampled, counts, keep = self.spec.verify(b, inputs, sampled)
             if masks is not None:
-                self.structured.advance(states, sampled)
-            self.batch.append_sampled(inputs, sampled)
+                # A constrained row keeps one token a step (it verifies nothing): its first.
+                self.structured.advance(row_states, sampled if counts is None else sampled[np.cumsum(counts) - counts])
+            b.append_sampled(inputs, sampled, counts)
             if self.ranks is not None:
                 self.ranks.done(sampled)
-            result = step_result(self.batch, inputs, sampled, logprobs)
+            proposals = self.spec.counts_for_next_step(b, inputs.rows[inputs.sample_mask]) \
+                if self.spec.cfg.enabled else None
+            result = step_result(b, inputs, sampled, logprobs, counts, keep, proposals)
         self.phase_seconds = (t1 - t0, t2 - t1, clock() - t2)
         return result
 
@@ -217,7 +246,11 @@ class ModelRunner:
             self._admit_constrained(step)
         if not step.handles:
             return None
-        return self.batch.prepare(step.handles, step.num_tokens, step.total_tokens)
+        return self.batch.prepare(step.handles, step.num_tokens, step.total_tokens,
+                                  self._propose if self.spec.cfg.enabled else None)
+
+    def _propose(self, row: int, k: int) -> np.ndarray:
+        return self.spec.propose(self.batch, row, k)
 
     def _admit_constrained(self, step: Step) -> None:
         """New rows with a grammar get a matcher, rebuilt from their output tokens: those the scheduler re-sent
@@ -247,5 +280,4 @@ class ModelRunner:
                                                 self.scratch)
             with self._sdpa():
                 hidden = self.model(to(inputs.input_ids), to(inputs.positions), self.kv_caches, meta)
-        last = inputs.query_start + inputs.num_scheduled - 1
-        return self.model.compute_logits(hidden[to(last[inputs.sample_mask])])
+        return self.model.compute_logits(hidden[to(inputs.logits_index)])

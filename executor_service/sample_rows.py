@@ -12,19 +12,24 @@ from executor_service.step import StepResult, draw_seed, logprobs_of
 
 
 def sample_rows(b: InputBatch, sampler: Sampler, rows: np.ndarray, states: list, logits: torch.Tensor,
-                vocab_size: int, device: torch.device):
-    """One token for each of `rows` (the batch rows that sample, `states` their requests), and the logprobs
-    asked for."""
+                vocab_size: int, device: torch.device, positions: np.ndarray | None = None):
+    """One token for each row of `logits`: `rows` are their batch rows, `states` their requests and
+    `positions` the positions of the tokens they sample (by default each row's next one; a request that
+    verifies proposals has a logits row per position). Returns the tokens and the logprobs asked for."""
     if len(rows) == 0:  # every request is mid-prefill: nothing to sample
         return np.empty(0, dtype=np.int64), None
+    if positions is None:
+        positions = b.num_tokens[rows]
     generators = {}
     for i, s in enumerate(states):
         if s.generator is not None:
             # The draw for a token depends on the seed and the token's position only, not on how many
             # draws this executor made before: a request preempted, resent or moved to another
-            # executor samples what it would have sampled without the detour.
-            s.generator.manual_seed(draw_seed(s.seed, int(b.num_tokens[rows[i]])))
-            generators[i] = s.generator
+            # executor samples what it would have sampled without the detour, and one that verifies
+            # proposals samples each position as decoding one token at a time would have.
+            gen = s.generator if s.generator not in generators.values() else torch.Generator(device=device)
+            gen.manual_seed(draw_seed(s.seed, int(positions[i])))
+            generators[i] = gen
     num_logprobs = max((n for s in states if (n := logprobs_of(s.sampling_params)) is not None), default=None)
     t = torch.from_numpy
     st = SamplingTensors.from_cpu(t(b.temperature[rows]), t(b.top_p[rows]), t(b.top_k[rows]), t(b.min_p[rows]),
@@ -33,14 +38,19 @@ def sample_rows(b: InputBatch, sampler: Sampler, rows: np.ndarray, states: list,
     return res.token_ids.cpu().numpy(), res.logprobs
 
 
-def step_result(b: InputBatch, inputs: StepInputs, sampled: np.ndarray, logprobs) -> StepResult:
+def step_result(b: InputBatch, inputs: StepInputs, sampled: np.ndarray, logprobs, counts: np.ndarray | None = None,
+                keep: np.ndarray | None = None, proposals: np.ndarray | None = None) -> StepResult:
+    """The step's answer. With speculation, `counts` are the tokens each sampling request kept and `keep`
+    where each kept token sits among the sampled positions (whose logprobs these are)."""
     sampling = np.flatnonzero(inputs.sample_mask)
     if logprobs is None:
-        return StepResult(sampling, sampled)
+        return StepResult(sampling, sampled, None, counts, proposals)
     # Column 0 is the sampled token itself, then the top-n; each request keeps the n it asked for.
     ids, lps = logprobs.token_ids.tolist(), logprobs.logprobs.tolist()
-    per_row: list[list[tuple[int, float]] | None] = []
-    for k, i in enumerate(sampling.tolist()):
+    owners = sampling.tolist() if counts is None else np.repeat(sampling, counts).tolist()
+    at = range(len(owners)) if keep is None else keep.tolist()
+    per_token: list[list[tuple[int, float]] | None] = []
+    for k, i in zip(at, owners, strict=True):
         n = logprobs_of(b.states[inputs.handles[i]].sampling_params)
-        per_row.append(None if n is None else list(zip(ids[k][:n + 1], lps[k][:n + 1], strict=True)))
-    return StepResult(sampling, sampled, per_row)
+        per_token.append(None if n is None else list(zip(ids[k][:n + 1], lps[k][:n + 1], strict=True)))
+    return StepResult(sampling, sampled, per_token, counts, proposals)

@@ -209,6 +209,11 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
             reply = self._run_step(msg, stream)
             if reply.HasField("resync"):
                 span.set_attribute("stepwire.resync", reply.resync.reason)
+            elif self.runner.spec.last[0]:
+                proposed, accepted = self.runner.spec.last
+                span.set_attributes({"stepwire.spec.proposed_tokens": proposed,
+                                     "stepwire.spec.accepted_tokens": accepted,
+                                     "stepwire.spec.acceptance_rate": accepted / proposed})
             return reply
 
     def _run_step(self, msg: executor_pb2.StepRequest, stream: _Stream) -> executor_pb2.StepResponse:

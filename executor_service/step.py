@@ -48,11 +48,15 @@ class Step:
 @dataclass(slots=True)
 class StepResult:
     """Indices into the step's `handles` of the rows that sampled (mid-prefill rows did not), their tokens,
-    and, when any asked, per sampled row a list of (token id, logprob) pairs, the sampled token first."""
+    and, when any asked, per token a list of (token id, logprob) pairs, the sampled token first. With
+    speculation a row may give several tokens (`counts`, per sampled row; None means one each), and
+    `proposals` says how many each could verify in its next step (None: none)."""
 
     sampled: np.ndarray
     token_ids: np.ndarray
     logprobs: list[list[tuple[int, float]] | None] | None = None
+    counts: np.ndarray | None = None
+    proposals: np.ndarray | None = None
 
 
 def seed_of(sp: sampling_pb2.SamplingParams) -> int | None:

@@ -38,6 +38,7 @@ class Limits:
     max_model_len: int        # tokens a row can hold, the sampled ones included
     max_num_seqs: int         # rows of the persistent batch
     max_num_batched_tokens: int   # tokens one step may compute
+    max_spec_tokens: int = 0      # proposals a decoding row may verify past its known tokens (speculation)
 
     @property
     def max_blocks(self) -> int:
@@ -47,7 +48,7 @@ class Limits:
     @classmethod
     def of(cls, runner) -> Limits:
         return cls(runner.model_config.vocab_size, runner.num_blocks, runner.cfg.block_size, runner.max_model_len,
-                   runner.cfg.max_num_seqs, runner.max_num_batched_tokens)
+                   runner.cfg.max_num_seqs, runner.max_num_batched_tokens, runner.max_spec_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,11 +122,14 @@ def _scheduled(step: Step, batch: InputBatch, live: dict, finished: set, preempt
         if blocks.max() > limits.max_blocks:
             raise BadStep(f"a block table would exceed {limits.max_blocks} blocks")
     seq_lens = computed + (1 if step.total_tokens == n else np.asarray(step.num_tokens, dtype=np.int64))
+    if limits.max_spec_tokens and step.total_tokens != n:
+        # A row that has computed all but its last token may verify proposals after it.
+        known = known + np.where(computed == known - 1, limits.max_spec_tokens, 0)
     # One comparison on the hot path; the reason is worked out only for a refused step.
     room = np.minimum(np.minimum(known, blocks * limits.block_size), limits.max_model_len - 1)
     if (seq_lens > room).any():
         if (seq_lens > known).any():
-            raise BadStep("a row is scheduled past the tokens it holds")
+            raise BadStep("a row is scheduled past the tokens it holds (and the proposals it may verify)")
         if (seq_lens > blocks * limits.block_size).any():
             raise BadStep("a row is scheduled past what its block table covers")
         raise BadStep(f"a row is scheduled to sample past max_model_len={limits.max_model_len}")

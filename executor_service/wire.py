@@ -59,10 +59,14 @@ def encode_result(result: StepResult, num_handles: int, epoch: int, step: int) -
     else:
         msg.sampled.extend(result.sampled.tolist())
     msg.token_ids.extend(result.token_ids.tolist())
+    if result.counts is not None:
+        msg.token_counts.extend(result.counts.tolist())
+    if result.proposals is not None:
+        msg.proposals.extend(result.proposals.tolist())
     if result.logprobs is not None:
-        for row, pairs in enumerate(result.logprobs):
+        for at, pairs in enumerate(result.logprobs):
             if pairs:
-                msg.logprob_rows.append(row)
+                msg.logprob_rows.append(at)
                 msg.logprob_counts.append(len(pairs))
                 msg.logprob_token_ids.extend(t for t, _ in pairs)
                 msg.logprob_values.extend(v for _, v in pairs)

@@ -25,6 +25,7 @@ def take_all(core: Scheduler, only_waiting: bool = False) -> list[Request]:
         del core.requests[req.request_id]
         req.forget_computed()
         req.num_output_placeholders = 0          # steps in flight there are lost
+        req.spec_in_flight = 0
         if req.status is not RequestStatus.WAITING:
             # The executor that held it may still hold it, or not at all: the next one gets it in full.
             req.status = RequestStatus.PREEMPTED
@@ -47,6 +48,7 @@ def detach(core: Scheduler, req: Request) -> list:
     pin = core.kv.pin(req)
     req.forget_computed()
     req.num_output_placeholders = 0
+    req.spec_in_flight = 0
     req.status = RequestStatus.PREEMPTED
     req.resend_in_full = True
     return pin

@@ -51,6 +51,8 @@ class SchedulerOutput:
     finished_req_ids: set[str]
     # Requests preempted in this step: executors drop their rows but keep their tokens for a resume.
     preempted_req_ids: set[str]
+    # Speculation: request id -> proposals it verifies this step (included in num_scheduled_tokens).
+    spec_tokens: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -59,12 +61,15 @@ class SchedulerOutput:
 
 @dataclass(slots=True)
 class RunnerOutput:
-    """The executor's answer to one step: parallel lists. A request mid-prefill samples nothing ([])."""
+    """The executor's answer to one step: parallel lists. A request mid-prefill samples nothing ([]); one that
+    verified proposals may give several tokens."""
 
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
     # Optional per request: for each sampled token, a list of (token id, logprob) pairs, best first.
     logprobs: list[list[list[tuple[int, float]]]] | None = None
+    # Optional per request: proposals the executor could verify in its next step (speculation).
+    proposals: list[int] | None = None
 
 
 class RequestDelta:

@@ -62,6 +62,14 @@ class Request:
     # Prompt tokens routing expected cached (or pulled) where it placed it: the router's estimate of the work
     # a queued request still brings (routing.queued_tokens), without a cache lookup per queued request.
     routed_hit: int = field(init=False, default=0)
+    # Speculation (speculation.py): proposals the executor offered for the next step, the ones a step in flight
+    # verifies (a preempted request waits for that answer before it is admitted again), and the back-off.
+    spec_offered: int = field(init=False, default=0)
+    spec_in_flight: int = field(init=False, default=0)
+    spec_misses: int = field(init=False, default=0)
+    spec_backoff: int = field(init=False, default=0)
+    # Most proposals a step verified since its blocks were allocated: slots it may hold past its computed tokens.
+    spec_slots: int = field(init=False, default=0)
     # Set when the executor lost its copy (restart, resync): the next admission re-sends it in full.
     resend_in_full: bool = field(init=False, default=False)
     # Chained hashes of every full block of all_token_ids, kept up to date as tokens are appended.
@@ -120,6 +128,7 @@ class Request:
         if self.num_computed_tokens > self.num_computed_before:
             self.num_computed_before = self.num_computed_tokens
         self.num_computed_tokens = 0
+        self.spec_slots = 0
 
     def update_block_hashes(self, block_size: int) -> None:
         extend_block_hashes(self.block_hashes, self.all_token_ids, block_size, self.hash_extra())

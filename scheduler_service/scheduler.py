@@ -13,8 +13,6 @@ module-level state: any number of instances can live in one process.
 
 from __future__ import annotations
 
-import itertools
-
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.kv_cache.manager import KVCacheManager
 from scheduler_service.output import (
@@ -25,10 +23,11 @@ from scheduler_service.output import (
     SchedulerOutput,
     SchedulerStats,
 )
-from scheduler_service.request import FINISH_REASONS, Request, RequestStatus
+from scheduler_service.output_phase import apply_runner_output
+from scheduler_service.request import Request, RequestStatus
 from scheduler_service.request_checks import check_new_request
 from scheduler_service.request_queue import make_queue
-from scheduler_service.stopping import append_sampled
+from scheduler_service.speculation import proposals_to_verify
 from scheduler_service.waiting_phase import admit_waiting
 
 _WAITING = RequestStatus.WAITING
@@ -117,6 +116,7 @@ class Scheduler:
             self._preempt(req)
         for req in self.requests.values():
             req.num_output_placeholders = 0       # what was in flight is lost with the batch
+            req.spec_in_flight = 0
             if req.status == _PREEMPTED:
                 req.resend_in_full = True
         # Ids the executor no longer holds need no "finished" notice in the new epoch.
@@ -148,6 +148,7 @@ class Scheduler:
         c_computed = cached.num_computed_tokens
         preempted: list[Request] = []
         sampling: set[str] = set()
+        spec: dict[str, int] = {}
 
         # Running requests. num_computed_tokens advances as soon as a request is scheduled: nothing later
         # in this step reads it for an already scheduled request, and a preempted one is reset to 0 anyway.
@@ -169,6 +170,9 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
+            n_spec = proposals_to_verify(req, computed, known, token_budget, max_model_len) \
+                if n == 1 and req.spec_offered else 0
+            n += n_spec
             new_ids = allocate(req, n)
             while new_ids is None:
                 if by_priority:
@@ -182,6 +186,8 @@ class Scheduler:
                         # Scheduled earlier in this step: withdraw the step, and the block hashes it made.
                         if victim.request_id in sampling:
                             victim.num_output_placeholders -= 1      # and the token it would have sampled
+                        if spec.pop(victim.request_id, 0):
+                            victim.spec_in_flight = 0
                         kv.uncache_from(victim, victim.num_computed_tokens - restored)
                         token_budget += restored
                         k = c_ids.index(victim.request_id)
@@ -203,7 +209,11 @@ class Scheduler:
             req.num_computed_tokens = computed + n
             if computed < req.num_computed_before:     # a later chunk of a prompt it computed once already
                 kv.recomputed_tokens += min(computed + n, req.num_computed_before) - computed
-            if computed + n == known:
+            if n_spec:
+                spec[rid] = req.spec_in_flight = n_spec
+                if n_spec > req.spec_slots:
+                    req.spec_slots = n_spec
+            if computed + n >= known:
                 req.num_output_placeholders += 1     # this step samples
                 if by_priority:
                     sampling.add(rid)                # a later victim's withdrawal must take it back
@@ -226,52 +236,14 @@ class Scheduler:
             total_num_scheduled_tokens=cfg.max_num_batched_tokens - token_budget,
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={r.request_id for r in preempted},
+            spec_tokens=spec,
         )
         self.finished_req_ids = set()
         return out
 
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput) -> list[RequestDelta]:
         """Append sampled tokens, apply stop conditions, free finished requests; return per-request deltas."""
-        if len(runner_output.req_ids) != len(runner_output.sampled_token_ids):
-            raise ValueError(f"runner output has {len(runner_output.req_ids)} request ids but "
-                             f"{len(runner_output.sampled_token_ids)} token lists")
-        num_scheduled = scheduler_output.num_scheduled_tokens
-        requests = self.requests
-        block_size = self.config.block_size
-        caching = self.config.enable_prefix_caching
-        deltas: list[RequestDelta] = []
-        any_finished = False
-        logprobs = runner_output.logprobs
-        lp_iter = itertools.repeat(None) if logprobs is None else logprobs
-
-        late_preempted = []
-        for rid, tokens, lps in zip(runner_output.req_ids, runner_output.sampled_token_ids, lp_iter, strict=False):
-            if not tokens:
-                continue  # mid-prefill: nothing for the client yet
-            req = requests.get(rid)
-            # Ended since the step was scheduled (aborted, or stopped by the step before: its token in this
-            # step was wasted), or never part of it: the tokens are dropped.
-            if req is None or rid not in num_scheduled or req.num_output_placeholders <= 0:
-                continue
-            req.num_output_placeholders -= 1
-            if req.status is not _RUNNING:
-                # Preempted by a step scheduled while this one ran (async scheduling). The token is real: the
-                # executor parked it with the request's other tokens, and a resume recomputes it all.
-                late_preempted.append(req)
-            tokens, lps, finish = append_sampled(req, tokens, lps, block_size if caching else 0)
-            if finish is None:
-                deltas.append(RequestDelta(rid, tokens, None, req.num_cached_tokens, lps))
-            else:
-                req.status = finish
-                self._release(req)
-                any_finished = True
-                deltas.append(RequestDelta(rid, tokens, FINISH_REASONS[finish], req.num_cached_tokens, lps))
-        if any_finished:
-            self.running = [r for r in self.running if r.status is _RUNNING]
-            ended = [r for r in late_preempted if r.is_finished]
-            if ended:
-                self.waiting.remove_all(ended)
-        return deltas
+        return apply_runner_output(self, scheduler_output, runner_output)
 
     # ------------------------------------------------------------------ introspection
 

@@ -27,6 +27,8 @@ def admit_waiting(config: SchedulerConfig, kv: KVCacheManager, waiting, running:
     chunked = config.enable_chunked_prefill
     while waiting and token_budget > 0 and len(running) < max_num_seqs:
         req = waiting.peek()
+        if req.spec_in_flight:
+            break   # preempted while verifying proposals: it resumes once it knows which it kept
         hit_blocks, num_hit = kv.get_computed_blocks(req)
         n = len(req.all_token_ids) - num_hit
         if 0 < threshold < n:

@@ -93,16 +93,31 @@ def decode_result(msg: executor_pb2.StepResponse, order: list[str]) -> RunnerOut
     """The executor's answer as the scheduler's RunnerOutput; `order` is what encode_step returned."""
     tokens: list[list[int]] = [[] for _ in order]
     sampled = range(len(order)) if msg.all_sampled else msg.sampled
-    for i, tok in zip(sampled, msg.token_ids, strict=True):
-        tokens[i] = [tok]
+    owner: list[int] = []      # the request of each token, by its index in `token_ids`
+    if msg.token_counts:
+        at = 0
+        for i, n in zip(sampled, msg.token_counts, strict=True):
+            tokens[i] = list(msg.token_ids[at:at + n])
+            owner += [i] * n
+            at += n
+        if at != len(msg.token_ids):
+            raise ValueError(f"token counts add up to {at}, but {len(msg.token_ids)} tokens came")
+    else:
+        for i, tok in zip(sampled, msg.token_ids, strict=True):
+            tokens[i] = [tok]
+        owner = list(sampled)
     logprobs = None
     if msg.logprob_rows:
         logprobs = [[] for _ in order]
-        rows = list(sampled)
         at = 0
-        for row, n in zip(msg.logprob_rows, msg.logprob_counts, strict=True):
+        for token, n in zip(msg.logprob_rows, msg.logprob_counts, strict=True):
             ids = msg.logprob_token_ids[at:at + n]
             vals = msg.logprob_values[at:at + n]
-            logprobs[rows[row]] = [list(zip(ids, vals, strict=True))]
+            logprobs[owner[token]].append(list(zip(ids, vals, strict=True)))
             at += n
-    return RunnerOutput(order, tokens, logprobs)
+    proposals = None
+    if msg.proposals:
+        proposals = [0] * len(order)
+        for i, n in zip(sampled, msg.proposals, strict=True):
+            proposals[i] = n
+    return RunnerOutput(order, tokens, logprobs, proposals)

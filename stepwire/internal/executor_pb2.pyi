@@ -102,7 +102,7 @@ class Resync(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("epoch", "step", "all_sampled", "sampled", "token_ids", "logprob_rows", "logprob_counts", "logprob_token_ids", "logprob_values", "resync", "forward_seconds", "draining")
+    __slots__ = ("epoch", "step", "all_sampled", "sampled", "token_ids", "logprob_rows", "logprob_counts", "logprob_token_ids", "logprob_values", "resync", "forward_seconds", "draining", "token_counts", "proposals")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     ALL_SAMPLED_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +115,8 @@ class StepResponse(_message.Message):
     RESYNC_FIELD_NUMBER: _ClassVar[int]
     FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    PROPOSALS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     step: int
     all_sampled: bool
@@ -127,7 +129,9 @@ class StepResponse(_message.Message):
     resync: Resync
     forward_seconds: float
     draining: bool
-    def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., all_sampled: _Optional[bool] = ..., sampled: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprob_rows: _Optional[_Iterable[int]] = ..., logprob_counts: _Optional[_Iterable[int]] = ..., logprob_token_ids: _Optional[_Iterable[int]] = ..., logprob_values: _Optional[_Iterable[float]] = ..., resync: _Optional[_Union[Resync, _Mapping]] = ..., forward_seconds: _Optional[float] = ..., draining: _Optional[bool] = ...) -> None: ...
+    token_counts: _containers.RepeatedScalarFieldContainer[int]
+    proposals: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., all_sampled: _Optional[bool] = ..., sampled: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprob_rows: _Optional[_Iterable[int]] = ..., logprob_counts: _Optional[_Iterable[int]] = ..., logprob_token_ids: _Optional[_Iterable[int]] = ..., logprob_values: _Optional[_Iterable[float]] = ..., resync: _Optional[_Union[Resync, _Mapping]] = ..., forward_seconds: _Optional[float] = ..., draining: _Optional[bool] = ..., token_counts: _Optional[_Iterable[int]] = ..., proposals: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PullBlocksRequest(_message.Message):
     __slots__ = ("transfer_id", "source", "source_blocks", "target_blocks", "kv_layout", "epoch", "after_step", "traceparent", "deadline_seconds", "source_epoch", "source_after_step")

@@ -1,0 +1,155 @@
+"""Speculative decoding on the embedded model: the same tokens as decoding one at a time, greedy and seeded, in
+any batch, under preemption and in bfloat16 deterministic mode; verification that keeps the target
+distribution exactly; bad settings refused at start."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from conftest import MODEL  # noqa: E402
+
+from executor_service.input_batch import InputBatch, RequestState  # noqa: E402
+from executor_service.runner_config import RunnerConfig  # noqa: E402
+from executor_service.sample_rows import sample_rows  # noqa: E402
+from executor_service.sampler import Sampler  # noqa: E402
+from executor_service.speculation import SpecConfig, Speculator, accepted_length, ngram_propose  # noqa: E402
+from launcher.engine import LLMEngine  # noqa: E402
+from stepwire.contract import SamplingParams  # noqa: E402
+from stepwire.internal import sampling_pb2  # noqa: E402
+
+pytestmark = [pytest.mark.model,   # loads the embedded model: not in `make test-fast`
+              pytest.mark.skipif(not (MODEL / "conversion.json").exists(), reason="embedded model not converted")]
+
+# A grounded prompt (the answer copies from it) and three open ones of other lengths.
+TEXT = ("The scheduler owns the queues and the paged KV-cache block pool. Executors keep persistent batches and "
+        "receive a small diff of the scheduling decision each step. The gateway streams to clients.")
+
+
+def prompts(tok):
+    chat = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+    return [tok.encode(chat.format("Repeat this text word for word: " + TEXT)).ids,
+            tok.encode(chat.format("What is the capital of France?")).ids,
+            tok.encode(chat.format("Write a list of five fruits, one per line.")).ids,
+            tok.encode(chat.format("Count from one to twenty in words.")).ids]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from tokenizers import Tokenizer
+    return Tokenizer.from_file(str(MODEL / "tokenizer.json"))
+
+
+def engine(method: str, **kw) -> LLMEngine:
+    cfg = {"kv_cache_memory": 64 << 20, "max_num_seqs": 8, "max_model_len": 1024} | kw
+    return LLMEngine(RunnerConfig(str(MODEL), speculative_method=method, **cfg))
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return engine("none")
+
+
+@pytest.fixture(scope="module")
+def spec():
+    return engine("ngram")
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_longest_match():
+    t = np.array([1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3])
+    # "2 3" last occurred before the end at index 5..6, followed by 7 8 5; the longer "5 2 3" never occurred.
+    assert ngram_propose(t, 3, 2, 3).tolist() == [7, 8, 5]
+    assert ngram_propose(np.array([4, 5, 6, 7]), 3, 1, 3).tolist() == []
+    assert ngram_propose(np.array([1, 1]), 4, 1, 2).tolist() == [1]
+    assert accepted_length(np.array([4, 5, 6]), np.array([4, 5, 0, 1])) == 2
+    assert accepted_length(np.array([4, 5]), np.array([4, 5, 9])) == 2
+    assert accepted_length(np.array([4, 5]), np.array([3, 5, 9])) == 0
+
+
+def test_greedy_tokens_are_those_of_plain_decoding_in_any_batch(plain, spec, tok):
+    ps = prompts(tok)
+    sp = SamplingParams(max_tokens=48, temperature=0.0)
+    expected = [c.token_ids for c in plain.generate(ps, sp)]
+    before = spec.runner.spec.accepted
+    assert [c.token_ids for c in spec.generate(ps, sp)] == expected            # all four in one batch
+    assert [spec.generate([p], sp)[0].token_ids for p in ps] == expected       # each alone
+    assert spec.runner.spec.accepted > before, "the grounded prompt accepted no proposal"
+
+
+def test_seeded_sampling_gives_the_tokens_of_plain_decoding(plain, spec, tok):
+    ps = prompts(tok)
+    params = [SamplingParams(max_tokens=40, temperature=0.8, top_p=0.95, seed=11 + i) for i in range(len(ps))]
+    expected = [c.token_ids for c in plain.generate(ps, params)]
+    assert [c.token_ids for c in spec.generate(ps, params)] == expected
+    assert [c.token_ids for c in spec.generate(ps[::-1], params[::-1])] == expected[::-1]
+
+
+def test_preempted_speculating_requests_resume_to_the_same_tokens(tok):
+    ps = prompts(tok) * 2
+    sp = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    # Room for two or three of the eight at a time (5 to 8 blocks each): requests are preempted as they grow.
+    block_bytes = 2 * 30 * 3 * 64 * 16 * 4
+    small = {"kv_cache_memory": 18 * block_bytes}
+    ref = engine("none", **small)
+    expected = [c.token_ids for c in ref.generate(ps, sp)]
+    e = engine("ngram", **small)
+    assert [c.token_ids for c in e.generate(ps, sp)] == expected
+    assert e.scheduler.num_preemptions > 0 and e.runner.spec.accepted > 0
+
+
+def test_in_bfloat16_deterministic_mode_speculation_changes_no_token(tok):
+    ps = prompts(tok)
+    sp = SamplingParams(max_tokens=40, temperature=0.0)
+    kw = {"dtype": "bfloat16", "deterministic": True}
+    expected = [c.token_ids for c in engine("none", **kw).generate(ps, sp)]
+    e = engine("ngram", **kw)
+    assert [c.token_ids for c in e.generate(ps, sp)] == expected
+    assert e.runner.spec.accepted > 0
+
+
+def test_verification_keeps_the_target_distribution_of_every_position():
+    """Two proposals against fixed target distributions, many times over: the first token must follow p0,
+    and the second, given the first proposal stood, p1: proposals change how many tokens a step gives,
+    never which."""
+    vocab = 6
+    p = torch.tensor([[0.5, 0.2, 0.1, 0.1, 0.05, 0.05],
+                      [0.1, 0.6, 0.1, 0.1, 0.05, 0.05],
+                      [0.2, 0.2, 0.2, 0.2, 0.1, 0.1]])
+    b = InputBatch(1, 32, 4, 16)
+    b._add(RequestState(0, sampling_pb2.SamplingParams(temperature=1.0, top_p=1.0, max_tokens=10)),
+           np.array([3, 0, 1, 3, 0]), [1, 2], 4)
+    b.condense()
+    spec = Speculator(SpecConfig("ngram", 2, 1, 2))
+    inputs = b.prepare([0], [3], 3, lambda row, k: spec.propose(b, row, k))
+    assert b.proposals(0, 2).tolist() == [1, 3]          # what followed the earlier "3 0"
+    n = 20000
+    logits = p.log().repeat(n, 1)
+    rows = np.zeros(3 * n, dtype=np.int64)
+    states = [b.states[0]] * (3 * n)
+    sampled, _ = sample_rows(b, Sampler(), rows, states, logits, vocab, torch.device("cpu"),
+                             np.tile(np.arange(5, 8), n))
+    first, second = [], []
+    for i in range(n):
+        kept, counts, _ = spec.verify(b, inputs, sampled[3 * i:3 * i + 3])
+        first.append(kept[0])
+        if counts[0] >= 2:
+            second.append(kept[1])
+    f = np.bincount(first, minlength=vocab) / n
+    s = np.bincount(second, minlength=vocab) / len(second)
+    assert np.abs(f - p[0].numpy()).max() < 0.015
+    assert abs(len(second) / n - p[0, 1].item()) < 0.015     # the first proposal (1) stands with p0(1)
+    assert np.abs(s - p[1].numpy()).max() < 0.03
+
+
+@pytest.mark.parametrize("bad, why", [
+    ({"speculative_method": "eagle"}, "speculative method"),
+    ({"speculative_method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"speculative_method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt lookup"),
+    ({"speculative_method": "ngram", "tensor_parallel_size": 2}, "tensor parallelism"),
+])
+def test_bad_speculation_settings_are_refused_at_start(bad, why):
+    from executor_service.runner import ModelRunner
+    with pytest.raises(ValueError, match=why):
+        ModelRunner(RunnerConfig(str(MODEL), **bad))
