@@ -151,13 +151,15 @@ def wait_ready(proc: subprocess.Popen, url: str, what: str, seconds: float = 120
 CERTS = ROOT / ".peers" / "bench-certs"     # `stepwire serve` makes them on first use
 
 
-def start_stack(env: dict | None = None, tls: bool = True, model: Path = MODEL, extra: tuple[str, ...] = ()):
+def start_stack(env: dict | None = None, tls: bool = True, model: Path = MODEL, extra: tuple[str, ...] = (),
+                executor_metrics_port: int | None = None):
     """`stepwire serve` on free ports (mTLS inside unless `tls` is off): (process, URL, scheduler port)."""
     port, grpc_port, sc, ex = free_port(), free_port(), free_port(), free_port()
     proc = subprocess.Popen([sys.executable, "-m", "launcher.cli", "serve", "--model", str(model), *extra,
                              "--port", str(port),
                              "--grpc-port", str(grpc_port), "--scheduler-port", str(sc), "--executor-port", str(ex),
-                             "--scheduler-metrics-port", str(free_port()), "--executor-metrics-port", str(free_port()),
+                             "--scheduler-metrics-port", str(free_port()),
+                             "--executor-metrics-port", str(executor_metrics_port or free_port()),
                              *(["--certs-dir", str(CERTS)] if tls else ["--no-tls"])],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     url = f"http://127.0.0.1:{port}"

@@ -65,10 +65,10 @@ class RunnerConfig:
     tensor_parallel_timeout_seconds: float = 60.0   # longest wait in a collective, or for a rank to start
     deterministic: bool = False              # batch-invariant kernels (batch_invariant.py): same tokens in any batch
     speculative_method: str = "none"         # none or ngram (speculation.py)
-    num_speculative_tokens: int = 4          # most proposals one request verifies in a step
+    num_speculative_tokens: int = 8          # most proposals one request verifies in a step
     prompt_lookup_min: int = 2               # n-gram: shortest suffix looked up
     prompt_lookup_max: int = 4               # n-gram: longest suffix looked up
-    speculative_max_batch: int = 8           # no proposals while more requests than this share the batch
+    speculative_max_batch: int = 4           # no proposals while more requests than this share the batch
 
 
 def rank_device(device: str, rank: int) -> str:

@@ -70,10 +70,10 @@ class ExecutorSettings(RoleSettings):
         "none", description="speculative decoding: ngram proposes the tokens that followed the latest earlier "
         "occurrence of a request's last few tokens (prompt lookup), verified in one forward pass; greedy and "
         "seeded output unchanged (docs/speculative_decoding.md)")
-    num_speculative_tokens: int = Field(4, ge=1, le=16, description="most tokens one request verifies per step")
+    num_speculative_tokens: int = Field(8, ge=1, le=16, description="most tokens one request verifies per step")
     prompt_lookup_min: int = Field(2, ge=1, le=16, description="ngram: shortest suffix of a request looked up")
     prompt_lookup_max: int = Field(4, ge=1, le=16, description="ngram: longest suffix looked up (tried first)")
-    speculative_max_batch: int = Field(8, ge=1, description="no proposals while more requests than this "
+    speculative_max_batch: int = Field(4, ge=1, description="no proposals while more requests than this "
                                        "share the batch: there a step is compute-bound and verifying costs more "
                                        "than it saves")
 

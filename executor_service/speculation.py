@@ -27,11 +27,11 @@ METHODS = ("none", "ngram")
 @dataclass(frozen=True, slots=True)
 class SpecConfig:
     method: str = "none"
-    num_tokens: int = 4           # most tokens proposed for one step of one request
+    num_tokens: int = 8           # most tokens proposed for one step of one request
     lookup_min: int = 2           # shortest suffix looked up
     lookup_max: int = 4           # longest suffix looked up (tried first)
     # Past this many rows in the batch, a step is compute-bound and proposals would cost more than they save.
-    max_batch: int = 8
+    max_batch: int = 4
 
     @property
     def enabled(self) -> bool:

@@ -23,6 +23,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import httpx
 from pydantic import Field
@@ -55,6 +56,10 @@ class ServeSettings(ServiceSettings):
     kv_cache_memory: int = Field(1 << 30, ge=1, description="bytes for each executor's KV cache")
     deterministic: bool = Field(False, description="executors with batch-invariant kernels: the same tokens in "
                                 "any batch, chunking or executor, in bfloat16 as in float32 (docs/operations.md)")
+    speculative_method: Literal["none", "ngram"] = Field(
+        "none", description="executors' speculative decoding: ngram (prompt lookup), verified in one pass; greedy "
+        "and seeded output unchanged (docs/speculative_decoding.md)")
+    num_speculative_tokens: int = Field(8, ge=1, le=16, description="most tokens a request verifies per step")
     scheduler_metrics_port: int = Field(9091, description="Prometheus /metrics of the scheduler")
     executor_metrics_port: int = Field(9092, description="Prometheus /metrics of the first executor (then +1)")
     tls: bool = Field(True, description="mTLS between the services, with a development CA (--no-tls: plaintext "
@@ -112,7 +117,8 @@ def children(a: ServeSettings, certs: Path | None = None) -> tuple[list[Child], 
     executors = [child("executor", f"executor-{i}", {
         "--model": a.model, "--address": address, "--kv-cache-memory": a.kv_cache_memory, "--threads": threads,
         "--tensor-parallel-size": a.tensor_parallel_size, "--deterministic": a.deterministic,
-        "--role": role_of(a, i), "--metrics-address": f"127.0.0.1:{a.executor_metrics_port + i}"})
+        "--role": role_of(a, i), "--metrics-address": f"127.0.0.1:{a.executor_metrics_port + i}",
+        "--speculative-method": a.speculative_method, "--num-speculative-tokens": a.num_speculative_tokens})
         for i, address in enumerate(addresses)]
     stack = [
         child("scheduler", "scheduler", {"--executors": ",".join(addresses), "--address": sc,

@@ -1,0 +1,94 @@
+"""Speculative decoding through the real services: a stack whose executor speculates answers the openai SDK
+as the stack without speculation does (text, stop strings, seeded samples, logprobs of the accepted tokens),
+and reports its acceptance in Prometheus; a speculating executor killed mid-stream changes no token."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+pytest.importorskip("torch")
+
+from conftest import MODEL  # noqa: E402
+from fleet_stack import BUDGET, PROMPTS, TOKENS, Fleet, Streams  # noqa: E402
+from helpers import wait_until  # noqa: E402
+from tiny_model import reference_greedy  # noqa: E402
+
+from launcher.processes import Service  # noqa: E402
+
+pytestmark = pytest.mark.processes   # starts services as separate processes: not in `make test-fast`
+
+TEXT = ("Executors are stateless by design. They keep persistent batches and receive a small protobuf diff of the "
+        "scheduling decision each step. The scheduler owns the queues and the paged KV-cache block pool.")
+MESSAGES = [{"role": "user", "content": "Repeat this text word for word: " + TEXT}]
+
+
+@pytest.fixture(scope="module")
+def spec_stack(tmp_path_factory):
+    from launcher.processes import Stack
+    if not (MODEL / "conversion.json").exists():
+        pytest.skip("embedded model not converted (make model)")
+    services = [Service("executor", flags={"--model": MODEL, "--kv-cache-memory": 256 << 20, "--max-model-len": 2048,
+                                           "--speculative-method": "ngram"}),
+                Service("scheduler"), Service("gateway", flags={"--model": MODEL})]
+    with Stack(services, tmp_path_factory.mktemp("spec-logs")) as stack:
+        metrics = "http://" + stack["executor"].flags["--metrics-address"] + "/metrics"
+        yield openai.OpenAI(base_url=stack["gateway"].url + "/v1", api_key="unused", max_retries=0), metrics
+
+
+def _counter(metrics: str, name: str) -> float:
+    return float(re.search(rf"^stepwire:{name}(?:_total)? (\S+)$", httpx.get(metrics).text, re.M).group(1))
+
+
+def test_greedy_answers_stop_strings_and_logprobs_equal_those_without_speculation(http_stack, spec_stack):
+    client, metrics = spec_stack
+    before = _counter(metrics, "executor_spec_accepted_tokens")
+    kw = {"model": "SmolLM2-135M-Instruct", "messages": MESSAGES, "max_tokens": 60, "temperature": 0,
+          "logprobs": True, "top_logprobs": 2}
+    plain, spec = http_stack.client.chat.completions.create(**kw), client.chat.completions.create(**kw)
+    assert spec.choices[0].message.content == plain.choices[0].message.content
+    assert spec.usage.completion_tokens == plain.usage.completion_tokens
+    a, b = spec.choices[0].logprobs.content, plain.choices[0].logprobs.content
+    assert [t.token for t in a] == [t.token for t in b]
+    assert max(abs(x.logprob - y.logprob) for x, y in zip(a, b, strict=True)) < 1e-3
+    assert _counter(metrics, "executor_spec_accepted_tokens") > before, "no proposal was accepted"
+    assert 0 < float(re.search(r"^stepwire:executor_spec_acceptance_rate (\S+)$", httpx.get(metrics).text,
+                                  re.M).group(1)) <= 1
+
+    # A stop string inside a run of accepted tokens: the text ends before it, as without speculation.
+    stop = TEXT.split()[6]
+    kw = {"model": "SmolLM2-135M-Instruct", "messages": MESSAGES, "max_tokens": 60, "temperature": 0,
+          "stop": [stop]}
+    plain, spec = http_stack.client.chat.completions.create(**kw), client.chat.completions.create(**kw)
+    assert spec.choices[0].message.content == plain.choices[0].message.content
+    assert stop not in spec.choices[0].message.content and spec.choices[0].finish_reason == "stop"
+
+
+def test_seeded_streams_equal_those_without_speculation(http_stack, spec_stack):
+    client, _ = spec_stack
+    kw = {"model": "SmolLM2-135M-Instruct", "messages": MESSAGES, "max_tokens": 40, "temperature": 0.9,
+          "seed": 1234, "stream": True}
+    texts = []
+    for c in (http_stack.client, client):
+        texts.append("".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(**kw)
+                             if ch.choices))
+    assert texts[0] == texts[1] and texts[0]
+
+
+def test_killing_a_speculating_executor_mid_stream_changes_no_token(tmp_path):
+    fleet = Fleet(tmp_path, 2, "--executor-wait-seconds", "20",
+                  executor_flags=("--speculative-method", "ngram", "--speculative-max-batch", "16"))
+    try:
+        expected = reference_greedy(fleet.model, PROMPTS, max_tokens=TOKENS, budget=BUDGET)
+        greedy = Streams(fleet.stub, PROMPTS)
+        wait_until(lambda: greedy.started(), 30, "every stream's first token", interval=0.005)
+        fleet.stack.kill("executor-0")
+        greedy.join()
+        assert greedy.errors == [None] * len(PROMPTS)
+        assert greedy.tokens == expected
+        assert fleet.stats().num_migrations > 0
+    finally:
+        fleet.stop()
