@@ -195,15 +195,17 @@ class ModelRunner:
         b = self.batch
         rows = inputs.rows[inputs.sample_mask]
         states = row_states = [b.states[b.handles[r]] for r in rows]
-        positions = None
+        positions = drafts = None
         if inputs.num_spec is not None:
-            # A request verifying k proposals samples k + 1 positions, each a logits row of its own.
+            # A request verifying k proposals samples k + 1 positions, each a logits row of its own; a
+            # constrained one's mask at each is its grammar's state after the proposals before it.
             per = 1 + inputs.num_spec[inputs.sample_mask]
             positions = np.repeat(b.num_tokens[rows], per) + ramps(per)
+            drafts = [b.proposals(r, j) for r, c in zip(rows.tolist(), per.tolist(), strict=True) for j in range(c)]
             rows = np.repeat(rows, per)
             states = [s for s, c in zip(row_states, per.tolist(), strict=True) for _ in range(c)]
         # Constrained rows' masks are filled on another thread while the forward pass runs.
-        masks = self.structured.start(states)
+        masks = self.structured.start(states, drafts)
         t1 = clock()
         with tracing.phase("forward"):
             logits = self.forward(inputs)
@@ -218,8 +220,7 @@ class ModelRunner:
             if inputs.num_spec is not None:
                 sampled, counts, keep = self.spec.verify(b, inputs, sampled)
             if masks is not None:
-                # A constrained row keeps one token a step (it verifies nothing): its first.
-                self.structured.advance(row_states, sampled if counts is None else sampled[np.cumsum(counts) - counts])
+                self.structured.advance(row_states, sampled, counts)
             b.append_sampled(inputs, sampled, counts)
             if self.ranks is not None:
                 self.ranks.done(sampled)

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from executor_service.structured_rows import StructuredRows
+
 METHODS = ("none", "ngram")
 
 
@@ -87,12 +89,13 @@ class Speculator:
     def propose(self, batch, row: int, k: int) -> np.ndarray:
         """Up to k proposals for a batch row, from its tokens (cached on its state between steps)."""
         state = batch.states[batch.handles[row]]
-        if state.grammar is not None:
-            return _NONE   # a constrained row verifies nothing: its masks follow one grammar state a step
         n = int(batch.num_tokens[row])
         if state.draft_at != n:
             c = self.cfg
             state.draft = ngram_propose(batch.token_ids[row, :n], c.num_tokens, c.lookup_min, c.lookup_max)
+            if state.grammar is not None and len(state.draft):
+                # Only what the grammar allows from here: a refused proposal would only cost a position.
+                state.draft = StructuredRows.allowed_prefix(state, state.draft)
             state.draft_at = n
         return state.draft[:k]
 
@@ -117,9 +120,8 @@ class Speculator:
         for i, (row, k) in enumerate(zip(rows.tolist(), spec.tolist(), strict=True)):
             a = 0
             if k:
-                state = batch.states[batch.handles[row]]
-                if state.grammar is None:
-                    a = accepted_length(batch.proposals(row, k), sampled[at:at + k + 1])
+                # A constrained row's positions were masked by its grammar after the proposals before each.
+                a = accepted_length(batch.proposals(row, k), sampled[at:at + k + 1])
                 proposed += k
                 accepted += a
                 self.verified += 1

@@ -85,17 +85,19 @@ class StructuredRows:
             return
         state.grammar = RowGrammar(self.compiler.submit(so), output_tokens.tolist())
 
-    def start(self, states: list) -> cf.Future | None:
-        """Begin filling the masks of the constrained rows among `states` (the step's sampling rows, in
-        order); None, at no cost, when none is constrained."""
+    def start(self, states: list, drafts: list | None = None) -> cf.Future | None:
+        """Begin filling the masks of the constrained rows among `states` (the step's sampling positions, in
+        order); None, at no cost, when none is constrained. With speculation a request samples several
+        positions: `drafts` gives, per position, the proposals before it (its mask is the grammar's state
+        after them)."""
         at = [i for i, s in enumerate(states) if s.grammar is not None]
         self.last_fill_seconds = None
         if not at:
             return None
         return self._threads.submit(self._masks, at, [states[i].grammar for i in at],
-                                    [states[i].handle for i in at])
+                                    [states[i].handle for i in at], None if drafts is None else [drafts[i] for i in at])
 
-    def _masks(self, at: list[int], grammars: list[RowGrammar], handles: list[int]):
+    def _masks(self, at: list[int], grammars: list[RowGrammar], handles: list[int], drafts: list | None):
         import llguidance.numpy as lln
         t0 = time.perf_counter()
         words = (self.vocab_size + 31) // 32
@@ -103,7 +105,12 @@ class StructuredRows:
         for k, g in enumerate(grammars):
             ready = g.ready(self.compiler)
             if ready:
+                ahead = drafts[k] if drafts is not None else ()
+                # Proposals the grammar refuses stop the walk: positions past one are never kept anyway.
+                moved = g.matcher.try_consume_tokens(list(ahead)) if len(ahead) else 0
                 lln.fill_next_token_bitmask(g.matcher, bits, k)
+                if moved:
+                    g.matcher.rollback(moved)
             if not ready or not bits[k].any():
                 self._only_eos(bits[k], handles[k], g)
         # Inverted before unpacking: the step thread gets the disallowed tokens as a bool tensor, ready to fill.
@@ -129,7 +136,21 @@ class StructuredRows:
         idx = torch.tensor(at, device=logits.device)
         logits[idx] = logits[idx].masked_fill_(banned, float("-inf"))
 
-    def advance(self, states: list, sampled: np.ndarray) -> None:
+    def advance(self, states: list, sampled: np.ndarray, counts: np.ndarray | None = None) -> None:
+        """Each constrained row consumes its kept tokens: one each, or `counts[i]` (speculation)."""
+        at = 0
         for i, s in enumerate(states):
+            n = 1 if counts is None else int(counts[i])
             if s.grammar is not None:
-                s.grammar.advance(int(sampled[i]))
+                for tok in sampled[at:at + n].tolist():
+                    s.grammar.advance(tok)
+            at += n
+
+    @staticmethod
+    def allowed_prefix(state, tokens: np.ndarray) -> np.ndarray:
+        """The longest prefix of proposed `tokens` a constrained row's grammar accepts from where it stands;
+        none while its grammar is still compiling (a proposal must never wait for it)."""
+        g = state.grammar
+        if g.refused is not None or g.matcher is None or g.pending or g.matcher.is_stopped():
+            return tokens[:0]
+        return tokens[:g.matcher.validate_tokens(tokens.tolist())]

@@ -38,7 +38,8 @@ GPU_TP2 = {"executor": {"device": "cuda", "tensorParallelSize": 2, "replicas": 3
 VALUE_SETS = {
     "default": {},
     "gpu-tp2": GPU_TP2,
-    "keda": {"executor": {"keda": {"enabled": True}, "deterministic": True}},
+    "keda": {"executor": {"keda": {"enabled": True}, "deterministic": True,
+                          "speculative": {"method": "ngram", "numTokens": 6}}},
     "disaggregated-keda": {"executor": {"keda": {"enabled": True}, "disaggregation": {
         "enabled": True, "prefill": {"replicas": 2}, "decode": {"replicas": 5}}}},
     "cert-manager": {"tls": {"certManager": {"enabled": True}, "trustDomain": "prod.example"}},
@@ -127,7 +128,11 @@ def test_the_chart_lints_clean_and_each_value_set_renders_what_it_asks_for(rende
     scaled = find(keda, "ScaledObject")
     assert scaled["spec"]["scaleTargetRef"]["name"] == find(keda, "Deployment", "executor")["metadata"]["name"]
     assert "replicas" not in find(keda, "Deployment", "executor")["spec"]      # KEDA owns the count
-    assert "--deterministic" in container(find(keda, "Deployment", "executor"))["args"]
+    keda_args = container(find(keda, "Deployment", "executor"))["args"]
+    assert "--deterministic" in keda_args
+    assert (flag(keda_args, "--speculative-method"), flag(keda_args, "--num-speculative-tokens"),
+            flag(keda_args, "--speculative-max-batch")) == ("ngram", "6", "4")
+    assert "--speculative-method" not in container(executor)["args"]      # off by default
     assert "stepwire:num_requests_waiting" in scaled["spec"]["triggers"][0]["metadata"]["query"]
 
     certs = rendered["cert-manager"]

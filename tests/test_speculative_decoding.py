@@ -153,3 +153,26 @@ def test_bad_speculation_settings_are_refused_at_start(bad, why):
     from executor_service.runner import ModelRunner
     with pytest.raises(ValueError, match=why):
         ModelRunner(RunnerConfig(str(MODEL), **bad))
+
+
+def test_constrained_requests_verify_only_what_their_grammar_allows_and_keep_their_tokens(plain, spec, tok):
+    import json
+
+    from stepwire.internal.sampling_pb2 import StructuredOutput
+    schema = {"type": "object", "properties": {"text": {"type": "string"}, "words": {"type": "integer"}},
+              "required": ["text", "words"], "additionalProperties": False}
+    chat = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+    p = tok.encode(chat.format("Answer in JSON with the field text set to this text, word for word, and words to "
+                               "its word count: " + TEXT)).ids
+    so = StructuredOutput(json_schema=json.dumps(schema))
+    params = [SamplingParams(max_tokens=90, temperature=0.0, structured_output=so),
+              SamplingParams(max_tokens=90, temperature=0.7, seed=5, structured_output=so)]
+    expected = [c.token_ids for c in plain.generate([p, p], params)]
+    before = spec.runner.spec.accepted
+    got = [c.token_ids for c in spec.generate([p, p], params)]
+    assert got == expected
+    assert spec.runner.spec.accepted > before, "no proposal was accepted under the grammar"
+    for ids in got:
+        text = tok.decode(ids)
+        if ids[-1] in (0, 2):     # ended by the grammar (EOS), not by max_tokens: whole JSON
+            assert set(json.loads(text)) == {"text", "words"}

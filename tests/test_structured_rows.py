@@ -32,8 +32,8 @@ def state(handle: int, so: s.StructuredOutput) -> RequestState:
     return RequestState(handle, s.SamplingParams(max_tokens=64, structured_output=so))
 
 
-def masks(rows, states):
-    at, banned = rows.start(states).result()
+def masks(rows, states, drafts=None):
+    at, banned = rows.start(states, drafts).result()
     return at, (~banned).numpy().astype(np.uint8)
 
 
@@ -97,3 +97,20 @@ def test_a_row_the_executor_cannot_enforce_may_only_end(rows, so, tokens):
     _, allowed = masks(rows, [bad, good])
     assert np.flatnonzero(allowed[0]).tolist() == [EOS]
     assert allowed[1].sum() == 10              # the other row is unaffected: its ten digits (split singly)
+
+
+def test_each_verified_position_gets_the_mask_after_the_proposals_before_it_and_the_row_stays_put(rows):
+    so = s.StructuredOutput(json_schema=json.dumps(SCHEMA))
+    out = tokens_of(rows, '{"name":"Ada","tags":["x"')
+    row = state(6, so)
+    rows.admit(row, np.array(out[:3], dtype=np.int64))
+    proposals = np.array(out[3:6], dtype=np.int64)
+    # One logits row per position: before the proposals, after one, after two, after all three.
+    _, allowed = masks(rows, [row] * 4, [proposals[:j] for j in range(4)])
+    for j in range(4):
+        walked = state(7 + j, so)
+        rows.admit(walked, np.array(out[:3 + j], dtype=np.int64))
+        assert np.array_equal(allowed[j], masks(rows, [walked])[1][0])
+    # The walk was undone: the row's own mask is still the one before the proposals.
+    assert np.array_equal(masks(rows, [row])[1][0], allowed[0])
+    assert StructuredRows.allowed_prefix(row, np.array([*out[3:5], 10**4 + 7, out[5]])).tolist() == out[3:5]
