@@ -35,6 +35,7 @@ class RequestState:
     grammar: object | None = None        # its structured output's matcher (structured_rows.RowGrammar), rank 0
     draft: np.ndarray | None = None      # speculation: its proposals, made when it held `draft_at` tokens
     draft_at: int = -1
+    draft_computed: int = -1             # draft model: positions its own KV holds (-1: new here)
 
 
 @dataclass
@@ -234,6 +235,21 @@ class InputBatch:
             logits_index = np.repeat(first, counts) + ramps(counts)
         return StepInputs(handles, rows, n_sched, query_start, input_ids, positions, slot_mapping, seq_lens,
                           sample_mask, logits_index, num_spec)
+
+    def inputs_at(self, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> StepInputs:
+        """Inputs for rows computing `counts` tokens each from position `starts` (a draft model catching up on
+        its own KV, or running one proposal a row): the positions' tokens, slots and sequence lengths. Every
+        row "samples" at its last position."""
+        b = len(rows)
+        query_start = np.cumsum(counts) - counts
+        req_of_tok = np.repeat(np.arange(b), counts)
+        positions = starts[req_of_tok] + ramps(counts)
+        tok_rows = rows[req_of_tok]
+        bs = self.block_size
+        slots = self.block_table[tok_rows, positions // bs] * bs + positions % bs
+        last = query_start + counts - 1
+        return StepInputs([], rows, counts, query_start, self.token_ids[tok_rows, positions], positions, slots,
+                          starts + counts, np.ones(b, dtype=bool), last)
 
     def _fill_proposals(self, rows: np.ndarray, known: np.ndarray, num_spec: np.ndarray, propose) -> None:
         # Written past the row's known tokens, where nothing reads them but this step's inputs. A proposer with

@@ -50,7 +50,7 @@ class ModelRunner:
         # Resolved once, by rank 0, and handed to the other ranks: their all-reduces must agree on it.
         check_deterministic(cfg)
         spec = SpecConfig(cfg.speculative_method, cfg.num_speculative_tokens, cfg.prompt_lookup_min,
-                          cfg.prompt_lookup_max, cfg.speculative_max_batch)
+                          cfg.prompt_lookup_max, cfg.speculative_max_batch, cfg.speculative_model)
         spec.check()
         if spec.enabled and cfg.tensor_parallel_size > 1:
             raise ValueError("speculative decoding with tensor parallelism is not supported yet: the ranks would "
@@ -123,6 +123,11 @@ class ModelRunner:
         if self.kv_layout and cfg.deterministic:
             self.kv_layout += ":deterministic"
         self.batch = self._new_batch()
+        self.draft = None
+        if self.spec.cfg.method == "draft":
+            from executor_service.draft_model import DraftModel
+            self.draft = DraftModel(cfg.speculative_model, self.model_config, self.max_model_len, self.num_blocks,
+                                    cfg.block_size, self.device, self.dtype)
         self.graphs = None
         # Not with tensor parallelism yet: capturing the collectives inside the graphs is untested.
         if cfg.cuda_graphs and self.attention == "triton" and size == 1:
@@ -192,6 +197,9 @@ class ModelRunner:
                     self.ranks.done()
                 self.phase_seconds = (clock() - t0, 0.0, 0.0)
                 return StepResult(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64))
+        if self.draft is not None:
+            with tracing.phase("propose"):
+                self.draft.run(self.batch, inputs)
         b = self.batch
         rows = inputs.rows[inputs.sample_mask]
         states = row_states = [b.states[b.handles[r]] for r in rows]
@@ -248,7 +256,7 @@ class ModelRunner:
         if not step.handles:
             return None
         return self.batch.prepare(step.handles, step.num_tokens, step.total_tokens,
-                                  self._propose if self.spec.cfg.enabled else None)
+                                  self._propose if self.spec.cfg.method == "ngram" else None)
 
     def _propose(self, row: int, k: int) -> np.ndarray:
         return self.spec.propose(self.batch, row, k)

@@ -64,7 +64,8 @@ class RunnerConfig:
     tensor_parallel_size: int = 1            # ranks, one process each, that split every layer (partition.py)
     tensor_parallel_timeout_seconds: float = 60.0   # longest wait in a collective, or for a rank to start
     deterministic: bool = False              # batch-invariant kernels (batch_invariant.py): same tokens in any batch
-    speculative_method: str = "none"         # none or ngram (speculation.py)
+    speculative_method: str = "none"         # none, ngram or draft (speculation.py)
+    speculative_model: str = ""              # draft: the draft model's directory (draft_model.py)
     num_speculative_tokens: int = 8          # most proposals one request verifies in a step
     prompt_lookup_min: int = 2               # n-gram: shortest suffix looked up
     prompt_lookup_max: int = 4               # n-gram: longest suffix looked up

@@ -66,10 +66,13 @@ class ExecutorSettings(RoleSettings):
                                 "do not depend on its batch, its prompt's chunks, prefix-cache hits, or which "
                                 "executor runs it, in bfloat16 as in float32; costs some throughput "
                                 "(docs/operations.md)")
-    speculative_method: Literal["none", "ngram"] = Field(
+    speculative_method: Literal["none", "ngram", "draft"] = Field(
         "none", description="speculative decoding: ngram proposes the tokens that followed the latest earlier "
-        "occurrence of a request's last few tokens (prompt lookup), verified in one forward pass; greedy and "
-        "seeded output unchanged (docs/speculative_decoding.md)")
+        "occurrence of a request's last few tokens (prompt lookup); draft runs --speculative-model; proposals "
+        "are verified in one forward pass, greedy and seeded output unchanged (docs/speculative_decoding.md)")
+    speculative_model: str = Field("", description="draft: a small model directory with the target's tokenizer, "
+                                   "run by this executor with its own KV cache (extra memory: its KV for as many "
+                                   "blocks as the target's)")
     num_speculative_tokens: int = Field(8, ge=1, le=16, description="most tokens one request verifies per step")
     prompt_lookup_min: int = Field(2, ge=1, le=16, description="ngram: shortest suffix of a request looked up")
     prompt_lookup_max: int = Field(4, ge=1, le=16, description="ngram: longest suffix looked up (tried first)")

@@ -23,7 +23,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from executor_service.structured_rows import StructuredRows
 
-METHODS = ("none", "ngram")
+METHODS = ("none", "ngram", "draft")
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +34,7 @@ class SpecConfig:
     lookup_max: int = 4           # longest suffix looked up (tried first)
     # Past this many rows in the batch, a step is compute-bound and proposals would cost more than they save.
     max_batch: int = 4
+    model: str = ""               # the draft model's directory (method "draft")
 
     @property
     def enabled(self) -> bool:
@@ -51,6 +52,9 @@ class SpecConfig:
                              "1 <= prompt_lookup_min <= prompt_lookup_max")
         if self.lookup_max > 16:
             raise ValueError(f"prompt_lookup_max={self.lookup_max}: at most 16")
+        if self.method == "draft" and not self.model:
+            raise ValueError("speculative method draft needs --speculative-model (a model directory that shares "
+                             "the target's tokenizer)")
         if self.max_batch < 1:
             raise ValueError(f"speculative_max_batch={self.max_batch}: at least 1")
 
@@ -104,8 +108,11 @@ class Speculator:
         if not self.cfg.enabled or batch.num_reqs > self.cfg.max_batch:
             return None
         room = batch.max_model_len - 1 - batch.num_tokens[rows]
-        counts = np.fromiter((len(self.propose(batch, r, self.cfg.num_tokens)) for r in rows.tolist()),
-                             dtype=np.int64, count=len(rows))
+        if self.cfg.method == "draft":      # a draft model always has something to propose
+            counts = np.full(len(rows), self.cfg.num_tokens, dtype=np.int64)
+        else:
+            counts = np.fromiter((len(self.propose(batch, r, self.cfg.num_tokens)) for r in rows.tolist()),
+                                 dtype=np.int64, count=len(rows))
         counts = np.clip(np.minimum(counts, room), 0, None)
         return counts if counts.any() else None
 

@@ -56,9 +56,10 @@ class ServeSettings(ServiceSettings):
     kv_cache_memory: int = Field(1 << 30, ge=1, description="bytes for each executor's KV cache")
     deterministic: bool = Field(False, description="executors with batch-invariant kernels: the same tokens in "
                                 "any batch, chunking or executor, in bfloat16 as in float32 (docs/operations.md)")
-    speculative_method: Literal["none", "ngram"] = Field(
-        "none", description="executors' speculative decoding: ngram (prompt lookup), verified in one pass; greedy "
-        "and seeded output unchanged (docs/speculative_decoding.md)")
+    speculative_method: Literal["none", "ngram", "draft"] = Field(
+        "none", description="executors' speculative decoding: ngram (prompt lookup) or draft (--speculative-model), "
+        "verified in one pass; greedy and seeded output unchanged (docs/speculative_decoding.md)")
+    speculative_model: str = Field("", description="draft: a small model directory with the target's tokenizer")
     num_speculative_tokens: int = Field(8, ge=1, le=16, description="most tokens a request verifies per step")
     scheduler_metrics_port: int = Field(9091, description="Prometheus /metrics of the scheduler")
     executor_metrics_port: int = Field(9092, description="Prometheus /metrics of the first executor (then +1)")
@@ -118,7 +119,8 @@ def children(a: ServeSettings, certs: Path | None = None) -> tuple[list[Child], 
         "--model": a.model, "--address": address, "--kv-cache-memory": a.kv_cache_memory, "--threads": threads,
         "--tensor-parallel-size": a.tensor_parallel_size, "--deterministic": a.deterministic,
         "--role": role_of(a, i), "--metrics-address": f"127.0.0.1:{a.executor_metrics_port + i}",
-        "--speculative-method": a.speculative_method, "--num-speculative-tokens": a.num_speculative_tokens})
+        "--speculative-method": a.speculative_method, "--num-speculative-tokens": a.num_speculative_tokens,
+        "--speculative-model": a.speculative_model or None})
         for i, address in enumerate(addresses)]
     stack = [
         child("scheduler", "scheduler", {"--executors": ",".join(addresses), "--address": sc,

@@ -39,7 +39,7 @@ VALUE_SETS = {
     "default": {},
     "gpu-tp2": GPU_TP2,
     "keda": {"executor": {"keda": {"enabled": True}, "deterministic": True,
-                          "speculative": {"method": "ngram", "numTokens": 6}}},
+                          "speculative": {"method": "draft", "numTokens": 6, "model": "SmolLM2-135M-draft"}}},
     "disaggregated-keda": {"executor": {"keda": {"enabled": True}, "disaggregation": {
         "enabled": True, "prefill": {"replicas": 2}, "decode": {"replicas": 5}}}},
     "cert-manager": {"tls": {"certManager": {"enabled": True}, "trustDomain": "prod.example"}},
@@ -131,7 +131,9 @@ def test_the_chart_lints_clean_and_each_value_set_renders_what_it_asks_for(rende
     keda_args = container(find(keda, "Deployment", "executor"))["args"]
     assert "--deterministic" in keda_args
     assert (flag(keda_args, "--speculative-method"), flag(keda_args, "--num-speculative-tokens"),
-            flag(keda_args, "--speculative-max-batch")) == ("ngram", "6", "4")
+            flag(keda_args, "--speculative-max-batch")) == ("draft", "6", "4")
+    beside = flag(keda_args, "--model").rsplit("/", 1)[0] + "/SmolLM2-135M-draft"
+    assert flag(keda_args, "--speculative-model") == beside
     assert "--speculative-method" not in container(executor)["args"]      # off by default
     assert "stepwire:num_requests_waiting" in scaled["spec"]["triggers"][0]["metadata"]["query"]
 

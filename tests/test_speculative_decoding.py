@@ -143,11 +143,43 @@ def test_verification_keeps_the_target_distribution_of_every_position():
     assert np.abs(s - p[1].numpy()).max() < 0.03
 
 
+@pytest.fixture(scope="module")
+def tiny_draft(tmp_path_factory):
+    from tiny_model import write_tiny_llama
+    return str(write_tiny_llama(tmp_path_factory.mktemp("draft") / "tiny", vocab_size=49152,
+                                max_position_embeddings=2048))
+
+
+def test_a_draft_model_that_is_the_target_itself_has_every_greedy_proposal_accepted(plain, tok):
+    """The draft's own KV follows the target's through prefill chunks, decodes and refused proposals: were it
+    stale or misplaced, a draft equal to the target would propose other tokens than the target decodes."""
+    ps = prompts(tok)[1:3]
+    sp = SamplingParams(max_tokens=32, temperature=0.0)
+    expected = [c.token_ids for c in plain.generate(ps, sp)]
+    e = engine("draft", speculative_model=str(MODEL), num_speculative_tokens=4)
+    assert [c.token_ids for c in e.generate(ps, sp)] == expected
+    s = e.runner.spec
+    assert s.proposed > 20 and s.accepted / s.proposed > 0.9
+
+
+def test_a_random_draft_model_changes_no_token_greedy_seeded_or_preempted(tiny_draft, tok):
+    ps = prompts(tok) * 2
+    block_bytes = 2 * 30 * 3 * 64 * 16 * 4
+    small = {"kv_cache_memory": 18 * block_bytes}
+    params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True) if i % 2 else
+              SamplingParams(max_tokens=40, temperature=0.9, seed=i, ignore_eos=True) for i in range(len(ps))]
+    expected = [c.token_ids for c in engine("none", **small).generate(ps, params)]
+    e = engine("draft", speculative_model=tiny_draft, speculative_max_batch=8, **small)
+    assert [c.token_ids for c in e.generate(ps, params)] == expected
+    assert e.scheduler.num_preemptions > 0 and e.runner.spec.proposed > 0
+
+
 @pytest.mark.parametrize("bad, why", [
     ({"speculative_method": "eagle"}, "speculative method"),
     ({"speculative_method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"speculative_method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt lookup"),
     ({"speculative_method": "ngram", "tensor_parallel_size": 2}, "tensor parallelism"),
+    ({"speculative_method": "draft"}, "needs --speculative-model"),
 ])
 def test_bad_speculation_settings_are_refused_at_start(bad, why):
     from executor_service.runner import ModelRunner
@@ -176,3 +208,12 @@ def test_constrained_requests_verify_only_what_their_grammar_allows_and_keep_the
         text = tok.decode(ids)
         if ids[-1] in (0, 2):     # ended by the grammar (EOS), not by max_tokens: whole JSON
             assert set(json.loads(text)) == {"text", "words"}
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused_at_start(tmp_path):
+    from tiny_model import write_tiny_llama
+
+    from executor_service.runner import ModelRunner
+    other = write_tiny_llama(tmp_path / "other")          # 97 tokens
+    with pytest.raises(ValueError, match="share the target's tokenizer"):
+        ModelRunner(RunnerConfig(str(MODEL), speculative_method="draft", speculative_model=str(other)))
