@@ -72,6 +72,8 @@ def adopt(core: Scheduler, moved: list[Request]) -> list[Request]:
         if cfg.enable_prefix_caching:
             req.update_block_hashes(cfg.block_size)   # route() left them at this core's block size
         req.length_limit = min(req.num_prompt_tokens + req.sampling_params.max_tokens, cfg.max_model_len)
+        # Proposals were offered by the executor it left; this one (maybe not speculating) offers its own.
+        req.spec_offered = 0
         core.requests[req.request_id] = req
         core.waiting.prepend(req)
     return refused

@@ -116,7 +116,7 @@ class Scheduler:
             self._preempt(req)
         for req in self.requests.values():
             req.num_output_placeholders = 0       # what was in flight is lost with the batch
-            req.spec_in_flight = 0
+            req.spec_in_flight = req.spec_offered = 0
             if req.status == _PREEMPTED:
                 req.resend_in_full = True
         # Ids the executor no longer holds need no "finished" notice in the new epoch.

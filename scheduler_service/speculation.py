@@ -7,8 +7,10 @@ token budget and get KV slots like any token, and the step's diff carries only t
 proposals, so their slots are written again by the next step; no block holding an unverified token is ever
 hashed into the prefix cache, since only tokens in `all_token_ids` are hashed.
 
-A request whose proposals keep failing stops speculating for a while, longer each time, so one that never
-accepts costs next to nothing; the executor proposes nothing where its prompt lookup finds nothing.
+How many a request verifies follows its acceptance so far: about twice the proposals it has been keeping
+(a moving average), plus two, so a request that keeps few pays for few positions and one that keeps all
+grows back. A request whose proposals keep failing stops speculating for a while, longer each time, so one
+that never accepts costs next to nothing; prompt lookup proposes nothing where it finds nothing.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ def proposals_to_verify(req: Request, computed: int, known: int, token_budget: i
         req.spec_backoff -= 1
         return 0
     k = min(req.spec_offered, token_budget - 1, req.length_limit - known - 1, max_model_len - 2 - computed)
+    if req.spec_kept_avg >= 0:
+        k = min(k, 2 + int(2 * req.spec_kept_avg))
     return k if k > 0 else 0
 
 
@@ -34,6 +38,10 @@ def record_verified(req: Request, k: int, num_kept: int, running: bool) -> None:
     req.spec_in_flight = 0
     if running:
         req.num_computed_tokens -= k + 1 - num_kept
+    kept = num_kept - 1
+    # All kept says only "at least k": count one more, so the request's allowance can grow past k.
+    x = kept + 1 if kept == k else kept
+    req.spec_kept_avg = x if req.spec_kept_avg < 0 else 0.6 * req.spec_kept_avg + 0.4 * x
     if num_kept > 1:
         req.spec_misses = 0
         return

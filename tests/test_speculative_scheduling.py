@@ -158,6 +158,38 @@ def test_a_request_whose_proposals_keep_failing_stops_speculating_for_longer_eac
     assert verified[:3] == [2, 2, 0]
 
 
+def test_a_request_verifies_about_as_many_proposals_as_it_has_been_keeping():
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512, block_size=4)
+    sched = Scheduler(cfg, num_blocks=256)
+    sched.add_request(Request("a", [1, 2, 3], SamplingParams(max_tokens=400, ignore_eos=True)))
+    out = sched.schedule()
+    sched.update_from_output(out, RunnerOutput(["a"], [[7]], proposals=[8]))
+    verified = []
+    for i in range(40):
+        out = sched.schedule()
+        k = out.spec_tokens.get("a", 0)
+        verified.append(k)
+        kept = 1 if i < 20 else k            # one proposal kept a step, then every one
+        sched.update_from_output(out, RunnerOutput(["a"], [[5] * (kept + 1)], proposals=[8]))
+    assert verified[0] == 8
+    assert max(verified[10:20]) <= 4        # keeping one, it verifies about four, not eight
+    assert verified[-1] == 8                # keeping all again, it is back to everything offered
+
+
+def test_a_request_that_moves_verifies_only_what_its_new_executor_offers():
+    from scheduler_service import migration
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, block_size=4)
+    a, b = Scheduler(cfg, num_blocks=32), Scheduler(cfg, num_blocks=32)
+    a.add_request(Request("r", [1, 2, 3, 4, 5], SamplingParams(max_tokens=20, ignore_eos=True)))
+    out = a.schedule()
+    a.update_from_output(out, RunnerOutput(["r"], [[7]], proposals=[4]))
+    moved = migration.take_all(a)
+    assert migration.adopt(b, moved) == []
+    b.schedule()            # resumed in full on an executor that has offered nothing ...
+    # ... and, two steps in flight, the next step is scheduled before that one's answer: still nothing.
+    assert b.schedule().spec_tokens == {}
+
+
 def test_the_executor_refuses_proposals_past_its_limit_or_without_speculation():
     for method, k, refused in (("none", 1, True), ("ngram", K, False), ("ngram", K + 1, True)):
         sched, model = make([("a", [1, 2, 3, 4], SamplingParams(max_tokens=20, ignore_eos=True))], 32, method)

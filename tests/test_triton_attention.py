@@ -32,7 +32,7 @@ def step_inputs(rng, block_table: np.ndarray, block_size: int, requests: list[tu
     slots = block_table[tok_rows, positions // block_size] * block_size + positions % block_size
     return StepInputs(handles=list(rows), rows=rows, num_scheduled=n, query_start=starts,
                       input_ids=np.zeros(len(positions), dtype=np.int64), positions=positions, slot_mapping=slots,
-                      seq_lens=computed + n, sample_mask=np.ones(len(rows), dtype=bool))
+                      seq_lens=computed + n, sample_mask=np.ones(len(rows), dtype=bool), logits_index=starts + n - 1)
 
 
 def run_both(requests, heads: int, kv_heads: int, head_dim: int, block_size: int, dtype=torch.float32, seed=0):
