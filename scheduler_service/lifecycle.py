@@ -117,11 +117,11 @@ class Lifecycles:
                     m.itl.observe(now - life.last_token)
                 life.last_token = now
             if d.finish_reason is not None:
-                self.finished(d.req_id, d.finish_reason, max(d.num_cached_tokens, 0))
+                self.finished(d.req_id, d.finish_reason, max(d.num_cached_tokens, 0), d.spec)
         if generated:
             m.generation_tokens.inc(generated)
 
-    def finished(self, rid: str, reason: str, cached_tokens: int = 0) -> None:
+    def finished(self, rid: str, reason: str, cached_tokens: int = 0, spec: tuple | None = None) -> None:
         life = self.lives.pop(rid, None)
         if life is None:
             return
@@ -136,4 +136,10 @@ class Lifecycles:
                 "gen_ai.usage.output_tokens": life.output_tokens, "gen_ai.response.finish_reasons": [reason],
                 "stepwire.prefix_cache.hit_tokens": cached_tokens, "stepwire.num_preemptions": life.preemptions,
                 "stepwire.queue_time_seconds": (life.scheduled or now) - life.arrival})
+            if spec is not None:
+                steps, proposed, accepted = spec
+                span.set_attributes({"stepwire.spec.proposed_tokens": proposed,
+                                     "stepwire.spec.accepted_tokens": accepted,
+                                     "stepwire.spec.acceptance_rate": accepted / proposed if proposed else 0.0,
+                                     "stepwire.spec.mean_accepted_length": (accepted + steps) / steps})
             span.end()

@@ -75,14 +75,16 @@ class RunnerOutput:
 class RequestDelta:
     """What one step changed for one request, as the gateway needs it."""
 
-    __slots__ = ("req_id", "new_token_ids", "finish_reason", "num_cached_tokens", "logprobs")
+    __slots__ = ("req_id", "new_token_ids", "finish_reason", "num_cached_tokens", "logprobs", "spec")
 
-    def __init__(self, req_id, new_token_ids, finish_reason, num_cached_tokens, logprobs=None):
+    def __init__(self, req_id, new_token_ids, finish_reason, num_cached_tokens, logprobs=None, spec=None):
         self.req_id: str = req_id
         self.new_token_ids: list[int] = new_token_ids
         self.finish_reason: str | None = finish_reason  # None while running; "stop", "length" or "abort"
         self.num_cached_tokens: int = num_cached_tokens  # prompt tokens served from the prefix cache
         self.logprobs = logprobs
+        # On a finished request that speculated: (verifying steps, proposals verified, proposals kept).
+        self.spec = spec
 
     def __repr__(self) -> str:
         return (f"RequestDelta({self.req_id!r}, {self.new_token_ids}, finish={self.finish_reason}, "

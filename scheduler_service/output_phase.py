@@ -62,7 +62,8 @@ def apply_runner_output(sched, scheduler_output: SchedulerOutput, runner_output:
             req.status = finish
             sched._release(req)
             any_finished = True
-            deltas.append(RequestDelta(rid, tokens, FINISH_REASONS[finish], req.num_cached_tokens, lps))
+            deltas.append(RequestDelta(rid, tokens, FINISH_REASONS[finish], req.num_cached_tokens, lps,
+                                       req.spec_tally if req.spec_tally[0] else None))
     if any_finished:
         sched.running = [r for r in sched.running if r.status is _RUNNING]
         ended = [r for r in late_preempted if r.is_finished]

@@ -69,6 +69,8 @@ class Request:
     spec_misses: int = field(init=False, default=0)
     spec_backoff: int = field(init=False, default=0)
     spec_kept_avg: float = field(init=False, default=-1.0)    # moving average of proposals kept (-1: none yet)
+    # (steps that verified proposals, proposals verified, proposals kept) over its life, for its span.
+    spec_tally: tuple[int, int, int] = field(init=False, default=(0, 0, 0))
     # Most proposals a step verified since its blocks were allocated: slots it may hold past its computed tokens.
     spec_slots: int = field(init=False, default=0)
     # Set when the executor lost its copy (restart, resync): the next admission re-sends it in full.

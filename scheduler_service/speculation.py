@@ -39,6 +39,8 @@ def record_verified(req: Request, k: int, num_kept: int, running: bool) -> None:
     if running:
         req.num_computed_tokens -= k + 1 - num_kept
     kept = num_kept - 1
+    steps, proposed, accepted = req.spec_tally
+    req.spec_tally = (steps + 1, proposed + k, accepted + kept)
     # All kept says only "at least k": count one more, so the request's allowance can grow past k.
     x = kept + 1 if kept == k else kept
     req.spec_kept_avg = x if req.spec_kept_avg < 0 else 0.6 * req.spec_kept_avg + 0.4 * x

@@ -18,6 +18,7 @@ from helpers import wait_until  # noqa: E402
 from tiny_model import reference_greedy  # noqa: E402
 
 from launcher.processes import Service  # noqa: E402
+from tools import otlp_receiver  # noqa: E402
 
 pytestmark = pytest.mark.processes   # starts services as separate processes: not in `make test-fast`
 
@@ -31,12 +32,16 @@ def spec_stack(tmp_path_factory):
     from launcher.processes import Stack
     if not (MODEL / "conversion.json").exists():
         pytest.skip("embedded model not converted (make model)")
+    server, sink, otlp = otlp_receiver.start("127.0.0.1:0")
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{otlp}", "OTEL_EXPORTER_OTLP_INSECURE": "true",
+           "OTEL_TRACES_SAMPLER": "always_on", "OTEL_BSP_SCHEDULE_DELAY": "100"}
     services = [Service("executor", flags={"--model": MODEL, "--kv-cache-memory": 256 << 20, "--max-model-len": 2048,
-                                           "--speculative-method": "ngram"}),
-                Service("scheduler"), Service("gateway", flags={"--model": MODEL})]
+                                           "--speculative-method": "ngram"}, env=env),
+                Service("scheduler", env=env), Service("gateway", flags={"--model": MODEL})]
     with Stack(services, tmp_path_factory.mktemp("spec-logs")) as stack:
         metrics = "http://" + stack["executor"].flags["--metrics-address"] + "/metrics"
-        yield openai.OpenAI(base_url=stack["gateway"].url + "/v1", api_key="unused", max_retries=0), metrics
+        yield openai.OpenAI(base_url=stack["gateway"].url + "/v1", api_key="unused", max_retries=0), metrics, sink
+    server.stop(0)
 
 
 def _counter(metrics: str, name: str) -> float:
@@ -44,7 +49,7 @@ def _counter(metrics: str, name: str) -> float:
 
 
 def test_greedy_answers_stop_strings_and_logprobs_equal_those_without_speculation(http_stack, spec_stack):
-    client, metrics = spec_stack
+    client, metrics, _ = spec_stack
     before = _counter(metrics, "executor_spec_accepted_tokens")
     kw = {"model": "SmolLM2-135M-Instruct", "messages": MESSAGES, "max_tokens": 60, "temperature": 0,
           "logprobs": True, "top_logprobs": 2}
@@ -68,7 +73,7 @@ def test_greedy_answers_stop_strings_and_logprobs_equal_those_without_speculatio
 
 
 def test_seeded_streams_equal_those_without_speculation(http_stack, spec_stack):
-    client, _ = spec_stack
+    client, _, _ = spec_stack
     kw = {"model": "SmolLM2-135M-Instruct", "messages": MESSAGES, "max_tokens": 40, "temperature": 0.9,
           "seed": 1234, "stream": True}
     texts = []
@@ -76,6 +81,25 @@ def test_seeded_streams_equal_those_without_speculation(http_stack, spec_stack):
         texts.append("".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(**kw)
                              if ch.choices))
     assert texts[0] == texts[1] and texts[0]
+
+
+def test_request_and_step_spans_carry_what_speculation_kept(spec_stack):
+    client, _, sink = spec_stack
+    client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=MESSAGES, max_tokens=40, temperature=0)
+
+    def spans():
+        with sink.lock:
+            return list(sink.spans)
+
+    wait_until(lambda: any("stepwire.spec.accepted_tokens" in s["attributes"] for s in spans()
+                           if s["name"] == "scheduler.request"), 30, "a request span with speculation's figures")
+    req = next(s["attributes"] for s in spans() if s["name"] == "scheduler.request"
+               and "stepwire.spec.accepted_tokens" in s["attributes"])
+    assert 0 < req["stepwire.spec.accepted_tokens"] <= req["stepwire.spec.proposed_tokens"]
+    assert 0 < req["stepwire.spec.acceptance_rate"] <= 1 and req["stepwire.spec.mean_accepted_length"] > 1
+    steps = [s["attributes"] for s in spans() if s["name"] == "executor.step"
+             and "stepwire.spec.proposed_tokens" in s["attributes"]]
+    assert steps and all(0 <= a["stepwire.spec.accepted_tokens"] <= a["stepwire.spec.proposed_tokens"] for a in steps)
 
 
 def test_killing_a_speculating_executor_mid_stream_changes_no_token(tmp_path):
