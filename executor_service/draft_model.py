@@ -7,8 +7,11 @@ forward pass:
 1. catch up: every scheduled row computes, with the draft, the tokens the target computes this step (not
    its proposals), from where the draft's own KV stops; so the draft's cache follows the target's, prefix
    hits included (a cached block's draft KV was written by the step that filled it);
-2. propose: a row verifying k proposals gets them from k greedy draft steps, the first from the catch-up's
-   last position, each next one fed back, writing draft KV in slots the scheduler gave the proposals.
+2. propose: a row verifying k proposals gets them from k draft steps, the first from the catch-up's last
+   position, each next one fed back, writing draft KV in slots the scheduler gave the proposals. Each draw
+   is the target's own sampling on the draft's logits: argmax for greedy rows, and for a seeded row the
+   noise the target will use at that position, so where the draft agrees with the target the proposal is
+   the target's very token.
 
 A proposal's KV is not trusted later: the next catch-up starts again at the row's first unverified
 position. Proposals the target refuses cost only their positions; whatever the draft proposes, the tokens
@@ -26,6 +29,8 @@ from executor_service.input_batch import InputBatch, StepInputs
 from executor_service.kv_tensors import allocate_kv_caches
 from executor_service.loader import load_model
 from executor_service.model_config import ModelConfig
+from executor_service.sample_rows import sample_rows
+from executor_service.sampler import Sampler
 
 
 class DraftModel:
@@ -43,6 +48,7 @@ class DraftModel:
         self.block_size = block_size
         self.device = device
         self.scratch = GatherScratch()
+        self.sampler = Sampler()
 
     def run(self, batch: InputBatch, inputs: StepInputs) -> None:
         """Catch the draft's KV up with this step and, for the rows that verify proposals, write them into
@@ -63,7 +69,7 @@ class DraftModel:
             return
         at = np.flatnonzero(spec)
         srows, k, first = rows[at], spec[at], ends[at]          # `first`: the first proposal's position
-        token = self._greedy(hidden, catch_up.logits_index[at])
+        token = self._sample(batch, hidden, catch_up.logits_index[at], srows, first)
         j = 0
         while True:
             batch.token_ids[srows, first + j] = token
@@ -73,7 +79,7 @@ class DraftModel:
             srows, k, first = srows[more], k[more], first[more]
             # The proposal just made, fed back at its position, gives the next one.
             step = batch.inputs_at(srows, first + j, np.ones(len(srows), dtype=np.int64))
-            token = self._greedy(self._forward(batch, step), step.logits_index)
+            token = self._sample(batch, self._forward(batch, step), step.logits_index, srows, first + j + 1)
             j += 1
         _patch_inputs(batch, inputs)
 
@@ -82,9 +88,16 @@ class DraftModel:
         meta = build_attention_metadata(inputs, batch.block_table, self.block_size, to, self.scratch)
         return self.model(to(inputs.input_ids), to(inputs.positions), self.kv, meta)
 
-    def _greedy(self, hidden: torch.Tensor, index: np.ndarray) -> np.ndarray:
+    def _sample(self, batch: InputBatch, hidden: torch.Tensor, index: np.ndarray, rows: np.ndarray,
+                positions: np.ndarray) -> np.ndarray:
+        """Each row's proposal for `positions`, drawn as the target will draw its token there: greedy rows take
+        the argmax, and a seeded row uses the very noise the target's draw at that position will use, so a
+        draft that agrees with the target proposes exactly the token the target then samples."""
         idx = torch.from_numpy(index).to(self.device)
-        return self.model.compute_logits(hidden[idx]).argmax(dim=-1).cpu().numpy()
+        logits = self.model.compute_logits(hidden[idx])
+        states = [batch.states[batch.handles[r]] for r in rows.tolist()]
+        tokens, _ = sample_rows(batch, self.sampler, rows, states, logits, logits.shape[-1], self.device, positions)
+        return tokens
 
 
 def _patch_inputs(batch: InputBatch, inputs: StepInputs) -> None:

@@ -160,6 +160,13 @@ def test_a_draft_model_that_is_the_target_itself_has_every_greedy_proposal_accep
     assert [c.token_ids for c in e.generate(ps, sp)] == expected
     s = e.runner.spec
     assert s.proposed > 20 and s.accepted / s.proposed > 0.9
+    # Seeded sampling: the draft draws with the noise the target will use at each position, so it proposes the
+    # very tokens the target samples (greedy proposals would be kept only as often as they are the sample).
+    seeded = [SamplingParams(max_tokens=32, temperature=1.0, seed=3 + i) for i in range(len(ps))]
+    expected = [c.token_ids for c in plain.generate(ps, seeded)]
+    proposed, accepted = s.proposed, s.accepted
+    assert [c.token_ids for c in e.generate(ps, seeded)] == expected
+    assert (s.accepted - accepted) / (s.proposed - proposed) > 0.9
 
 
 def test_a_random_draft_model_changes_no_token_greedy_seeded_or_preempted(tiny_draft, tok):
