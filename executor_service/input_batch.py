@@ -218,11 +218,7 @@ class InputBatch:
             query_start = np.arange(b, dtype=np.int64)
             tok_rows, positions = rows, computed
         else:
-            cu = np.cumsum(n_sched)
-            query_start = cu - n_sched
-            req_of_tok = np.repeat(np.arange(b), n_sched)
-            positions = computed[req_of_tok] + (np.arange(total) - query_start[req_of_tok])
-            tok_rows = rows[req_of_tok]
+            query_start, tok_rows, positions = _flatten(rows, computed, n_sched)
         input_ids = self.token_ids[tok_rows, positions]
         slot_mapping = self.block_table[tok_rows, positions // bs] * bs + positions % bs
         sample_mask = seq_lens >= known
@@ -240,16 +236,12 @@ class InputBatch:
         """Inputs for rows computing `counts` tokens each from position `starts` (a draft model catching up on
         its own KV, or running one proposal a row): the positions' tokens, slots and sequence lengths. Every
         row "samples" at its last position."""
-        b = len(rows)
-        query_start = np.cumsum(counts) - counts
-        req_of_tok = np.repeat(np.arange(b), counts)
-        positions = starts[req_of_tok] + ramps(counts)
-        tok_rows = rows[req_of_tok]
+        query_start, tok_rows, positions = _flatten(rows, starts, counts)
         bs = self.block_size
         slots = self.block_table[tok_rows, positions // bs] * bs + positions % bs
         last = query_start + counts - 1
         return StepInputs([], rows, counts, query_start, self.token_ids[tok_rows, positions], positions, slots,
-                          starts + counts, np.ones(b, dtype=bool), last)
+                          starts + counts, np.ones(len(rows), dtype=bool), last)
 
     def _fill_proposals(self, rows: np.ndarray, known: np.ndarray, num_spec: np.ndarray, propose) -> None:
         # Written past the row's known tokens, where nothing reads them but this step's inputs. A proposer with
@@ -284,6 +276,14 @@ class InputBatch:
             self.token_ids[row, n:n + c] = sampled[at:at + c]
             at += c
         self.num_tokens[r] = pos + counts
+
+
+def _flatten(rows: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows computing `counts` tokens each from position `starts`, as one flat batch: where each row's tokens
+    begin in it, and each token's row and position."""
+    query_start = np.cumsum(counts) - counts
+    req_of_tok = np.repeat(np.arange(len(rows)), counts)
+    return query_start, rows[req_of_tok], starts[req_of_tok] + ramps(counts)
 
 
 def ramps(counts: np.ndarray) -> np.ndarray:

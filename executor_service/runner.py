@@ -232,8 +232,7 @@ class ModelRunner:
             b.append_sampled(inputs, sampled, counts)
             if self.ranks is not None:
                 self.ranks.done(sampled)
-            proposals = self.spec.counts_for_next_step(b, inputs.rows[inputs.sample_mask]) \
-                if self.spec.cfg.enabled else None
+            proposals = self.spec.counts_for_next_step(b, inputs.rows[inputs.sample_mask])
             result = step_result(b, inputs, sampled, logprobs, counts, keep, proposals)
         self.phase_seconds = (t1 - t0, t2 - t1, clock() - t2)
         return result
