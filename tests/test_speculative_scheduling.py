@@ -142,35 +142,32 @@ def test_proposals_are_scheduled_tokens_and_the_refused_ones_are_taken_back():
     assert blocks[1].block_hash is not None and blocks[2].block_hash is None
 
 
-def test_a_request_whose_proposals_keep_failing_stops_speculating_for_longer_each_time():
+def verified_per_step(offered: int, steps: int, kept) -> list[int]:
+    """One request decoding for `steps` steps, its executor offering `offered` proposals each time and keeping
+    `kept(step, k)` of the k verified: how many the scheduler had it verify at each step."""
     cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512, block_size=4)
     sched = Scheduler(cfg, num_blocks=256)
     sched.add_request(Request("a", [1, 2, 3], SamplingParams(max_tokens=400, ignore_eos=True)))
     out = sched.schedule()
-    sched.update_from_output(out, RunnerOutput(["a"], [[7]], proposals=[2]))
+    sched.update_from_output(out, RunnerOutput(["a"], [[7]], proposals=[offered]))
     verified = []
-    for _ in range(60):
+    for i in range(steps):
         out = sched.schedule()
         k = out.spec_tokens.get("a", 0)
         verified.append(k)
-        sched.update_from_output(out, RunnerOutput(["a"], [[5]], proposals=[2]))   # never accepted
+        sched.update_from_output(out, RunnerOutput(["a"], [[5] * (kept(i, k) + 1)], proposals=[offered]))
+    return verified
+
+
+def test_a_request_whose_proposals_keep_failing_stops_speculating_for_longer_each_time():
+    verified = verified_per_step(2, 60, lambda i, k: 0)      # never accepted
     assert sum(1 for k in verified if k) < 12, verified
     assert verified[:3] == [2, 2, 0]
 
 
 def test_a_request_verifies_about_as_many_proposals_as_it_has_been_keeping():
-    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512, block_size=4)
-    sched = Scheduler(cfg, num_blocks=256)
-    sched.add_request(Request("a", [1, 2, 3], SamplingParams(max_tokens=400, ignore_eos=True)))
-    out = sched.schedule()
-    sched.update_from_output(out, RunnerOutput(["a"], [[7]], proposals=[8]))
-    verified = []
-    for i in range(40):
-        out = sched.schedule()
-        k = out.spec_tokens.get("a", 0)
-        verified.append(k)
-        kept = 1 if i < 20 else k            # one proposal kept a step, then every one
-        sched.update_from_output(out, RunnerOutput(["a"], [[5] * (kept + 1)], proposals=[8]))
+    # One proposal kept a step, then every one.
+    verified = verified_per_step(8, 40, lambda i, k: 1 if i < 20 else k)
     assert verified[0] == 8
     assert max(verified[10:20]) <= 4        # keeping one, it verifies about four, not eight
     assert verified[-1] == 8                # keeping all again, it is back to everything offered
