@@ -55,9 +55,14 @@ class DecoderLayer(nn.Module):
             self.down_proj = Linear(part.intermediate_size, cfg.hidden_size, bias=False)
         self.attn = PagedAttention(h, kvh, d)
 
-    def forward(self, x, cos_sin, k_cache, v_cache, meta: AttentionMetadata):
+    def forward(self, x, cos_sin, k_cache, v_cache, meta: AttentionMetadata, lora=None):
+        """`lora`: (LoraSlots, LoraStep, this layer's index) when some of the step's rows have an adapter."""
         t = x.shape[0]
-        qkv = self.qkv_proj(self.input_layernorm(x))
+        h = self.input_layernorm(x)
+        qkv = self.qkv_proj(h)
+        if lora is not None:
+            slots, step, i = lora
+            slots.add(step, i, "qkv_proj", h, qkv)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
@@ -67,9 +72,22 @@ class DecoderLayer(nn.Module):
         if self.gathers:
             return self._forward_gathered(x, attn.reshape(t, self.q_size))
         # o_proj and down are row-parallel: each rank's product is a partial sum over its heads or columns.
-        x = x + self.comm.all_reduce(self.o_proj(attn.reshape(t, self.q_size)))
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
-        return x + self.comm.all_reduce(self.down_proj(F.silu(gate) * up))
+        # (LoRA runs on one rank only: runner_config refuses it with tensor parallelism.)
+        attn = attn.reshape(t, self.q_size)
+        o = self.o_proj(attn)
+        if lora is not None:
+            slots.add(step, i, "o_proj", attn, o)
+        x = x + self.comm.all_reduce(o)
+        h = self.post_attention_layernorm(x)
+        gate_up = self.gate_up_proj(h)
+        if lora is not None:
+            slots.add(step, i, "gate_up_proj", h, gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        h = F.silu(gate) * up
+        down = self.down_proj(h)
+        if lora is not None:
+            slots.add(step, i, "down_proj", h, down)
+        return x + self.comm.all_reduce(down)
 
     def _forward_gathered(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """The rest of the block where no rank may add another rank's partial sum: gather o's input, compute
@@ -98,12 +116,13 @@ class LlamaModel(nn.Module):
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, ...]],
-                meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states [T, hidden] for the flat batch; K/V of every token land in the caches."""
+                meta: AttentionMetadata, lora=None) -> torch.Tensor:
+        """Hidden states [T, hidden] for the flat batch; K/V of every token land in the caches. `lora`:
+        (LoraSlots, LoraStep) when some tokens have an adapter (lora_slots.py)."""
         x = self.embed(input_ids)
         cos_sin = self.rope.at(positions)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos_sin, k_cache, v_cache, meta)
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            x = layer(x, cos_sin, k_cache, v_cache, meta, None if lora is None else (*lora, i))
         return self.norm(x)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

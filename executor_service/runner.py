@@ -18,6 +18,7 @@ from executor_service.input_batch import InputBatch, RequestState, StepInputs, r
 from executor_service.kv_blocks import layout
 from executor_service.kv_tensors import allocate_kv_caches, num_blocks_for_budget
 from executor_service.loader import load_model
+from executor_service.lora_manager import LoraManager
 from executor_service.memory import keep_freed_memory
 from executor_service.model_config import ModelConfig
 from executor_service.partition import Partition
@@ -27,7 +28,7 @@ from executor_service.runner_config import (
     DTYPES,
     RunnerConfig,
     attention_backend,
-    check_deterministic,
+    check_combinations,
     default_dtype,
     rank_device,
 )
@@ -48,13 +49,10 @@ class ModelRunner:
 
     def __init__(self, cfg: RunnerConfig, rank: int = 0, store_port: int | None = None):
         # Resolved once, by rank 0, and handed to the other ranks: their all-reduces must agree on it.
-        check_deterministic(cfg)
+        check_combinations(cfg)
         spec = SpecConfig(cfg.speculative_method, cfg.num_speculative_tokens, cfg.prompt_lookup_min,
                           cfg.prompt_lookup_max, cfg.speculative_max_batch, cfg.speculative_model)
         spec.check()
-        if spec.enabled and cfg.tensor_parallel_size > 1:
-            raise ValueError("speculative decoding with tensor parallelism is not supported yet: the ranks would "
-                             "need the verified tokens of every row (leave --speculative-method at none)")
         self.spec = Speculator(spec)
         # The in-process engine honours the executor's dtype variable too, so both run alike where it is set.
         dtype = cfg.dtype or os.environ.get("STEPWIRE_EXECUTOR_DTYPE") or default_dtype(cfg.device)
@@ -123,6 +121,7 @@ class ModelRunner:
         if self.kv_layout and cfg.deterministic:
             self.kv_layout += ":deterministic"
         self.batch = self._new_batch()
+        self.lora = LoraManager(cfg, self.model_config, self.device, self.dtype) if cfg.max_loras else None
         self.draft = None
         if self.spec.cfg.method == "draft":
             from executor_service.draft_model import DraftModel
@@ -148,6 +147,8 @@ class ModelRunner:
     def reset_batch(self) -> None:
         """An empty persistent batch, on every rank: when a new epoch means the scheduler forgot the old one."""
         self.batch = self._new_batch()
+        if self.lora is not None:
+            self.lora.reset()
         if self.ranks is not None:
             self.ranks.reset()
 
@@ -168,7 +169,8 @@ class ModelRunner:
                 "cuda_graphs": self.graphs is not None, "tensor_parallel_size": self.comm.size,
                 "max_num_seqs": self.cfg.max_num_seqs, "max_num_batched_tokens": self.max_num_batched_tokens,
                 "deterministic": self.cfg.deterministic, "kv_layout": self.kv_layout,
-                "speculative": {"method": self.spec.cfg.method, "num_tokens": self.max_spec_tokens}}
+                "speculative": {"method": self.spec.cfg.method, "num_tokens": self.max_spec_tokens},
+                **(self.lora.describe() if self.lora is not None else {})}
 
     @property
     def max_spec_tokens(self) -> int:
@@ -250,6 +252,8 @@ class ModelRunner:
 
     def _prepare(self, step: Step) -> StepInputs | None:
         self.batch.apply(step, self._new_state)
+        if self.lora is not None:
+            self.lora.apply(step)
         if self.structured is not None and step.new:
             self._admit_constrained(step)
         if not step.handles:
@@ -278,7 +282,8 @@ class ModelRunner:
         dev = self.device
         to = lambda a: torch.from_numpy(a).to(dev, non_blocking=True)  # noqa: E731
         hidden = None
-        if self.graphs is not None and len(inputs.input_ids) == len(inputs.rows):   # a pure decode step
+        lora = self.lora.plan(inputs) if self.lora is not None else None
+        if self.graphs is not None and lora is None and len(inputs.input_ids) == len(inputs.rows):   # pure decode
             hidden = self.graphs.run(inputs, self.batch.block_table, self.cfg.block_size)
         if hidden is None:
             if self.attention == "triton":
@@ -287,5 +292,5 @@ class ModelRunner:
                 meta = build_attention_metadata(inputs, self.batch.block_table, self.cfg.block_size, to,
                                                 self.scratch)
             with self._sdpa():
-                hidden = self.model(to(inputs.input_ids), to(inputs.positions), self.kv_caches, meta)
+                hidden = self.model(to(inputs.input_ids), to(inputs.positions), self.kv_caches, meta, lora)
         return self.model.compute_logits(hidden[to(inputs.logits_index)])

@@ -33,6 +33,21 @@ def check_deterministic(cfg: RunnerConfig) -> None:
                          "with it (leave it at auto)")
 
 
+def check_combinations(cfg: RunnerConfig) -> None:
+    """Features that do not compose yet, refused at start-up rather than served wrongly."""
+    check_deterministic(cfg)
+    if cfg.speculative_method != "none" and cfg.tensor_parallel_size > 1:
+        raise ValueError("speculative decoding with tensor parallelism is not supported yet: the ranks would "
+                         "need the verified tokens of every row (leave --speculative-method at none)")
+    if cfg.max_loras and cfg.tensor_parallel_size > 1:
+        raise ValueError("LoRA adapters with tensor parallelism are not supported yet (leave --max-loras at 0)")
+    if cfg.max_loras and cfg.deterministic:
+        raise ValueError("LoRA adapters in deterministic mode are not supported yet: their batched products "
+                         "are not batch-invariant (leave --max-loras at 0)")
+    if cfg.max_cpu_loras is not None and cfg.max_cpu_loras < cfg.max_loras:
+        raise ValueError(f"--max-cpu-loras {cfg.max_cpu_loras} is below --max-loras {cfg.max_loras}")
+
+
 def attention_backend(choice: str, device: torch.device) -> str:
     """"torch" (gather, then SDPA) or "triton" (paged in place). auto: triton on CUDA when it is installed.
     Chosen once at start-up, so no step ever waits on a backend's per-shape planning."""
@@ -70,6 +85,10 @@ class RunnerConfig:
     prompt_lookup_min: int = 2               # n-gram: shortest suffix looked up
     prompt_lookup_max: int = 4               # n-gram: longest suffix looked up
     speculative_max_batch: int = 4           # no proposals while more requests than this share the batch
+    max_loras: int = 0                       # LoRA adapter slots on the device; 0: no adapters (lora_slots.py)
+    max_lora_rank: int = 16                  # the largest adapter rank a slot takes
+    max_cpu_loras: int | None = None         # adapters kept in host memory; None: twice max_loras
+    lora_dir: str = ""                       # adapters are read only from inside this directory ("": anywhere)
 
 
 def rank_device(device: str, rank: int) -> str:

@@ -37,6 +37,7 @@ from opentelemetry.trace import SpanKind
 from executor_service.collectives import RankFailure
 from executor_service.drain import drain
 from executor_service.kv_transfer import BlockMover, StepProgress
+from executor_service.lora_adapter import AdapterError
 from executor_service.metrics import ExecutorMetrics
 from executor_service.runner import ModelRunner
 from executor_service.runner_config import threads_per_rank
@@ -63,7 +64,8 @@ SERVICE = executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name
 # holder of a certificate could read its model and take over its stream, batch and KV cache.
 # KV blocks move executor to executor: the scheduler asks one to pull, and only a peer executor may read them.
 ROLES = {f"/{SERVICE}/Describe": frozenset({SCHEDULER}), f"/{SERVICE}/Step": frozenset({SCHEDULER}),
-         f"/{SERVICE}/PullBlocks": frozenset({SCHEDULER}), f"/{SERVICE}/ReadBlocks": frozenset({EXECUTOR})}
+         f"/{SERVICE}/PullBlocks": frozenset({SCHEDULER}), f"/{SERVICE}/ReadBlocks": frozenset({EXECUTOR}),
+         f"/{SERVICE}/CheckAdapter": frozenset({SCHEDULER})}
 
 
 @dataclass
@@ -128,7 +130,22 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
             max_model_len=d["max_model_len"], block_size=d["block_size"], num_blocks=d["num_blocks"],
             dtype=d["dtype"], device=d["device"], eos_token_ids=d["eos_token_ids"], instance_id=self.instance_id,
             tensor_parallel_size=d["tensor_parallel_size"], max_num_seqs=d["max_num_seqs"],
-            max_num_batched_tokens=d["max_num_batched_tokens"], kv_layout=d["kv_layout"], role=self.role)
+            max_num_batched_tokens=d["max_num_batched_tokens"], kv_layout=d["kv_layout"], role=self.role,
+            max_loras=d.get("max_loras", 0), max_lora_rank=d.get("max_lora_rank", 0),
+            max_cpu_loras=d.get("max_cpu_loras", 0))
+
+    async def CheckAdapter(self, request, context):
+        await self._ready(context)
+        lora = self.runner.lora
+        if lora is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this executor serves no LoRA adapters "
+                                "(start it with --max-loras)")
+        try:
+            # Off the event loop and off the step thread: reading a file must not hold up steps or streams.
+            adapter = await asyncio.to_thread(lora.read, request.name, request.path)
+        except AdapterError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return executor_pb2.CheckAdapterResponse(rank=adapter.rank, target_modules=sorted(adapter.targets))
 
     async def PullBlocks(self, request, context):
         await self._ready(context)             # a draining executor takes no blocks, as it takes no requests
@@ -226,6 +243,11 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
             step = decode_step(msg)
             # Checked before the step touches the batch or the KV cache: a refused step changes nothing.
             check_step(step, self.runner.batch, self.limits)
+            if step.lora_loads or step.lora_rows:
+                if self.runner.lora is None:
+                    raise BadStep("the step names LoRA adapters; this executor serves none")
+                self.runner.lora.check_step(step, self.runner.batch)
+                self.runner.lora.fetch(step)
         except BadStep as e:
             return self._resync(msg, str(e))
         t0 = time.perf_counter()

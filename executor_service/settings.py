@@ -79,6 +79,15 @@ class ExecutorSettings(RoleSettings):
     speculative_max_batch: int = Field(4, ge=1, description="no proposals while more requests than this "
                                        "share the batch: there a step is compute-bound and verifying costs more "
                                        "than it saves")
+    max_loras: int = Field(0, ge=0, le=256, description="LoRA adapter slots on the device: the most distinct adapters "
+                           "one step may use; 0: this executor serves no adapters (docs/lora.md)")
+    max_lora_rank: int = Field(16, ge=1, le=512, description="the largest adapter rank a slot takes (every slot is "
+                               "sized for it)")
+    max_cpu_loras: int | None = Field(None, ge=1, description="adapters kept in host memory, the most recently "
+                                      "loaded, so that one evicted from its slot comes back without reading the "
+                                      "disk; default: twice --max-loras")
+    lora_dir: str = Field("", description="adapters are read only from inside this directory (relative paths "
+                          "start from it; links may not lead out of it); empty: any path the executor can read")
 
     def runner_config(self) -> RunnerConfig:
         return RunnerConfig(**{f.name: getattr(self, f.name) for f in fields(RunnerConfig)})

@@ -43,6 +43,9 @@ class Step:
     # Crossed into new blocks: (handle, block ids appended), and each one's index into `handles`.
     grown: list[tuple[int, list[int]]] = field(default_factory=list)
     grown_at: list[int] = field(default_factory=list)
+    # LoRA: (slot, adapter key, path) loaded before the step runs; (handle, slot or -1) rows told their slot.
+    lora_loads: list[tuple[int, str, str]] = field(default_factory=list)
+    lora_rows: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)

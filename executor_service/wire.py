@@ -40,6 +40,7 @@ def decode_step(msg: executor_pb2.StepRequest) -> Step:
     if msg.grown_block_counts:
         _same_length("grown and grown_block_counts", msg.grown, msg.grown_block_counts)
     grown_counts = msg.grown_block_counts or [1] * len(grown_at)
+    _same_length("lora_handles and lora_slots", msg.lora_handles, msg.lora_slots)
     return Step(
         handles=handles, num_tokens=num_tokens, total_tokens=sum(num_tokens),
         finished=list(msg.finished), preempted=list(msg.preempted),
@@ -49,7 +50,9 @@ def decode_step(msg: executor_pb2.StepRequest) -> Step:
                          _split(msg.resumed_block_ids, msg.resumed_block_counts, "resumed"), strict=True)),
         grown=list(zip((handles[i] for i in grown_at), _split(msg.grown_block_ids, grown_counts, "grown"),
                        strict=True)),
-        grown_at=grown_at)
+        grown_at=grown_at,
+        lora_loads=[(ld.slot, ld.key, ld.path) for ld in msg.lora_loads],
+        lora_rows=[(h, s - 1) for h, s in zip(msg.lora_handles, msg.lora_slots, strict=True)])
 
 
 def encode_result(result: StepResult, num_handles: int, epoch: int, step: int) -> executor_pb2.StepResponse:

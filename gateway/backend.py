@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import grpc
 
+from gateway.adapter_names import AdapterNames, ModelNotFound
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.generation import MAX_N, Chunk, GenerationParams, Usage
 from gateway.journal import Entry, Journal
@@ -54,6 +55,7 @@ class Backend:
         if metrics is not None:
             metrics.journal.set_function(lambda: len(self.journal))
         self.scheduler_wait_seconds = scheduler_wait_seconds
+        self.adapters = AdapterNames()
 
     @property
     def ready(self) -> bool:
@@ -86,10 +88,13 @@ class Backend:
         return bool(limits.max_model_len)
 
     def check_model(self, name: str) -> None:
-        if name and name != self.model_name:
-            shown = name if len(name) <= 100 else name[:100] + "..."
-            raise InvalidRequestError("model", f"the model {shown!r} does not exist; this server serves "
-                                               f"{self.model_name!r}")
+        """For routes where only the tokenizer matters: the served model or an adapter (they share it)."""
+        if name and name != self.model_name and name not in self.adapters.known:
+            raise ModelNotFound(name, self.model_name)
+
+    async def resolve_model(self, name: str) -> str:
+        """The LoRA adapter a request's `model` picks ("" for the served model); ModelNotFound otherwise."""
+        return await self.adapters.resolve(self, name)
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a text prompt; one that cannot fit the context is refused before it is tokenized."""
@@ -213,7 +218,8 @@ class Backend:
             # n seeded completions must still differ from each other, and stay inside the uint64 field.
             sp = replace(sp, seed=(sp.seed + index) % (UINT64_MAX + 1))
         entry = self.journal.add(Entry(rid, prompt_ids, sp, p.priority, p.cache_salt or "", traceparent,
-                                       IncrementalDetokenizer(self.tokenizer), StopMatcher(p.stop)))
+                                       IncrementalDetokenizer(self.tokenizer), StopMatcher(p.stop),
+                                       adapter=p.adapter))
         lost_at: float | None = None      # when the scheduler was lost with this request unfinished
         try:
             while True:

@@ -21,6 +21,7 @@ class GenerationParams:
     n: int = 1
     priority: int = 0
     cache_salt: str | None = None
+    adapter: str = ""               # a LoRA adapter's name; "": the served model
 
 
 @dataclass

@@ -7,6 +7,7 @@ import uuid
 
 import grpc
 
+from gateway.adapter_names import ModelNotFound
 from gateway.backend import Backend
 from gateway.generation import GenerationParams, Usage
 from gateway.session import SchedulerError
@@ -38,8 +39,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     async def _prepare(self, request, context, obs: Observation) -> tuple[list[int], GenerationParams, ToolPlan]:
         b = self.backend
         try:
-            b.check_model(request.model)
             params = _params(request)
+            params.adapter = await b.resolve_model(request.model)
             b.check_params(params)   # before tokenizing: a request refused anyway costs no tokenizer time
             which = request.WhichOneof("prompt")
             tools = tool_plan(*_tool_fields(request))
@@ -61,8 +62,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 await b.refresh()
             b.check(prompt, params)
         except InvalidRequestError as e:
-            obs.end(grpc.StatusCode.INVALID_ARGUMENT.name, error=str(e))
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            code = grpc.StatusCode.NOT_FOUND if isinstance(e, ModelNotFound) else grpc.StatusCode.INVALID_ARGUMENT
+            obs.end(code.name, error=str(e))
+            await context.abort(code, str(e))
         return prompt, params, tools
 
     def _logprobs(self, per_token) -> list:

@@ -17,6 +17,7 @@ from gateway.backend import Backend
 from gateway.body_limit import BodyLimit
 from gateway.generation import GenerationParams
 from gateway.http_models import ChatRequest, CompletionRequest, Sampling, message_dicts, tool_fields
+from gateway.lora_api import add_lora_routes, model_cards
 from gateway.openai_responses import error, respond
 from gateway.structured_requests import one_constraint, requested
 from gateway.telemetry import GatewayMetrics, Observation
@@ -118,18 +119,19 @@ def build_app(backend: Backend, metrics: GatewayMetrics, api_keys: ApiKeys | Non
         return error(500, "the server had an error while processing the request", kind="server_error")
 
     add_tokenize_routes(app, backend)
+    add_lora_routes(app, backend)
 
     @app.get("/v1/models")
     async def models():
         await backend.refresh()
-        return {"object": "list", "data": [{"id": backend.model_name, "object": "model", "created": 0,
-                                            "owned_by": "stepwire", "max_model_len": backend.max_model_len}]}
+        return {"object": "list", "data": await model_cards(backend)}
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request):
         obs = Observation(metrics, "http", "/v1/completions", "text_completion", raw.headers, backend.model_name)
         try:
             p = _params(backend, req, req.max_tokens, req.logprobs)
+            p.adapter = await backend.resolve_model(req.model)
             p.sampling.structured_output = await one_constraint(requested(req), None, backend.tokenizer)
             if req.echo:
                 raise InvalidRequestError("echo", "echo is not supported")
@@ -147,6 +149,7 @@ def build_app(backend: Backend, metrics: GatewayMetrics, api_keys: ApiKeys | Non
             if req.top_logprobs is not None and not req.logprobs:
                 raise InvalidRequestError("top_logprobs", "top_logprobs needs logprobs: true")
             p = _params(backend, req, req.max_completion_tokens or req.max_tokens, n_lp)
+            p.adapter = await backend.resolve_model(req.model)
             tools = tool_plan(*tool_fields(req))
             p.sampling.structured_output = await one_constraint(requested(req), constraint(tools),
                                                                  backend.tokenizer)
@@ -166,7 +169,6 @@ def _refused(conn, exc: KeyRefused) -> JSONResponse:
 
 
 def _params(backend: Backend, req: Sampling, max_tokens: int | None, logprobs: int | None) -> GenerationParams:
-    backend.check_model(req.model)
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(req, name):
             raise InvalidRequestError(name, f"{name} is not supported yet")

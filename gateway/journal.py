@@ -34,6 +34,7 @@ class Entry:
     stops: StopMatcher
     delivered: list[int] = field(default_factory=list)
     submissions: int = 0
+    adapter: str = ""                # its LoRA adapter, by name ("": the base model)
 
     def submit_request(self) -> scheduler_pb2.SubmitRequest:
         """The request as the scheduler must see it now: prompt plus delivered tokens, the rest of max_tokens
@@ -48,7 +49,7 @@ class Entry:
         self.submissions += 1
         return scheduler_pb2.SubmitRequest(request_id=rid, prompt_token_ids=self.prompt_ids + self.delivered,
                                            params=sp.to_proto(), priority=self.priority, cache_salt=self.cache_salt,
-                                           traceparent=self.traceparent)
+                                           traceparent=self.traceparent, adapter=self.adapter)
 
 
 class Journal:

@@ -167,6 +167,8 @@ def rpc_error(e: SchedulerError) -> JSONResponse:
     # the link broke: never grpc's transport details.
     if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
         return error(400, e.details())
+    if e.code() == grpc.StatusCode.NOT_FOUND:     # its adapter was unloaded since this gateway last looked
+        return error(404, e.details(), "model", code="model_not_found")
     if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return error(429, e.details(), kind="rate_limit_error")
     return error(503, e.details(), kind="server_error")

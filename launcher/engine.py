@@ -48,15 +48,26 @@ class LLMEngine:
             raise ValueError(f"scheduler block_size {scheduler_config.block_size} != executor's "
                              f"{facts['block_size']}")
         self.scheduler = Scheduler(scheduler_config, facts["num_blocks"])
+        self.scheduler.adapters.configure(facts.get("max_loras", 0), facts.get("max_cpu_loras", 0))
+        self.adapters: dict[str, tuple[str, str]] = {}   # LoRA: name -> (key, path), checked by the runner
         self.eos_token_ids = tuple(facts["eos_token_ids"])
         self.handles = HandleTable()
         self._ids = itertools.count()
 
+    def load_adapter(self, name: str, path: str) -> None:
+        """Register a LoRA adapter under `name` (read and checked now: AdapterError if it cannot be served)."""
+        if self.runner.lora is None:
+            raise ValueError("the runner serves no adapters (max_loras=0)")
+        self.runner.lora.read(name, path)
+        self.adapters[name] = (f"{name}@{next(self._ids)}", path)
+
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, priority: int = 0) -> str:
+                    request_id: str | None = None, priority: int = 0, adapter: str = "") -> str:
+        """Queue a prompt; `adapter` names a loaded LoRA adapter (empty: the base model)."""
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         self.scheduler.add_request(Request(rid, list(prompt_token_ids), params or SamplingParams(),
-                                           eos_token_ids=self.eos_token_ids, priority=priority))
+                                           eos_token_ids=self.eos_token_ids, priority=priority,
+                                           lora=self.adapters[adapter] if adapter else None))
         return rid
 
     def abort(self, request_ids) -> None:
@@ -68,20 +79,23 @@ class LLMEngine:
             return []
         msg, order = encode_step(out, self.handles, epoch=1, step=0)
         step = decode_step(msg)
+        if step.lora_loads:
+            self.runner.lora.fetch(step)    # as the executor service does, before the step is applied
         reply = encode_result(self.runner.execute(step, msg), len(step.handles), 1, 0)
         return self.scheduler.update_from_output(out, decode_result(reply, order))
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
-                 ) -> list[Completion]:
-        """Run every prompt to completion; results in the order of `prompts`."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+                 adapters: list[str] | None = None) -> list[Completion]:
+        """Run every prompt to completion (each under its adapter, where given); results in the order of
+        `prompts`."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         done: dict[str, Completion] = {}
         order = []
-        for prompt, p in zip(prompts, plist, strict=True):
-            rid = self.add_request(prompt, p)
+        for prompt, p, a in zip(prompts, plist, adapters or [""] * len(prompts), strict=True):
+            rid = self.add_request(prompt, p, adapter=a)
             done[rid] = Completion(rid, list(prompt))
             order.append(rid)
         while self.has_unfinished():

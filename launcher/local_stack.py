@@ -61,6 +61,13 @@ class ServeSettings(ServiceSettings):
         "verified in one pass; greedy and seeded output unchanged (docs/speculative_decoding.md)")
     speculative_model: str = Field("", description="draft: a small model directory with the target's tokenizer")
     num_speculative_tokens: int = Field(8, ge=1, le=16, description="most tokens a request verifies per step")
+    max_loras: int = Field(0, ge=0, le=256, description="executors' LoRA adapter slots (0: no adapters; "
+                           "docs/lora.md)")
+    max_lora_rank: int = Field(16, ge=1, le=512, description="the largest adapter rank a slot takes")
+    lora_modules: str = Field("", description="adapters served from the start, comma-separated name=path "
+                              "(needs --max-loras); more are loaded through POST /v1/load_lora_adapter")
+    lora_dir: str = Field("", description="executors read adapters only from inside this directory; empty: any "
+                          "path")
     scheduler_metrics_port: int = Field(9091, description="Prometheus /metrics of the scheduler")
     executor_metrics_port: int = Field(9092, description="Prometheus /metrics of the first executor (then +1)")
     tls: bool = Field(True, description="mTLS between the services, with a development CA (--no-tls: plaintext "
@@ -120,11 +127,13 @@ def children(a: ServeSettings, certs: Path | None = None) -> tuple[list[Child], 
         "--tensor-parallel-size": a.tensor_parallel_size, "--deterministic": a.deterministic,
         "--role": role_of(a, i), "--metrics-address": f"127.0.0.1:{a.executor_metrics_port + i}",
         "--speculative-method": a.speculative_method, "--num-speculative-tokens": a.num_speculative_tokens,
-        "--speculative-model": a.speculative_model or None})
+        "--speculative-model": a.speculative_model or None, "--max-loras": a.max_loras,
+        "--max-lora-rank": a.max_lora_rank, "--lora-dir": a.lora_dir or None})
         for i, address in enumerate(addresses)]
     stack = [
         child("scheduler", "scheduler", {"--executors": ",".join(addresses), "--address": sc,
-                                         "--metrics-address": f"127.0.0.1:{a.scheduler_metrics_port}"}),
+                                         "--metrics-address": f"127.0.0.1:{a.scheduler_metrics_port}",
+                                         "--lora-modules": a.lora_modules or None}),
         child("gateway", "gateway", {"--model": a.model, "--scheduler": sc, "--port": a.port,
                                      "--grpc-address": f"127.0.0.1:{a.grpc_port}"}),
     ]

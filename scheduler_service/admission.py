@@ -36,8 +36,16 @@ def admit(fleet: Fleet, submit, max_waiting: int) -> str:
             raise InvalidRequestError("params", "sampling parameters are required")
         prompt = list(submit.prompt_token_ids)
         check_prompt(prompt, model.vocab_size, "prompt_token_ids")
+        lora = None
+        if submit.adapter:
+            lora = fleet.adapters.lookup(submit.adapter)
+            if lora is None:
+                raise Refused(grpc.StatusCode.NOT_FOUND, f"the model {submit.adapter!r} does not exist (no such "
+                              "LoRA adapter is loaded)")
+            if not fleet.lora_links() and fleet.live():
+                raise Refused(grpc.StatusCode.FAILED_PRECONDITION, "no connected executor serves LoRA adapters")
         req = Request(rid, prompt, submit.params, eos_token_ids=model.eos_token_ids, priority=submit.priority,
-                      cache_salt=submit.cache_salt or None)
+                      cache_salt=submit.cache_salt or None, lora=lora)
         link, choice, source = fleet.route(req, pull=True)
         if link is None:
             fleet.lifecycles.admitted(req, submit.traceparent, "")

@@ -194,6 +194,8 @@ class ExecutorLink:
             self.role = d.role or "mixed"
             # The executor names its model by directory; the gateway serves it under the directory's name too.
             self.lifecycles.model = self.lifecycles.model or os.path.basename(d.model.rstrip("/"))
+        # A new epoch: the executor's slots start empty as far as this core knows (and may be another size now).
+        self.core.adapters.configure(d.max_loras, d.max_cpu_loras)
         # Epochs only grow; a clock reading stays above any earlier one, across scheduler restarts too.
         self.epoch = max(self.epoch + 1, time.time_ns())
         self.last_sent_step = -1

@@ -16,11 +16,12 @@ from dataclasses import dataclass
 
 import grpc
 
+from scheduler_service.adapter_registry import AdapterRegistry, parse_modules
 from scheduler_service.executor_link import ExecutorLink
 from scheduler_service.kv_moves import KVMoves
 from scheduler_service.lifecycle import Lifecycles
 from scheduler_service.request import Request
-from scheduler_service.routing import Choice, PullCost, by_role, pick
+from scheduler_service.routing import Choice, PullCost, by_adapter, by_role, pick
 from scheduler_service.settings import SchedulerSettings
 
 log = logging.getLogger("stepwire.scheduler")
@@ -47,6 +48,7 @@ class Fleet:
         self.kv_moves = KVMoves(self, settings, lifecycles.metrics)
         self.pull_cost = PullCost(settings.kv_pull_overhead_tokens, settings.kv_pull_token_cost)
         self.num_rebalanced = 0
+        self.adapters = AdapterRegistry(parse_modules(settings.lora_modules))
 
     # ------------------------------------------------------------------ membership
 
@@ -106,6 +108,10 @@ class Fleet:
     def live(self) -> list[ExecutorLink]:
         return [lk for lk in self.links.values() if lk.connected and not lk.leaving and lk.core is not None]
 
+    def lora_links(self) -> list[ExecutorLink]:
+        """Live executors that serve LoRA adapters."""
+        return [lk for lk in self.live() if lk.core.adapters.num_slots and lk.stub is not None]
+
     def _changed(self) -> None:
         self.place_orphans()
         self.on_change()
@@ -119,6 +125,8 @@ class Fleet:
         only an executor of the role the request needs."""
         live = self.live()
         links = by_role([lk for lk in live if lk is not exclude], decoding, fallback=any_role)
+        if req.lora is not None:
+            links = by_adapter(links, req.lora[0], self.lifecycles.metrics)
         pulls = self.pull_cost if pull and self.settings.kv_transfer else None
         if pulls is not None and exclude in live:
             links.append(exclude)             # it holds the prefix, perhaps: a source, never the choice

@@ -39,6 +39,8 @@ class SchedulerMetrics:
                                     buckets=BYTES, registry=r)
         self.routed = Counter("stepwire:requests_routed", "Requests given to an executor: new ones, and ones "
                               "moved from an executor that was lost or drained.", ["executor", "reason"], registry=r)
+        self.lora_routed = Counter("stepwire:lora_requests_routed", "Requests with a LoRA adapter routed, by whether "
+                                   "the executor chosen held the adapter already.", ["resident"], registry=r)
         self.migrations = Counter("stepwire:request_migrations", "Requests moved off an executor that was lost "
                                   "or drained.", registry=r)
         # KV blocks that moved between executors (kv_moves.py).

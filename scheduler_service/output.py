@@ -53,6 +53,9 @@ class SchedulerOutput:
     preempted_req_ids: set[str]
     # Speculation: request id -> proposals it verifies this step (included in num_scheduled_tokens).
     spec_tokens: dict[str, int] = field(default_factory=dict)
+    # LoRA (adapter_slots.py): (slot, key, path) to load before the step, (request id, slot) rows told theirs.
+    lora_loads: list[tuple[int, str, str]] = field(default_factory=list)
+    lora_rows: list[tuple[str, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -45,6 +45,8 @@ class Request:
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     cache_salt: str | None = None
+    # LoRA: (key, path) of its adapter (adapter_slots.py); None: the base model.
+    lora: tuple[str, str] | None = None
 
     all_token_ids: list[int] = field(init=False)
     num_prompt_tokens: int = field(init=False)
@@ -123,8 +125,10 @@ class Request:
         return FINISH_REASONS.get(self.status)
 
     def hash_extra(self) -> bytes:
-        """Extra key mixed into the first block's hash, so tenants with different salts never share KV."""
-        return b"" if self.cache_salt is None else b"salt:" + self.cache_salt.encode()
+        """Extra key mixed into the first block's hash, so tenants with different salts never share KV, nor
+        requests under different adapters (or none): the same tokens give other KV under another adapter."""
+        salt = b"" if self.cache_salt is None else b"salt:" + self.cache_salt.encode()
+        return salt if self.lora is None else salt + b"\x00lora:" + self.lora[0].encode()
 
     def forget_computed(self) -> None:
         """Its KV is gone (preempted, or moved without it): it starts again from no computed token."""

@@ -13,6 +13,7 @@ module-level state: any number of instances can live in one process.
 
 from __future__ import annotations
 
+from scheduler_service.adapter_slots import AdapterSlots
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.kv_cache.manager import KVCacheManager
 from scheduler_service.output import (
@@ -52,6 +53,7 @@ class Scheduler:
         # Ended since the last schedule(); the next output tells the executors to drop them.
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
+        self.adapters = AdapterSlots()     # its executor's LoRA slots (configured from its Describe)
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -125,6 +127,7 @@ class Scheduler:
         # those requests recompute, and the reset finds every block free.
         self.kv.drop_moves(set())
         self.kv.reset_prefix_cache()
+        self.adapters.reset()
         return victims
 
     # ------------------------------------------------------------------ one step
@@ -227,7 +230,8 @@ class Scheduler:
         # Waiting requests, only if nothing was preempted: admitting while evicting would just thrash.
         if not preempted:
             token_budget = admit_waiting(cfg, kv, self.waiting, running, token_budget, threshold, new_reqs, cached,
-                                         num_scheduled)
+                                         num_scheduled, self.adapters)
+        lora_loads, lora_rows = self.adapters.take()
 
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
@@ -237,6 +241,8 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={r.request_id for r in preempted},
             spec_tokens=spec,
+            lora_loads=lora_loads,
+            lora_rows=lora_rows,
         )
         self.finished_req_ids = set()
         return out

@@ -34,8 +34,10 @@ log = logging.getLogger("stepwire.scheduler")
 SERVICE = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
 # Who may call what, with TLS (security/peer_roles.py): gateways submit and learn the limits they check
 # requests against; Stats, which shows every executor's address and epoch, is for the operator alone.
+# Adapters are loaded through a gateway's API (behind its API keys) or by the operator.
 ROLES = {f"/{SERVICE}/{m}": frozenset({GATEWAY}) for m in ("Submit", "Session", "Limits")} | {
-    f"/{SERVICE}/Stats": frozenset({OPERATOR})}
+    f"/{SERVICE}/Stats": frozenset({OPERATOR})} | {
+    f"/{SERVICE}/{m}": frozenset({GATEWAY, OPERATOR}) for m in ("Adapters", "LoadAdapter", "UnloadAdapter")}
 
 
 async def serve(settings: SchedulerSettings) -> None:
@@ -64,9 +66,13 @@ async def serve(settings: SchedulerSettings) -> None:
     pending: set[asyncio.Task] = set()
 
     def on_change() -> None:
-        t = asyncio.get_running_loop().create_task(follow_links())
-        pending.add(t)
-        t.add_done_callback(pending.discard)
+        tasks = [follow_links()]
+        if fleet.adapters.unchecked:     # start-time adapters wait for an executor that serves adapters
+            tasks.append(fleet.adapters.check_start_modules(fleet.lora_links))
+        for coro in tasks:
+            t = asyncio.get_running_loop().create_task(coro)
+            pending.add(t)
+            t.add_done_callback(pending.discard)
 
     fleet = Fleet(settings, Lifecycles(metrics), on_change)
     service = SchedulerService(fleet, settings)

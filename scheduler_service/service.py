@@ -10,6 +10,7 @@ import asyncio
 
 import grpc
 
+from scheduler_service.adapter_registry import AdapterRefused
 from scheduler_service.admission import Refused, admit
 from scheduler_service.fleet import Failure, Fleet
 from scheduler_service.output import RequestDelta
@@ -123,6 +124,22 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 if link.connected and link.core is not None]
         return scheduler_pb2.LimitsResponse(max_model_len=min(lens, default=0))
 
+    async def Adapters(self, request, context):
+        return scheduler_pb2.AdaptersResponse(adapters=[r.info() for r in self.fleet.adapters.listed()])
+
+    async def LoadAdapter(self, request, context):
+        try:
+            reg = await self.fleet.adapters.load(request.name, request.path, self.fleet.lora_links())
+        except AdapterRefused as e:
+            await context.abort(e.code, e.message)
+        return reg.info()
+
+    async def UnloadAdapter(self, request, context):
+        try:
+            return self.fleet.adapters.unload(request.name).info()
+        except AdapterRefused as e:
+            await context.abort(e.code, e.message)
+
     async def Stats(self, request, context):
         fleet = self.fleet
         moves = fleet.kv_moves.counts
@@ -149,4 +166,5 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 e.num_preemptions = s.num_preemptions
                 e.max_model_len = link.core.config.max_model_len
                 e.num_recomputed_tokens = link.core.kv.recomputed_tokens
+                e.lora_slots.extend((k or "").rpartition("@")[0] for k in link.core.adapters.slots)
         return resp

@@ -13,6 +13,7 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
 
+from scheduler_service.adapter_registry import parse_modules
 from scheduler_service.config import CPU_STEP_DEFAULTS, GPU_STEP_DEFAULTS, SchedulerConfig, step_defaults
 from security.peer_roles import RoleSettings
 
@@ -87,11 +88,20 @@ class SchedulerSettings(RoleSettings):
     enable_chunked_prefill: bool = Field(True, description="split long prompts over several steps")
     enable_prefix_caching: bool = Field(True, description="reuse KV blocks of shared prompt prefixes")
     policy: Literal["fcfs", "priority"] = Field("fcfs", description="fcfs, or priority (lower value first)")
+    lora_modules: Annotated[list[str], NoDecode] = Field(
+        default=[], description="LoRA adapters served from the start, comma-separated name=path (a path on the "
+        "executors, inside their --lora-dir where set); more are loaded at run time (docs/lora.md)")
 
-    @field_validator("executors", mode="before")
+    @field_validator("executors", "lora_modules", mode="before")
     @classmethod
     def _comma_separated(cls, value):
         return [a.strip() for a in value.split(",") if a.strip()] if isinstance(value, str) else value
+
+    @field_validator("lora_modules")
+    @classmethod
+    def _name_equals_path(cls, value):
+        parse_modules(value)
+        return value
 
     @model_validator(mode="after")
     def _one_name_for_dns(self):

@@ -8,6 +8,7 @@ executor lost its state, is sent in full; a preempted one resumes by its id and 
 
 from __future__ import annotations
 
+from scheduler_service.adapter_slots import AdapterSlots
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.kv_cache.manager import KVCacheManager
 from scheduler_service.output import CachedRequestData, NewRequestData
@@ -19,9 +20,25 @@ _RUNNING = RequestStatus.RUNNING
 
 def admit_waiting(config: SchedulerConfig, kv: KVCacheManager, waiting, running: list[Request], token_budget: int,
                   threshold: int, new_reqs: list[NewRequestData], cached: CachedRequestData,
-                  num_scheduled: dict[str, int]) -> int:
+                  num_scheduled: dict[str, int], adapters: AdapterSlots | None = None) -> int:
     """Move what fits into `token_budget` from `waiting` (a request_queue) to `running`, appending to this
-    step's output; returns the budget left."""
+    step's output; returns the budget left.
+
+    A request whose LoRA adapter finds no slot (all hold adapters that running requests use) is passed over,
+    and so is every later one with an adapter: they keep their places, and the slots free up as the running
+    requests end, so an adapter waited for is not starved by others arriving after it."""
+    skipped: list[Request] = []
+    try:
+        return _admit(config, kv, waiting, running, token_budget, threshold, new_reqs, cached, num_scheduled,
+                      adapters, skipped)
+    finally:
+        put_back = getattr(waiting, "prepend", waiting.add)
+        for req in reversed(skipped):
+            put_back(req)
+
+
+def _admit(config, kv, waiting, running, token_budget, threshold, new_reqs, cached, num_scheduled, adapters,
+           skipped) -> int:
     allocate = kv.allocate_slots
     max_num_seqs = config.max_num_seqs
     chunked = config.enable_chunked_prefill
@@ -29,6 +46,11 @@ def admit_waiting(config: SchedulerConfig, kv: KVCacheManager, waiting, running:
         req = waiting.peek()
         if req.spec_in_flight:
             break   # preempted while verifying proposals: it resumes once it knows which it kept
+        slot = -1
+        if req.lora is not None:
+            if skipped or adapters is None or (slot := adapters.slot_for(*req.lora, lambda: _in_use(running))) is None:
+                skipped.append(waiting.pop())
+                continue
         hit_blocks, num_hit = kv.get_computed_blocks(req)
         n = len(req.all_token_ids) - num_hit
         if 0 < threshold < n:
@@ -55,6 +77,8 @@ def admit_waiting(config: SchedulerConfig, kv: KVCacheManager, waiting, running:
             cached.new_block_ids.append(block_ids)
             cached.num_computed_tokens.append(num_hit)
             cached.resumed_req_ids.add(rid)
+        if slot >= 0:
+            adapters.assign(rid, slot)
         req.status = _RUNNING
         req.num_computed_tokens = num_hit + n
         if num_hit + n == len(req.all_token_ids):
@@ -62,3 +86,7 @@ def admit_waiting(config: SchedulerConfig, kv: KVCacheManager, waiting, running:
         num_scheduled[rid] = n
         token_budget -= n
     return token_budget
+
+
+def _in_use(running: list[Request]) -> set[str]:
+    return {r.lora[0] for r in running if r.lora is not None}

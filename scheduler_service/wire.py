@@ -63,6 +63,11 @@ def encode_step(out: SchedulerOutput, handles: HandleTable, epoch: int, step: in
             handle=handles.assign(new.req_id), prompt_token_ids=new.prompt_token_ids,
             output_token_ids=new.output_token_ids, params=as_proto(new.sampling_params),
             block_ids=new.block_ids, num_computed_tokens=new.num_computed_tokens))
+    for slot, key, path in out.lora_loads:
+        msg.lora_loads.append(executor_pb2.LoraLoad(slot=slot, key=key, path=path))
+    for rid, slot in out.lora_rows:
+        msg.lora_handles.append(handle_of[rid])
+        msg.lora_slots.append(slot + 1)
     order = list(out.num_scheduled_tokens)
     msg.handles.extend([handle_of[r] for r in order])
     if out.total_num_scheduled_tokens != len(order):

@@ -12,7 +12,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("model", "architecture", "vocab_size", "max_model_len", "block_size", "num_blocks", "dtype", "device", "eos_token_ids", "instance_id", "tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "kv_layout", "role")
+    __slots__ = ("model", "architecture", "vocab_size", "max_model_len", "block_size", "num_blocks", "dtype", "device", "eos_token_ids", "instance_id", "tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "kv_layout", "role", "max_loras", "max_lora_rank", "max_cpu_loras")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,9 @@ class DescribeResponse(_message.Message):
     MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    MAX_CPU_LORAS_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     vocab_size: int
@@ -43,7 +46,36 @@ class DescribeResponse(_message.Message):
     max_num_batched_tokens: int
     kv_layout: str
     role: str
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., kv_layout: _Optional[str] = ..., role: _Optional[str] = ...) -> None: ...
+    max_loras: int
+    max_lora_rank: int
+    max_cpu_loras: int
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., kv_layout: _Optional[str] = ..., role: _Optional[str] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., max_cpu_loras: _Optional[int] = ...) -> None: ...
+
+class CheckAdapterRequest(_message.Message):
+    __slots__ = ("name", "path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class CheckAdapterResponse(_message.Message):
+    __slots__ = ("rank", "target_modules")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    target_modules: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, rank: _Optional[int] = ..., target_modules: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class LoraLoad(_message.Message):
+    __slots__ = ("slot", "key", "path")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    slot: int
+    key: str
+    path: str
+    def __init__(self, slot: _Optional[int] = ..., key: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
 
 class NewRequest(_message.Message):
     __slots__ = ("handle", "prompt_token_ids", "output_token_ids", "params", "block_ids", "num_computed_tokens")
@@ -62,7 +94,7 @@ class NewRequest(_message.Message):
     def __init__(self, handle: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("epoch", "step", "traceparent", "finished", "preempted", "new_requests", "handles", "num_tokens", "resumed", "resumed_num_computed", "resumed_block_counts", "resumed_block_ids", "grown", "grown_block_counts", "grown_block_ids")
+    __slots__ = ("epoch", "step", "traceparent", "finished", "preempted", "new_requests", "handles", "num_tokens", "resumed", "resumed_num_computed", "resumed_block_counts", "resumed_block_ids", "grown", "grown_block_counts", "grown_block_ids", "lora_loads", "lora_handles", "lora_slots")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +110,9 @@ class StepRequest(_message.Message):
     GROWN_FIELD_NUMBER: _ClassVar[int]
     GROWN_BLOCK_COUNTS_FIELD_NUMBER: _ClassVar[int]
     GROWN_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    LORA_LOADS_FIELD_NUMBER: _ClassVar[int]
+    LORA_HANDLES_FIELD_NUMBER: _ClassVar[int]
+    LORA_SLOTS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     step: int
     traceparent: str
@@ -93,7 +128,10 @@ class StepRequest(_message.Message):
     grown: _containers.RepeatedScalarFieldContainer[int]
     grown_block_counts: _containers.RepeatedScalarFieldContainer[int]
     grown_block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., traceparent: _Optional[str] = ..., finished: _Optional[_Iterable[int]] = ..., preempted: _Optional[_Iterable[int]] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., handles: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., resumed: _Optional[_Iterable[int]] = ..., resumed_num_computed: _Optional[_Iterable[int]] = ..., resumed_block_counts: _Optional[_Iterable[int]] = ..., resumed_block_ids: _Optional[_Iterable[int]] = ..., grown: _Optional[_Iterable[int]] = ..., grown_block_counts: _Optional[_Iterable[int]] = ..., grown_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    lora_loads: _containers.RepeatedCompositeFieldContainer[LoraLoad]
+    lora_handles: _containers.RepeatedScalarFieldContainer[int]
+    lora_slots: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., traceparent: _Optional[str] = ..., finished: _Optional[_Iterable[int]] = ..., preempted: _Optional[_Iterable[int]] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., handles: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., resumed: _Optional[_Iterable[int]] = ..., resumed_num_computed: _Optional[_Iterable[int]] = ..., resumed_block_counts: _Optional[_Iterable[int]] = ..., resumed_block_ids: _Optional[_Iterable[int]] = ..., grown: _Optional[_Iterable[int]] = ..., grown_block_counts: _Optional[_Iterable[int]] = ..., grown_block_ids: _Optional[_Iterable[int]] = ..., lora_loads: _Optional[_Iterable[_Union[LoraLoad, _Mapping]]] = ..., lora_handles: _Optional[_Iterable[int]] = ..., lora_slots: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Resync(_message.Message):
     __slots__ = ("reason",)

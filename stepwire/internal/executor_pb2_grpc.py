@@ -54,6 +54,11 @@ class ExecutorStub:
                 request_serializer=stepwire_dot_internal_dot_executor__pb2.ReadBlocksRequest.SerializeToString,
                 response_deserializer=stepwire_dot_internal_dot_executor__pb2.BlockChunk.FromString,
                 _registered_method=True)
+        self.CheckAdapter = channel.unary_unary(
+                '/stepwire.internal.Executor/CheckAdapter',
+                request_serializer=stepwire_dot_internal_dot_executor__pb2.CheckAdapterRequest.SerializeToString,
+                response_deserializer=stepwire_dot_internal_dot_executor__pb2.CheckAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class ExecutorServicer:
@@ -86,6 +91,14 @@ class ExecutorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CheckAdapter(self, request, context):
+        """Read and check a LoRA adapter without keeping it (docs/lora.md): INVALID_ARGUMENT says what is wrong with
+        it, FAILED_PRECONDITION that this executor serves no adapters.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExecutorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -108,6 +121,11 @@ def add_ExecutorServicer_to_server(servicer, server):
                     servicer.ReadBlocks,
                     request_deserializer=stepwire_dot_internal_dot_executor__pb2.ReadBlocksRequest.FromString,
                     response_serializer=stepwire_dot_internal_dot_executor__pb2.BlockChunk.SerializeToString,
+            ),
+            'CheckAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.CheckAdapter,
+                    request_deserializer=stepwire_dot_internal_dot_executor__pb2.CheckAdapterRequest.FromString,
+                    response_serializer=stepwire_dot_internal_dot_executor__pb2.CheckAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -218,6 +236,33 @@ class Executor:
             '/stepwire.internal.Executor/ReadBlocks',
             stepwire_dot_internal_dot_executor__pb2.ReadBlocksRequest.SerializeToString,
             stepwire_dot_internal_dot_executor__pb2.BlockChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CheckAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stepwire.internal.Executor/CheckAdapter',
+            stepwire_dot_internal_dot_executor__pb2.CheckAdapterRequest.SerializeToString,
+            stepwire_dot_internal_dot_executor__pb2.CheckAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -54,6 +54,21 @@ class SchedulerStub:
                 request_serializer=stepwire_dot_internal_dot_scheduler__pb2.StatsRequest.SerializeToString,
                 response_deserializer=stepwire_dot_internal_dot_scheduler__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.Adapters = channel.unary_unary(
+                '/stepwire.internal.Scheduler/Adapters',
+                request_serializer=stepwire_dot_internal_dot_scheduler__pb2.AdaptersRequest.SerializeToString,
+                response_deserializer=stepwire_dot_internal_dot_scheduler__pb2.AdaptersResponse.FromString,
+                _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/stepwire.internal.Scheduler/LoadAdapter',
+                request_serializer=stepwire_dot_internal_dot_scheduler__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=stepwire_dot_internal_dot_scheduler__pb2.AdapterInfo.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/stepwire.internal.Scheduler/UnloadAdapter',
+                request_serializer=stepwire_dot_internal_dot_scheduler__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=stepwire_dot_internal_dot_scheduler__pb2.AdapterInfo.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -91,6 +106,27 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Adapters(self, request, context):
+        """LoRA adapters (docs/lora.md): the scheduler keeps the fleet's list. Loading one has an executor read and
+        check it first (INVALID_ARGUMENT says what is wrong; ALREADY_EXISTS: the name is taken; FAILED_PRECONDITION:
+        no connected executor serves adapters). Unloading refuses new requests for it at once; running ones finish.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -113,6 +149,21 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=stepwire_dot_internal_dot_scheduler__pb2.StatsRequest.FromString,
                     response_serializer=stepwire_dot_internal_dot_scheduler__pb2.StatsResponse.SerializeToString,
+            ),
+            'Adapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.Adapters,
+                    request_deserializer=stepwire_dot_internal_dot_scheduler__pb2.AdaptersRequest.FromString,
+                    response_serializer=stepwire_dot_internal_dot_scheduler__pb2.AdaptersResponse.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=stepwire_dot_internal_dot_scheduler__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=stepwire_dot_internal_dot_scheduler__pb2.AdapterInfo.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=stepwire_dot_internal_dot_scheduler__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=stepwire_dot_internal_dot_scheduler__pb2.AdapterInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -223,6 +274,87 @@ class Scheduler:
             '/stepwire.internal.Scheduler/Stats',
             stepwire_dot_internal_dot_scheduler__pb2.StatsRequest.SerializeToString,
             stepwire_dot_internal_dot_scheduler__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Adapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stepwire.internal.Scheduler/Adapters',
+            stepwire_dot_internal_dot_scheduler__pb2.AdaptersRequest.SerializeToString,
+            stepwire_dot_internal_dot_scheduler__pb2.AdaptersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stepwire.internal.Scheduler/LoadAdapter',
+            stepwire_dot_internal_dot_scheduler__pb2.LoadAdapterRequest.SerializeToString,
+            stepwire_dot_internal_dot_scheduler__pb2.AdapterInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stepwire.internal.Scheduler/UnloadAdapter',
+            stepwire_dot_internal_dot_scheduler__pb2.UnloadAdapterRequest.SerializeToString,
+            stepwire_dot_internal_dot_scheduler__pb2.AdapterInfo.FromString,
             options,
             channel_credentials,
             insecure,

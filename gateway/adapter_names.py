@@ -1,0 +1,46 @@
+"""The gateway's copy of the scheduler's LoRA adapter list, and what a request's `model` picks from it.
+
+The scheduler keeps the list (adapter_registry.py); a gateway asks again whenever a request names a model its copy
+lacks, so a gateway restart loses nothing and an adapter loaded through one gateway is usable through all at once.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from stepwire.contract import InvalidRequestError
+from stepwire.internal import scheduler_pb2
+
+
+class ModelNotFound(InvalidRequestError):
+    """A request named a model that is neither the served one nor a loaded adapter."""
+
+    def __init__(self, name: str, served: str):
+        shown = name if len(name) <= 100 else name[:100] + "..."
+        super().__init__("model", f"the model {shown!r} does not exist; this server serves {served!r} and the "
+                                  "LoRA adapters /v1/models lists")
+
+
+class AdapterNames:
+    """The gateway's copy of the scheduler's adapter list."""
+
+    def __init__(self):
+        self.known: dict[str, scheduler_pb2.AdapterInfo] = {}
+
+    async def refresh(self, stub) -> list[scheduler_pb2.AdapterInfo]:
+        try:
+            resp = await stub.Adapters(scheduler_pb2.AdaptersRequest(), timeout=5)
+        except grpc.RpcError:
+            return list(self.known.values())    # the scheduler is away: the last list known
+        self.known = {a.name: a for a in resp.adapters}
+        return list(resp.adapters)
+
+    async def resolve(self, backend, name: str) -> str:
+        """The adapter `name` picks: "" for the served model (or no name), else a loaded adapter's name."""
+        if not name or name == backend.model_name:
+            return ""
+        if name not in self.known:
+            await self.refresh(backend.stub)
+            if name not in self.known:
+                raise ModelNotFound(name, backend.model_name)
+        return name
