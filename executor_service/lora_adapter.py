@@ -73,7 +73,7 @@ def resolve(path: str, root: str) -> Path:
     return real
 
 
-def _config(path: Path, max_rank: int) -> tuple[int, float, frozenset[str]]:
+def _config(path: Path, max_rank: int, num_layers: int) -> tuple[int, float, frozenset[str]]:
     f = path / "adapter_config.json"
     if not f.is_file():
         raise AdapterError(f"{path.name}: no adapter_config.json (a PEFT LoRA adapter directory holds one)")
@@ -92,7 +92,7 @@ def _config(path: Path, max_rank: int) -> tuple[int, float, frozenset[str]]:
             raise AdapterError(f"{path.name}: {what} is not supported")
     if c.get("bias", "none") != "none":
         raise AdapterError(f"{path.name}: bias={c.get('bias')!r} is not supported (only 'none')")
-    r, alpha = c.get("r"), c.get("lora_alpha", c.get("r"))
+    r, alpha = c.get("r"), c.get("lora_alpha", 8)     # PEFT's default alpha
     if not isinstance(r, int) or isinstance(r, bool) or r < 1:
         raise AdapterError(f"{path.name}: rank r={r!r} is not a positive integer")
     if r > max_rank:
@@ -100,10 +100,10 @@ def _config(path: Path, max_rank: int) -> tuple[int, float, frozenset[str]]:
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
         raise AdapterError(f"{path.name}: lora_alpha={alpha!r} is not a number")
     scale = alpha / math.sqrt(r) if c.get("use_rslora") else alpha / r
-    return r, scale, _targets(path.name, c.get("target_modules"))
+    return r, scale, _targets(path.name, c.get("target_modules"), num_layers)
 
 
-def _targets(name: str, targets) -> frozenset[str]:
+def _targets(name: str, targets, num_layers: int) -> frozenset[str]:
     if targets == "all-linear":
         return frozenset(PROJECTIONS)
     if isinstance(targets, str):
@@ -112,7 +112,8 @@ def _targets(name: str, targets) -> frozenset[str]:
             pattern = re.compile(targets)
         except re.error as e:
             raise AdapterError(f"{name}: target_modules {targets!r} is not a regular expression ({e})") from None
-        found = frozenset(m for m in PROJECTIONS if pattern.fullmatch(f"model.layers.0.{_BLOCK[m]}.{m}"))
+        found = frozenset(m for m in PROJECTIONS for i in range(num_layers)
+                          if pattern.fullmatch(f"model.layers.{i}.{_BLOCK[m]}.{m}"))
     elif isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets):
         found = frozenset(t.rsplit(".", 1)[-1] for t in targets)
     else:
@@ -128,7 +129,7 @@ def _targets(name: str, targets) -> frozenset[str]:
 def read_adapter(name: str, path: str, cfg: ModelConfig, max_rank: int, root: str = "") -> Adapter:
     """The adapter at `path`, checked: rank, options, target modules, every tensor's name, shape and values."""
     where = resolve(path, root)
-    r, scale, targets = _config(where, max_rank)
+    r, scale, targets = _config(where, max_rank, cfg.num_layers)
     f = where / "adapter_model.safetensors"
     if not f.is_file():
         raise AdapterError(f"{where.name}: no adapter_model.safetensors (other weight formats are not read)")

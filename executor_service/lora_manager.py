@@ -26,6 +26,14 @@ from executor_service.step import BadStep, Step
 MAX_KEY_CHARS = 4096
 
 
+class AdapterUnreadable(BadStep):
+    """A step loads an adapter that cannot be read now; `key` goes back in the resync."""
+
+    def __init__(self, key: str, why: str):
+        super().__init__(f"adapter {key!r} cannot be loaded: {why}")
+        self.key = key
+
+
 class LoraManager:
     def __init__(self, cfg: RunnerConfig, model_config: ModelConfig, device: torch.device, dtype: torch.dtype):
         self.model_config, self.max_rank, self.root = model_config, cfg.max_lora_rank, cfg.lora_dir
@@ -52,7 +60,8 @@ class LoraManager:
             raise BadStep("a lora_load has an empty or overlong key or path")
         if not step.lora_rows:
             return
-        held = (batch.row_of.keys() | batch.parked.keys() | {r.handle for r in step.new}) - set(step.finished)
+        # A handle finished in this step may name a request the same step adds (handles are reused lowest first).
+        held = ((batch.row_of.keys() | batch.parked.keys()) - set(step.finished)) | {r.handle for r in step.new}
         filled = {s for s, name in enumerate(self.slots.names) if name is not None} | set(slots)
         for h, s in step.lora_rows:
             if h not in held:
@@ -70,7 +79,7 @@ class LoraManager:
             try:
                 self.held[key] = self.read(key, path)
             except AdapterError as e:
-                raise BadStep(f"adapter {key!r} cannot be loaded: {e}") from None
+                raise AdapterUnreadable(key, str(e)) from None
             while len(self.held) > self.capacity:
                 self.held.popitem(last=False)
 

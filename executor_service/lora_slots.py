@@ -1,11 +1,13 @@
 """Adapter slots on the device, and one step's rows applied to their adapters in one batched product.
 
 Each projection of each layer keeps, for all `max_loras` slots at once, A stacked as [slots, in, parts * R]
-and B as [slots, R, out] per part (R = --max-lora-rank: a smaller adapter is padded with zeros). A step groups
-its tokens by slot, [slots used, most tokens of a slot, in], and runs two batched matmuls per projection:
-no loop over adapters, no copy of the base weights, and a step whose rows have no adapter skips it all.
+and B as [slots, parts * R, out] (R = --max-lora-rank: a smaller adapter is padded with zeros). A step groups its
+tokens by slot, [slots used, most tokens of a slot, in], and runs two batched matmuls per projection: no loop
+over adapters, no copy of the base weights, and a step whose rows have no adapter skips it all.
 
-The fused projections (q|k|v, gate|up) share one A product, [slots, M, 3R], whose parts meet their own B.
+The fused projections (q|k|v, gate|up) take one product for all their parts: B is block-diagonal (part p's rows
+p*R.. meet only part p's output columns). The zeros cost a few FLOPs at rank R, against a matmul and a
+concatenation per part, whose fixed cost is what a CPU step of a few tokens per adapter pays most for.
 """
 
 from __future__ import annotations
@@ -25,12 +27,13 @@ KINDS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
 
 @dataclass(frozen=True)
 class LoraStep:
-    """One step's tokens that have an adapter, grouped by slot: token `tokens[i]` is row `pos[i]` of group
-    `slot[i]`; `groups` x `most` is the padded shape; `kinds` are the projections any of those slots adapts."""
+    """One step's tokens that have an adapter, grouped by slot into `groups` x `most` rows: `gather` names the
+    token of each row (a padding row repeats token 0; its result is dropped), `rows` the row of each token of
+    `tokens`. `kinds` are the projections any of the step's slots adapts."""
 
+    gather: torch.Tensor
+    rows: torch.Tensor
     tokens: torch.Tensor
-    slot: torch.Tensor
-    pos: torch.Tensor
     groups: int
     most: int
     kinds: frozenset[str]
@@ -44,8 +47,10 @@ class LoraSlots:
         z = lambda *s: torch.zeros(*s, device=device, dtype=dtype)  # noqa: E731
         self.a = [{k: z(num_slots, dims[parts[0]][0], len(parts) * max_rank) for k, parts in KINDS.items()}
                   for _ in range(cfg.num_layers)]
-        self.b = [{k: [z(num_slots, max_rank, dims[p][1]) for p in parts] for k, parts in KINDS.items()}
-                  for _ in range(cfg.num_layers)]
+        self.b = [{k: z(num_slots, len(parts) * max_rank, sum(dims[p][1] for p in parts))
+                   for k, parts in KINDS.items()} for _ in range(cfg.num_layers)]
+        # Where each part's output starts in its fused projection's columns.
+        self.col = {p: sum(dims[q][1] for q in parts[:i]) for parts in KINDS.values() for i, p in enumerate(parts)}
         self.names: list[str | None] = [None] * num_slots
         self.kinds: list[frozenset[str]] = [frozenset()] * num_slots
 
@@ -55,9 +60,10 @@ class LoraSlots:
         r = adapter.rank
         for (layer, mod), (a, b) in adapter.weights.items():
             kind, part = PROJECTIONS[mod]
-            cols = slice(part * self.rank, part * self.rank + r)
-            self.a[layer][kind][slot, :, cols] = a.t().to(self.device, self.dtype)
-            self.b[layer][kind][part][slot, :r] = b.t().to(self.device, self.dtype)
+            ranks = slice(part * self.rank, part * self.rank + r)
+            cols = slice(self.col[mod], self.col[mod] + b.shape[0])
+            self.a[layer][kind][slot, :, ranks] = a.t().to(self.device, self.dtype)
+            self.b[layer][kind][slot, ranks, cols] = b.t().to(self.device, self.dtype)
         self.names[slot] = adapter.name
         self.kinds[slot] = frozenset(PROJECTIONS[m][0] for m in adapter.targets)
 
@@ -65,8 +71,7 @@ class LoraSlots:
         for layer in range(self.cfg.num_layers):
             for kind in KINDS:
                 self.a[layer][kind][slot].zero_()
-                for b in self.b[layer][kind]:
-                    b[slot].zero_()
+                self.b[layer][kind][slot].zero_()
         self.names[slot], self.kinds[slot] = None, frozenset()
 
     def plan(self, token_slots: np.ndarray) -> LoraStep | None:
@@ -79,22 +84,19 @@ class LoraSlots:
         tokens, slots = tokens[order], slots[order]
         groups = int(slots[-1]) + 1     # slots 0..groups-1: a slice of the stacked weights, not a copy
         counts = np.bincount(slots, minlength=groups)
-        pos = np.arange(len(slots)) - (np.cumsum(counts) - counts)[slots]
+        most = int(counts.max())
+        rows = slots * most + np.arange(len(slots)) - (np.cumsum(counts) - counts)[slots]
+        gather = np.zeros(groups * most, dtype=np.int64)
+        gather[rows] = tokens
         kinds = frozenset().union(*(self.kinds[s] for s in np.unique(slots).tolist()))
         to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device)  # noqa: E731
-        return LoraStep(to(tokens), to(slots), to(pos), groups, int(counts.max()), kinds)
+        return LoraStep(to(gather), to(rows), to(tokens), groups, most, kinds)
 
     def add(self, step: LoraStep, layer: int, kind: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """out[t] += B(A x[t]) for each token t with an adapter, in place; x is the projection's input."""
         if kind not in step.kinds:
             return
         g = step.groups
-        grouped = x.new_zeros(g, step.most, x.shape[1])
-        grouped[step.slot, step.pos] = x[step.tokens]
-        shrunk = torch.bmm(grouped, self.a[layer][kind][:g])
-        bs = self.b[layer][kind]
-        if len(bs) == 1:
-            delta = torch.bmm(shrunk, bs[0][:g])
-        else:
-            delta = torch.cat([torch.bmm(s, b[:g]) for s, b in zip(shrunk.split(self.rank, -1), bs, strict=True)], -1)
-        out.index_add_(0, step.tokens, delta[step.slot, step.pos])
+        grouped = x.index_select(0, step.gather).view(g, step.most, x.shape[1])
+        delta = torch.bmm(torch.bmm(grouped, self.a[layer][kind][:g]), self.b[layer][kind][:g])
+        out.index_add_(0, step.tokens, delta.view(g * step.most, -1).index_select(0, step.rows))

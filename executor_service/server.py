@@ -249,7 +249,7 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
                 self.runner.lora.check_step(step, self.runner.batch)
                 self.runner.lora.fetch(step)
         except BadStep as e:
-            return self._resync(msg, str(e))
+            return self._resync(msg, str(e), getattr(e, "key", ""))
         t0 = time.perf_counter()
         result = self.runner.execute(step, msg)
         reply = encode_result(result, len(step.handles), msg.epoch, msg.step)
@@ -263,13 +263,14 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
         return (runner is not None and not self._lock.locked() and not runner.batch.states
                 and not runner.batch.parked)
 
-    def _resync(self, msg, reason: str) -> executor_pb2.StepResponse:
+    def _resync(self, msg, reason: str, failed_adapter: str = "") -> executor_pb2.StepResponse:
         self.metrics.resyncs.inc()
         held = self.resync_log.ready()
         if held is not None:
             log.warning("step %d refused (%s): nothing applied; the scheduler is asked to resync and recomputes this "
                         "executor's requests%s", msg.step, reason, held_note(held))
-        return executor_pb2.StepResponse(epoch=msg.epoch, step=msg.step, resync=executor_pb2.Resync(reason=reason))
+        return executor_pb2.StepResponse(epoch=msg.epoch, step=msg.step,
+                                         resync=executor_pb2.Resync(reason=reason, failed_adapter=failed_adapter))
 
 
 def _epoch_of(context) -> int | None:

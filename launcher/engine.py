@@ -79,8 +79,10 @@ class LLMEngine:
             return []
         msg, order = encode_step(out, self.handles, epoch=1, step=0)
         step = decode_step(msg)
-        if step.lora_loads:
-            self.runner.lora.fetch(step)    # as the executor service does, before the step is applied
+        if step.lora_loads or step.lora_rows:
+            # As the executor service does, before the step is applied.
+            self.runner.lora.check_step(step, self.runner.batch)
+            self.runner.lora.fetch(step)
         reply = encode_result(self.runner.execute(step, msg), len(step.handles), 1, 0)
         return self.scheduler.update_from_output(out, decode_result(reply, order))
 

@@ -99,6 +99,14 @@ class AdapterRegistry:
         log.info("LoRA adapter %s unloaded", name)
         return reg
 
+    def forget(self, key: str) -> str | None:
+        """Unregister the adapter registered under `key`, if it still is; its name, or None."""
+        for name, reg in list(self.by_name.items()):
+            if reg.key == key:
+                del self.by_name[name]
+                return name
+        return None
+
     async def check_start_modules(self, lora_links) -> None:
         """Check the start-time adapters on a connected executor that serves adapters (`lora_links()`; none: the
         next change of the fleet tries again)."""

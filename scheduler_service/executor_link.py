@@ -45,7 +45,8 @@ class ExecutorLink:
                  streams: dict[str, asyncio.Queue] | None = None, on_change: Callable[[], None] = lambda: None,
                  on_lost: Callable[[ExecutorLink], None] = lambda link: None,
                  on_drain: Callable[[ExecutorLink, bool], None] = lambda link, everything: None,
-                 on_export: Callable[[ExecutorLink, object], None] = lambda link, which: None):
+                 on_export: Callable[[ExecutorLink, object], None] = lambda link, which: None,
+                 on_bad_adapter: Callable[[ExecutorLink, str], None] = lambda link, key: None):
         self.address = address
         self.settings = settings
         self.lifecycles = lifecycles
@@ -54,6 +55,7 @@ class ExecutorLink:
         self.on_lost = on_lost            # move its requests elsewhere
         self.on_drain = on_drain          # move its queue (or, `everything`, all its requests) elsewhere
         self.on_export = on_export        # move running requests with their KV (kv_moves.export_running)
+        self.on_bad_adapter = on_bad_adapter   # an adapter the executor cannot read: drop it, end its requests
         self.core: Scheduler | None = None
         self.eos_token_ids, self.vocab_size = (), 0
         self.kv_layout, self.role, self.stub = "", "mixed", None   # from Describe; the stub while connected
@@ -291,6 +293,8 @@ class ExecutorLink:
                     log.warning("executor %s refused a step (%s): its %d requests are recomputed from their "
                                 "tokens%s", self.address, reply.resync.reason, len(moved), held_note(held))
                 lives.preempted(moved)
+                if reply.resync.failed_adapter:
+                    self.on_bad_adapter(self, reply.resync.failed_adapter)
                 self.epoch, self.last_sent_step = self.epoch + 1, -1
                 self.handles = HandleTable()
                 for later in sent:

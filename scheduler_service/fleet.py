@@ -76,7 +76,7 @@ class Fleet:
         """A new member: its link connects, sizes a block pool from Describe and starts taking requests."""
         link = ExecutorLink(address, self.settings, streams=self.streams, lifecycles=self.lifecycles,
                             on_change=self._changed, on_lost=self.evacuate, on_drain=self.drain_queue,
-                            on_export=self.kv_moves.export_running)
+                            on_export=self.kv_moves.export_running, on_bad_adapter=self.drop_adapter)
         self.links[address] = link
         link.start().add_done_callback(lambda _: self._ended(link))
         log.info("executor %s joined the fleet", address)
@@ -207,6 +207,17 @@ class Fleet:
         sink = self.streams.pop(rid, None)
         if sink is not None:
             sink.put_nowait(Failure(rid, code, message))
+
+    def drop_adapter(self, link: ExecutorLink, key: str) -> None:
+        """`link`'s executor cannot read the adapter `key` any more: unregister it and end its requests there
+        (resent, they would be refused again and again)."""
+        name = self.adapters.forget(key)
+        log.error("executor %s cannot read LoRA adapter %s any more: it is unloaded", link.address, name or key)
+        victims = [r.request_id for r in link.core.requests.values() if r.lora is not None and r.lora[0] == key]
+        # (Called from the link's own loop, which sends the next step, with their ends, right after.)
+        for req in link.core.abort_requests(victims):
+            self.fail(req.request_id, grpc.StatusCode.FAILED_PRECONDITION, f"the LoRA adapter {name or key!r} can "
+                      "no longer be read by the executors; it was unloaded")
 
     def abort(self, request_ids) -> list[Request]:
         aborted = self.kv_moves.abort(request_ids)

@@ -42,6 +42,10 @@ VALUE_SETS = {
                           "speculative": {"method": "draft", "numTokens": 6, "model": "SmolLM2-135M-draft"}}},
     "disaggregated-keda": {"executor": {"keda": {"enabled": True}, "disaggregation": {
         "enabled": True, "prefill": {"replicas": 2}, "decode": {"replicas": 5}}}},
+    "lora-image": {"lora": {"enabled": True, "initContainer": {"image": "example.com/adapters:1.0"},
+                            "modules": {"sql": "sql-lora", "chat": "chat/v2"}}},
+    "lora-pvc": {"lora": {"enabled": True, "maxLoras": 8, "maxCpuLoras": 32, "mountPath": "/data/adapters",
+                          "volume": {"persistentVolumeClaim": {"claimName": "adapters", "readOnly": True}}}},
     "cert-manager": {"tls": {"certManager": {"enabled": True}, "trustDomain": "prod.example"}},
     "ingress-public-tls": {"gateway": {"ingress": {"enabled": True, "className": "nginx",
                                                   "tls": [{"secretName": "public-tls",
@@ -173,6 +177,39 @@ def test_the_chart_lints_clean_and_each_value_set_renders_what_it_asks_for(rende
         assert env["OTEL_RESOURCE_ATTRIBUTES"].endswith(",env=test")
     assert find(plain, "PodMonitor")["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
     assert not [o for o in plain if o["kind"] == "Secret"]          # the API keys come from an existing Secret
+
+
+def test_lora_values_give_executors_slots_and_an_adapter_volume_and_the_scheduler_the_start_adapters(rendered):
+    executor = find(rendered["lora-image"], "Deployment", "-executor")
+    pod = executor["spec"]["template"]["spec"]
+    args = container(executor)["args"]
+    assert (flag(args, "--max-loras"), flag(args, "--max-lora-rank"), flag(args, "--lora-dir")) == ("4", "16",
+                                                                                                "/adapters")
+    assert "--max-cpu-loras" not in args
+    mount = next(m for m in container(executor)["volumeMounts"] if m["name"] == "adapters")
+    assert mount == {"name": "adapters", "mountPath": "/adapters", "readOnly": True}
+    assert next(v for v in pod["volumes"] if v["name"] == "adapters")["emptyDir"] == {"sizeLimit": "2Gi"}
+    # The model's init container stays, and the adapters' copies the image's folder into the emptyDir.
+    inits = {c["name"]: c for c in pod["initContainers"]}
+    assert set(inits) == {"prepare-model", "copy-adapters"}
+    assert inits["copy-adapters"]["image"] == "example.com/adapters:1.0"
+    assert inits["copy-adapters"]["command"] == ["cp", "-R", "/adapters/.", "/adapters"]
+    sched = container(find(rendered["lora-image"], "Deployment", "-scheduler"))["args"]
+    assert flag(sched, "--lora-modules") == "chat=/adapters/chat/v2,sql=/adapters/sql-lora"
+
+    executor = find(rendered["lora-pvc"], "Deployment", "-executor")
+    pod = executor["spec"]["template"]["spec"]
+    args = container(executor)["args"]
+    assert (flag(args, "--max-loras"), flag(args, "--max-cpu-loras"), flag(args, "--lora-dir")) == (
+        "8", "32", "/data/adapters")
+    assert next(v for v in pod["volumes"] if v["name"] == "adapters")["persistentVolumeClaim"] == {
+        "claimName": "adapters", "readOnly": True}
+    assert [c["name"] for c in pod["initContainers"]] == ["prepare-model"]
+    assert "--lora-modules" not in container(find(rendered["lora-pvc"], "Deployment", "-scheduler"))["args"]
+    # Off by default: no slot, no volume.
+    default = find(rendered["default"], "Deployment", "-executor")
+    assert "--max-loras" not in container(default)["args"]
+    assert all(v["name"] != "adapters" for v in default["spec"]["template"]["spec"]["volumes"])
 
 
 def test_disaggregation_makes_a_deployment_per_role_each_scaled_on_its_own_metric_behind_one_service(rendered):

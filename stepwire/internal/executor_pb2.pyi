@@ -134,10 +134,12 @@ class StepRequest(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., traceparent: _Optional[str] = ..., finished: _Optional[_Iterable[int]] = ..., preempted: _Optional[_Iterable[int]] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., handles: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., resumed: _Optional[_Iterable[int]] = ..., resumed_num_computed: _Optional[_Iterable[int]] = ..., resumed_block_counts: _Optional[_Iterable[int]] = ..., resumed_block_ids: _Optional[_Iterable[int]] = ..., grown: _Optional[_Iterable[int]] = ..., grown_block_counts: _Optional[_Iterable[int]] = ..., grown_block_ids: _Optional[_Iterable[int]] = ..., lora_loads: _Optional[_Iterable[_Union[LoraLoad, _Mapping]]] = ..., lora_handles: _Optional[_Iterable[int]] = ..., lora_slots: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Resync(_message.Message):
-    __slots__ = ("reason",)
+    __slots__ = ("reason", "failed_adapter")
     REASON_FIELD_NUMBER: _ClassVar[int]
+    FAILED_ADAPTER_FIELD_NUMBER: _ClassVar[int]
     reason: str
-    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+    failed_adapter: str
+    def __init__(self, reason: _Optional[str] = ..., failed_adapter: _Optional[str] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("epoch", "step", "all_sampled", "sampled", "token_ids", "logprob_rows", "logprob_counts", "logprob_token_ids", "logprob_values", "resync", "forward_seconds", "draining", "token_counts", "proposals")

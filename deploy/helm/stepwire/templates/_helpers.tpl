@@ -165,6 +165,30 @@ initContainers:
 {{- end }}
 {{- end -}}
 
+{{/* LoRA: copy the adapters from an image into the executors' emptyDir (when no volume of the user's holds them). */}}
+{{- define "stepwire.loraInit" -}}
+{{- with .Values.lora }}
+{{- if and .enabled (not .volume) .initContainer.image }}
+- name: copy-adapters
+  image: {{ .initContainer.image }}
+  imagePullPolicy: {{ $.Values.image.pullPolicy }}
+  command: ["cp", "-R", "{{ trimSuffix "/" .initContainer.sourcePath }}/.", {{ .mountPath | quote }}]
+  securityContext:
+    {{- toYaml $.Values.securityContext | nindent 4 }}
+  resources:
+    requests: {cpu: 100m, memory: 64Mi}
+    limits: {cpu: "1", memory: 256Mi}
+  volumeMounts:
+    - name: adapters
+      mountPath: {{ .mountPath }}
+{{- else }}
+[]
+{{- end }}
+{{- else }}
+[]
+{{- end }}
+{{- end -}}
+
 {{/* OpenTelemetry from values: the standard variables the services read. */}}
 {{- define "stepwire.otelEnv" -}}
 {{- $root := index . 0 -}}
