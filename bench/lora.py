@@ -2,9 +2,10 @@
 """Multi-LoRA serving: throughput with eight adapters mixed in every batch against the base model alone, token
 identity of a mixed batch against each request alone, and how often routing finds an adapter where it sends it.
 
-- throughput: one executor with 8 slots and 8 random rank-16 adapters on all seven projections (made here with
-  peft); 32 concurrent streams, the same prompts and lengths (ignore_eos), first all on the base model, then
-  round-robin over the 8 adapters; the two phases alternate over `--rounds`, in one run, on one stack.
+- throughput: one executor with 8 slots and 8 random rank-16 adapters (made here with peft) on q, k, v and o by
+  default (`--targets all-linear`: all seven projections, the heaviest case); 32 concurrent streams, the same
+  prompts and lengths (ignore_eos), first all on the base model, then round-robin over the 8 adapters; the two
+  phases alternate over `--rounds`, in one run, on one stack.
 - identical: on a float32 stack (in bfloat16 a batch of another shape rounds differently even without adapters,
   which says nothing about LoRA), 16 greedy requests, 8 adapters and base, all at once, against each alone.
 - adapter_hit_ratio: 2 executors with 4 slots each and 16 adapters, 320 requests for random adapters, 16 at a
@@ -14,7 +15,7 @@ identity of a mixed batch against each request alone, and how often routing find
 Prints a short table, then exactly
 `RESULT lora adapters=8 throughput_ratio=... identical=... adapter_hit_ratio=...`
 
-Usage: bench/lora.py [--rounds 2] [--requests 96] [--tokens 64] [--rank 16]
+Usage: bench/lora.py [--rounds 2] [--requests 96] [--tokens 64] [--rank 16] [--targets q_proj,k_proj,v_proj,o_proj]
 """
 
 from __future__ import annotations
@@ -41,12 +42,11 @@ PROMPTS = ["Write a short poem about the sea.", "Explain how a bicycle works.", 
            "Give advice to a new programmer.", "Why is sleep important?"]
 
 
-def make_adapters(folder: Path, n: int, rank: int) -> list[tuple[str, Path]]:
+def make_adapters(folder: Path, n: int, rank: int, targets: list[str] | str) -> list[tuple[str, Path]]:
     import peft
     import torch
     import transformers
     base = transformers.AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     for i in range(n):
         torch.manual_seed(i)
         m = peft.get_peft_model(base, peft.LoraConfig(r=rank, lora_alpha=rank, target_modules=targets,
@@ -120,9 +120,11 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=96)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj", help="comma-separated, or all-linear")
     args = ap.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="stepwire-lora-"))
-    adapters = make_adapters(folder, 16, args.rank)
+    targets = args.targets if args.targets == "all-linear" else args.targets.split(",")
+    adapters = make_adapters(folder, 16, args.rank, targets)
     modules = lambda n: ",".join(f"{a}={p}" for a, p in adapters[:n])  # noqa: E731
     names8 = [a for a, _ in adapters[:8]]
     lora = ["--max-loras", "8", "--max-lora-rank", str(args.rank), "--lora-modules", modules(8)]
@@ -168,6 +170,7 @@ def main() -> None:
         stop(proc)
 
     mean = {k: sum(v) / len(v) for k, v in rates.items()}
+    print(f"adapters: rank {args.rank} on {args.targets}")
     print(f"{'phase (c32, ' + str(args.tokens) + ' tokens)':<28} {'tok/s':>8}")
     for k, v in mean.items():
         print(f"{k:<28} {v:>8.1f}")

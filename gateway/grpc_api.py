@@ -102,7 +102,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             await context.abort(e.code(), e.details())
         finally:
             obs.end("CANCELLED", usage, finish, error="client cancelled")   # a no-op once ended
-        return generation_pb2.GenerateResponse(id=f"gen-{uuid.uuid4().hex}", model=self.backend.model_name,
+        return generation_pb2.GenerateResponse(id=f"gen-{uuid.uuid4().hex}",
+                                               model=params.adapter or self.backend.model_name,
                                                completions=comps, usage=_usage(usage))
 
     async def GenerateStream(self, request, context):

@@ -72,7 +72,7 @@ async def respond(backend: Backend, raw: Request, req, prompt: list[int], p: Gen
             choices.append({"index": i, "text": texts[i], "finish_reason": finish[i],
                             "logprobs": _completion_lp(backend, lps[i]) if p.sampling.logprobs is not None else None})
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-            "model": backend.model_name, "choices": choices, "usage": _usage(usage)}
+            "model": p.adapter or backend.model_name, "choices": choices, "usage": _usage(usage)}
 
 
 async def _collect(gen, texts, finish, lps) -> None:
@@ -87,7 +87,8 @@ async def _sse(backend, prompt, p, usage, rid, created, chat, include_usage, obs
     obj = "chat.completion.chunk" if chat else "text_completion"
 
     def event(choices, **extra):
-        body = {"id": rid, "object": obj, "created": created, "model": backend.model_name, "choices": choices}
+        body = {"id": rid, "object": obj, "created": created, "model": p.adapter or backend.model_name,
+                "choices": choices}
         body.update(extra)
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 

@@ -1,10 +1,14 @@
 """One executor's LoRA adapters as its scheduler core sees them: what each device slot holds, which adapters the
 executor keeps in host memory, and what the next step must tell it.
 
-The scheduler decides, the executor follows (executor_service/lora_manager.py), so this mirror is exact: a slot
-is filled only by a load this core sends, and host memory keeps the `capacity` adapters loaded most recently on
-both sides, by the same rule. A slot is never refilled while a running request uses its adapter; a request whose
-adapter finds no such slot waits (waiting_phase.py), so a step never names more adapters than there are slots.
+The scheduler decides, the executor follows (executor_service/lora_manager.py): a slot is filled only by a load
+this core sends, so the slots here are exactly the executor's. `held` is what routing reads: the adapters the
+executor holds in host memory or is about to, since a request is counted as soon as it is routed here (so that
+the next requests for its adapter follow it before the load is sent), `capacity` of them, the least recently
+routed or loaded out first. The executor keeps the ones it loaded last by the same measure, near enough that a
+request routed to a holder rarely reads the disk. A slot is never refilled while a running request uses its
+adapter; a request whose adapter finds no such slot waits (waiting_phase.py), so a step never names more adapters
+than there are slots.
 
 Adapters are named by key (`name@registration`): a name unloaded and loaded again from another path is another
 key, so neither a slot nor a prefix-cache block (Request.hash_extra) of the old one is ever taken for the new.
@@ -43,6 +47,13 @@ class AdapterSlots:
         """Host memory is full: one more adapter here pushes another out."""
         return len(self.held) >= self.capacity
 
+    def expect(self, key: str) -> None:
+        """A request for `key` was routed here: count the adapter as held (the most recently used)."""
+        self.held[key] = None
+        self.held.move_to_end(key)
+        while len(self.held) > self.capacity:
+            self.held.popitem(last=False)
+
     def slot_for(self, key: str, path: str, in_use: Callable[[], set[str]]) -> int | None:
         """The slot a request with adapter `key` runs in this step: the one holding it, else the empty or least
         recently used slot whose adapter no running request uses (`in_use()`, asked only on a miss), loaded in
@@ -61,10 +72,7 @@ class AdapterSlots:
         s = min(free, key=lambda s: (self.slots[s] is not None, self.last_use[s]))
         self.slots[s], self.last_use[s] = key, self.clock
         self.loads.append((s, key, path))
-        self.held[key] = None
-        self.held.move_to_end(key)
-        while len(self.held) > self.capacity:
-            self.held.popitem(last=False)
+        self.expect(key)
         return s
 
     def assign(self, request_id: str, slot: int) -> None:

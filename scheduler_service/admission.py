@@ -58,6 +58,7 @@ def admit(fleet: Fleet, submit, max_waiting: int) -> str:
     except InvalidRequestError as e:
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
     fleet.lifecycles.admitted(req, submit.traceparent, link.address)
+    fleet.routed(link, req)
     pulled = source is not None and fleet.kv_moves.pull_prefix(req, source, link, choice)
     fleet.lifecycles.routed(rid, link.address, choice.hit, "new_prefix_pull" if pulled else "new")
     if not pulled:

@@ -126,7 +126,7 @@ class Fleet:
         live = self.live()
         links = by_role([lk for lk in live if lk is not exclude], decoding, fallback=any_role)
         if req.lora is not None:
-            links = by_adapter(links, req.lora[0], self.lifecycles.metrics)
+            links = by_adapter(links, req.lora[0])
         pulls = self.pull_cost if pull and self.settings.kv_transfer else None
         if pulls is not None and exclude in live:
             links.append(exclude)             # it holds the prefix, perhaps: a source, never the choice
@@ -135,6 +135,14 @@ class Fleet:
         if choice.index < 0:
             return None, choice, None
         return links[choice.index], choice, links[choice.source] if choice.source >= 0 else None
+
+    def routed(self, link: ExecutorLink, req: Request) -> None:
+        """`req` goes to `link`: count whether its executor held the request's adapter, and mark it as holding it
+        from now on, so that the next requests for it follow before its load is even sent."""
+        if req.lora is not None:
+            adapters = link.core.adapters
+            self.lifecycles.metrics.lora_routed.labels("true" if adapters.holds(req.lora[0]) else "false").inc()
+            adapters.expect(req.lora[0])
 
     def place(self, reqs: list[Request], exclude: ExecutorLink | None = None, decoding: bool = False,
               why: str = "moved") -> None:
@@ -146,6 +154,7 @@ class Fleet:
                 self.wait_for_executor(req)
                 continue
             by_link.setdefault(link.address, []).append(req)
+            self.routed(link, req)
             self.lifecycles.routed(req.request_id, link.address, choice.hit, why)
         for address, moved in by_link.items():
             for req in self.links[address].adopt(moved):

@@ -28,7 +28,7 @@ from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
 from observability import tracing
 from scheduler_service.request import Request
-from scheduler_service.routing import Choice, by_role, pick
+from scheduler_service.routing import Choice, by_adapter, by_role, pick
 from stepwire.contract.metadata import PULL_ENDED
 from stepwire.internal import executor_pb2
 
@@ -124,6 +124,8 @@ class KVMoves:
         if handoff:       # only to where decoding is done: a handoff to another prefill executor gains nothing
             links = [lk for lk in links if lk.role != "prefill"]
         links = by_role(links, decoding=req.num_output_tokens > 0)
+        if req.lora is not None:      # only to executors that serve adapters, holders first
+            links = by_adapter(links, req.lora[0])
         choice = pick(req, [lk.core for lk in links])
         if choice.index < 0:
             return None

@@ -54,15 +54,13 @@ def by_role(links: list, decoding: bool, fallback: bool = True) -> list:
     return [lk for lk in links if lk.role != avoid] or (links if fallback else [])
 
 
-def by_adapter(links: list, key: str, metrics=None) -> list:
+def by_adapter(links: list, key: str) -> list:
     """Links to route a request with LoRA adapter `key` among: those holding it (in a slot or in host memory), so
     that it runs without a read of the disk; else those that serve adapters and still have room in host memory,
     so that adapters spread over the fleet instead of pushing each other out of one executor; else any that
-    serves adapters. Counted by whether a holder was found (the adapter hit ratio)."""
+    serves adapters."""
     serving = [lk for lk in links if lk.core.adapters.num_slots]
     holders = [lk for lk in serving if lk.core.adapters.holds(key)]
-    if metrics is not None and serving:
-        metrics.lora_routed.labels("true" if holders else "false").inc()
     return holders or [lk for lk in serving if not lk.core.adapters.full] or serving
 
 

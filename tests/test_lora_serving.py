@@ -101,7 +101,7 @@ def test_a_start_adapter_is_listed_with_its_base_and_answers_with_peft_tokens(lo
     # The openai SDK picks it by `model` too, and gets the same text.
     r = client.completions.create(model="a0", prompt=PROMPT, max_tokens=TOKENS, temperature=0,
                                   extra_body={"ignore_eos": True})
-    assert r.model and r.choices[0].text == _generate(stack, "a0").text
+    assert r.model == "a0" and r.choices[0].text == _generate(stack, "a0").text
 
 
 def test_an_unknown_model_is_404_model_not_found_over_http_and_not_found_over_grpc(lora_stack):
