@@ -154,6 +154,17 @@ def bad_count(msg, table, draw):
     return msg, True
 
 
+def lora_without_adapters(msg, table, draw):
+    # This executor serves no adapters (--max-loras 0): any LoRA field is refused, a load of any path above all.
+    if draw(st.booleans()):
+        msg.lora_loads.append(executor_pb2.LoraLoad(slot=draw(st.integers(0, U32)), key="x@1",
+                                                    path=draw(st.sampled_from(["/etc", "/", "adapters/x"]))))
+    else:
+        msg.lora_handles.append(draw(st.integers(0, U32)))
+        msg.lora_slots.append(draw(st.integers(0, U32)))
+    return msg, True
+
+
 def counts_of_wrong_length(msg, table, draw):
     # Never none: empty num_tokens means one token each, a valid step.
     msg.num_tokens[:] = [1] * draw(st.integers(1, len(msg.handles) + 3).filter(lambda k: k != len(msg.handles)))
@@ -307,7 +318,7 @@ def mutations_for(msg, table, step: int, held: set[int]) -> tuple[list, list]:
     """The mutations that must be refused and apply to this step (a field must be there to be broken): those
     any step allows, and those of the fields few steps carry (new, resumed and grown requests). `held`: the
     blocks held by rows the step keeps (neither added nor dropped by it)."""
-    common = [too_many_rows, too_many_tokens, counts_of_wrong_length]
+    common = [too_many_rows, too_many_tokens, counts_of_wrong_length, lora_without_adapters]
     if step:
         common.append(older_epoch)   # the stream's first step sets its epoch: nothing is older yet
     if msg.handles or msg.finished or msg.preempted:
@@ -336,8 +347,8 @@ def mutations_for(msg, table, step: int, held: set[int]) -> tuple[list, list]:
 
 # These may be accepted or refused, and either may change the executor's state: the run ends after one.
 ENDING = [newer_epoch, truncated, flipped_bytes, garbage]
-REFUSED = [too_many_rows, too_many_tokens, counts_of_wrong_length, older_epoch, unknown_handle, handle_twice,
-           new_for_a_held_handle, bad_count, bad_token_id, uncovered_tokens, bad_sampling, bad_new_block,
+REFUSED = [too_many_rows, too_many_tokens, counts_of_wrong_length, lora_without_adapters, older_epoch, unknown_handle,
+           handle_twice, new_for_a_held_handle, bad_count, bad_token_id, uncovered_tokens, bad_sampling, bad_new_block,
            bad_grown_block, bad_grown_fields, bad_resumed_fields, resumed_computed_too_far, bad_resumed_block,
            over_the_step_cap, grown_past_max_model_len, block_twice_in_a_row, block_held_by_a_row]
 
