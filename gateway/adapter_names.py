@@ -6,6 +6,9 @@ lacks, so a gateway restart loses nothing and an adapter loaded through one gate
 
 from __future__ import annotations
 
+import re
+import time
+
 import grpc
 
 from stepwire.contract import InvalidRequestError
@@ -21,13 +24,21 @@ class ModelNotFound(InvalidRequestError):
                                   "LoRA adapters /v1/models lists")
 
 
+# A name that can never be an adapter's is refused without asking; others ask at most this often, so a flood of
+# requests for unknown models costs the scheduler one RPC a period, not one each.
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
+REFRESH_SECONDS = 0.5
+
+
 class AdapterNames:
     """The gateway's copy of the scheduler's adapter list."""
 
     def __init__(self):
         self.known: dict[str, scheduler_pb2.AdapterInfo] = {}
+        self.asked = -REFRESH_SECONDS
 
     async def refresh(self, stub) -> list[scheduler_pb2.AdapterInfo]:
+        self.asked = time.monotonic()
         try:
             resp = await stub.Adapters(scheduler_pb2.AdaptersRequest(), timeout=5)
         except grpc.RpcError:
@@ -40,7 +51,8 @@ class AdapterNames:
         if not name or name == backend.model_name:
             return ""
         if name not in self.known:
-            await self.refresh(backend.stub)
+            if NAME.fullmatch(name) and time.monotonic() - self.asked >= REFRESH_SECONDS:
+                await self.refresh(backend.stub)
             if name not in self.known:
                 raise ModelNotFound(name, backend.model_name)
         return name

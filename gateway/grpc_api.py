@@ -148,7 +148,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 # A text that could never fit the context is refused here too, before it is tokenized.
                 ids = await b.encode(request.text, add_special_tokens=request.add_special_tokens)
         except InvalidRequestError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            code = grpc.StatusCode.NOT_FOUND if isinstance(e, ModelNotFound) else grpc.StatusCode.INVALID_ARGUMENT
+            await context.abort(code, str(e))
         return generation_pb2.TokenizeResponse(token_ids=ids, max_model_len=b.max_model_len)
 
     async def ModelInfo(self, request, context):

@@ -122,7 +122,7 @@ HOSTILE = [
     ("JSON null", "POST", C, b"null", JSON, 400, "body"),
     ("a JSON string", "POST", CHAT, b'"Hi"', JSON, 400, "body"),
     ("an unknown field", "POST", C, completion(logit_bias={"1": 5}), JSON, 400, "logit_bias"),
-    ("a model name of 100000 characters", "POST", C, completion(model="m" * 100_000), JSON, 400, "model"),
+    ("a model name of 100000 characters", "POST", C, completion(model="m" * 100_000), JSON, 404, "model"),
     ("an unknown path", "POST", "/v1/engines/davinci/completions", completion(), JSON, 404, "Invalid URL"),
     ("the wrong method", "GET", C, b"", JSON, 405, "GET"),
     ("DELETE on the models list", "DELETE", "/v1/models", b"", JSON, 405, "DELETE"),
@@ -192,8 +192,9 @@ GRPC_HOSTILE = {
     "n of 17": g.GenerateRequest(text="Hi", params=SP(n=17)),
     "logprobs of 21": g.GenerateRequest(text="Hi", params=SP(logprobs=21)),
     "no prompt": g.GenerateRequest(params=SP(max_tokens=2)),
-    "another model": g.GenerateRequest(model="m" * 100_000, chat=HI),
 }
+# A model that is neither the served one nor a loaded adapter: NOT_FOUND, as OpenAI's 404 model_not_found.
+NOT_FOUND = {"another model": g.GenerateRequest(model="m" * 100_000, chat=HI)}
 
 
 @pytest.fixture(scope="module")
@@ -202,13 +203,14 @@ def stub(stack):
         yield generation_pb2_grpc.GenerationStub(channel), channel
 
 
-@pytest.mark.parametrize("name", GRPC_HOSTILE)
+@pytest.mark.parametrize("name", [*GRPC_HOSTILE, *NOT_FOUND])
 def test_a_hostile_grpc_request_gets_invalid_argument_on_both_methods(stub, name):
     generation, _ = stub
+    code = grpc.StatusCode.NOT_FOUND if name in NOT_FOUND else grpc.StatusCode.INVALID_ARGUMENT
     for call in (generation.Generate, lambda r, **kw: list(generation.GenerateStream(r, **kw))):
         with pytest.raises(grpc.RpcError) as e:
-            call(GRPC_HOSTILE[name], timeout=HANG)
-        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+            call({**GRPC_HOSTILE, **NOT_FOUND}[name], timeout=HANG)
+        assert e.value.code() == code, e.value.details()
         assert len(e.value.details()) < 1000
 
 
@@ -221,7 +223,7 @@ def test_a_hostile_grpc_request_gets_invalid_argument_on_both_methods(stub, name
 def test_tokenize_refuses_what_generate_refuses(stub, request_):
     with pytest.raises(grpc.RpcError) as e:
         stub[0].Tokenize(request_, timeout=HANG)
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.code() == (grpc.StatusCode.NOT_FOUND if request_.model else grpc.StatusCode.INVALID_ARGUMENT)
 
 
 @pytest.mark.parametrize("raw", [b"\xff\xff\xff\xff", b"\x12\x02\xff\xfe"], ids=["corrupt wire format", "bad UTF-8"])

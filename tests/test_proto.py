@@ -28,9 +28,12 @@ def test_the_contract_has_the_services_the_design_names():
     assert methods(generation_pb2, "Generation") == {"Generate", "GenerateStream", "Tokenize", "ModelInfo"}
     # No Abort by id: only the call that submitted a request may end it.
     # Limits for gateways, Stats for the operator: a gateway's certificate cannot read the fleet.
-    assert methods(scheduler_pb2, "Scheduler") == {"Submit", "Session", "Limits", "Stats"}
-    # PullBlocks for the scheduler, ReadBlocks for a peer executor: KV bytes never pass the scheduler.
-    assert methods(executor_pb2, "Executor") == {"Describe", "Step", "PullBlocks", "ReadBlocks"}
+    # Adapters, LoadAdapter and UnloadAdapter for gateways (behind their API keys) and the operator.
+    assert methods(scheduler_pb2, "Scheduler") == {"Submit", "Session", "Limits", "Stats", "Adapters",
+                                                   "LoadAdapter", "UnloadAdapter"}
+    # PullBlocks for the scheduler, ReadBlocks for a peer executor: KV bytes never pass the scheduler;
+    # CheckAdapter for the scheduler, which checks an adapter on an executor before it registers it.
+    assert methods(executor_pb2, "Executor") == {"Describe", "Step", "PullBlocks", "ReadBlocks", "CheckAdapter"}
     step = executor_pb2.StepRequest.DESCRIPTOR
     assert "traceparent" in step.fields_by_name and "epoch" in step.fields_by_name
     # Repeated numbers are packed (proto3 default for scalars): no per-element tags on the wire.
