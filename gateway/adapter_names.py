@@ -6,6 +6,7 @@ lacks, so a gateway restart loses nothing and an adapter loaded through one gate
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 
@@ -24,6 +25,7 @@ class ModelNotFound(InvalidRequestError):
                                   "LoRA adapters /v1/models lists")
 
 
+log = logging.getLogger("stepwire.gateway")
 # A name that can never be an adapter's is refused without asking; others ask at most this often, so a flood of
 # requests for unknown models costs the scheduler one RPC a period, not one each.
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
@@ -45,6 +47,28 @@ class AdapterNames:
             return list(self.known.values())    # the scheduler is away: the last list known
         self.known = {a.name: a for a in resp.adapters}
         return list(resp.adapters)
+
+    async def restore(self, stub) -> list[str]:
+        """After the scheduler was lost and is back: load again the adapters this gateway knew that it lacks (a
+        new scheduler knows only its --lora-modules), before held requests are resubmitted for them. Returns the
+        names loaded; another gateway doing the same at once is no error (ALREADY_EXISTS)."""
+        before = dict(self.known)
+        now = {a.name for a in await self.refresh(stub)}
+        restored = []
+        for name, a in before.items():
+            if name in now:
+                continue
+            try:
+                await stub.LoadAdapter(scheduler_pb2.LoadAdapterRequest(name=name, path=a.path), timeout=70)
+                restored.append(name)
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.ALREADY_EXISTS:
+                    log.warning("LoRA adapter %s could not be loaded again after the scheduler came back: %s",
+                                name, e.details())
+        if restored:
+            log.info("LoRA adapters loaded again on the scheduler that came back: %s", ", ".join(restored))
+            await self.refresh(stub)
+        return restored
 
     async def resolve(self, backend, name: str) -> str:
         """The adapter `name` picks: "" for the served model (or no name), else a loaded adapter's name."""

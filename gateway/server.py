@@ -73,6 +73,9 @@ async def follow_scheduler(backend: Backend, health_servicer, metrics: GatewayMe
         nonlocal announced
         if ok:
             ok = await backend.refresh()   # learns max_model_len before the first request is checked
+        if ok and announced is False:
+            # Back after a loss (a restart, perhaps): the adapters loaded at run time first, then held requests.
+            await backend.adapters.restore(backend.stub)
         backend.ready = ok
         metrics.scheduler_ready.set(float(ok))
         for name in ("", SERVICE):

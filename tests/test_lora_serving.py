@@ -21,7 +21,7 @@ from conftest import MODEL  # noqa: E402
 from helpers import wait_executor_idle  # noqa: E402
 
 from launcher.processes import Service  # noqa: E402
-from stepwire.internal import scheduler_pb2_grpc  # noqa: E402
+from stepwire.internal import scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
 from stepwire.v1 import generation_pb2, generation_pb2_grpc  # noqa: E402
 
 pytestmark = pytest.mark.processes   # starts services as separate processes: not in `make test-fast`
@@ -224,3 +224,26 @@ def test_an_adapter_whose_file_breaks_after_its_check_is_dropped_and_only_its_re
     assert "breaks" not in {m.id for m in _client(url).models.list().data}
     assert _tokens(stack, "a0") == expected["a0"]       # the executor serves on, the other adapters unchanged
     wait_executor_idle(stub, seconds=30)
+
+
+def test_an_adapter_loaded_at_run_time_survives_a_scheduler_restart_mid_stream(lora_stack):
+    """A new scheduler knows only its --lora-modules; the gateway loads the rest again before it resubmits the
+    requests it held, so a stream under a run-time adapter goes on with the tokens it would have had."""
+    import signal
+    url, stub, stack, root, expected = lora_stack
+    client = _client(url)
+    assert _post(url, "/v1/load_lora_adapter", {"lora_name": "rt", "lora_path": "a2"}).status_code == 200
+    kw = {"model": "rt", "prompt": PROMPT, "max_tokens": 48, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    whole = client.completions.create(**kw).choices[0].text
+    text, restarted = "", False
+    for chunk in client.completions.create(stream=True, **kw):
+        text += chunk.choices[0].text if chunk.choices else ""
+        if text and not restarted:
+            stack.restart("scheduler", signal.SIGKILL, pause=0.5)
+            restarted = True
+    assert restarted and text == whole
+    assert "rt" in {m.id for m in client.models.list().data}
+    stack.wait_ready("scheduler")
+    fresh = scheduler_pb2_grpc.SchedulerStub(grpc.insecure_channel(stack["scheduler"].flags["--address"]))
+    assert {a.name for a in fresh.Adapters(scheduler_pb2.AdaptersRequest()).adapters} >= {"a0", "rt"}
+    _post(url, "/v1/unload_lora_adapter", {"lora_name": "rt"})
