@@ -12,6 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 from starlette.middleware.authentication import AuthenticationMiddleware
 
+from gateway.adapter_names import ModelNotFound
 from gateway.auth import ApiKeys, HttpKeys, KeyRefused
 from gateway.backend import Backend
 from gateway.body_limit import BodyLimit
@@ -138,7 +139,7 @@ def build_app(backend: Backend, metrics: GatewayMetrics, api_keys: ApiKeys | Non
             prompt = req.prompt if isinstance(req.prompt, list) else await backend.encode(req.prompt)
             return await respond(backend, raw, req, prompt, p, False, obs)
         except InvalidRequestError as e:
-            obs.end(400, error=str(e))
+            obs.end(404 if isinstance(e, ModelNotFound) else 400, error=str(e))
             raise
 
     @app.post("/v1/chat/completions")
@@ -158,7 +159,7 @@ def build_app(backend: Backend, metrics: GatewayMetrics, api_keys: ApiKeys | Non
             prompt = await backend.encode_chat(messages, tools=template_tools)
             return await respond(backend, raw, req, prompt, p, True, obs, tools)
         except InvalidRequestError as e:
-            obs.end(400, error=str(e))
+            obs.end(404 if isinstance(e, ModelNotFound) else 400, error=str(e))
             raise
 
     return app

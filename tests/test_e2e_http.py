@@ -74,7 +74,6 @@ def test_a_client_that_disconnects_mid_stream_frees_every_block(http_stack):
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"model": "nope", "prompt": "hi"}, "model"),
     ({"model": NAME, "prompt": ""}, "prompt"),
     ({"model": NAME, "prompt": "hi " * 3000}, "prompt"),
     ({"model": NAME, "prompt": "hi", "temperature": -1}, "temperature"),
@@ -93,6 +92,14 @@ def test_bad_input_gets_a_400_with_an_openai_error_body_and_the_stack_still_serv
     assert err["type"] == "invalid_request_error" and param in (err["param"] or "") and err["message"]
     ok = client.completions.create(model=NAME, prompt="Hello", max_tokens=2, temperature=0)
     assert ok.usage.completion_tokens == 2
+
+
+def test_an_unknown_model_is_a_404_model_not_found_as_openai_answers(http_stack):
+    url, client, *_ = http_stack
+    r = httpx.post(url + "/v1/completions", json={"model": "nope", "prompt": "hi"}, timeout=30)
+    assert r.status_code == 404, r.text
+    assert r.json()["error"] | {"message": ""} == {"message": "", "type": "invalid_request_error", "param": "model",
+                                                   "code": "model_not_found"}
 
 
 def test_malformed_json_is_a_400(http_stack):
@@ -137,13 +144,15 @@ def test_the_grpc_api_streams_and_answers_what_http_answers(http_stack):
                   "max_tokens": g.GenerateRequest(text="hi", params=sp(max_tokens=0)),
                   "prompt": g.GenerateRequest(text="", params=params),
                   "too long": g.GenerateRequest(text="hi " * 3000, params=params),
-                  "model": g.GenerateRequest(model="nope", text="hi"),
                   "missing prompt": g.GenerateRequest(params=params)}
     for what, bad in bad_inputs.items():
         for call in (stub.Generate, lambda r: list(stub.GenerateStream(r))):
             with pytest.raises(grpc.RpcError) as e:
                 call(bad)
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, what
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Generate(g.GenerateRequest(model="nope", text="hi"))
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
     assert stub.Generate(g.GenerateRequest(text="Hello", params=sp(max_tokens=2, temperature=0))).usage \
         .completion_tokens == 2
 

@@ -80,9 +80,14 @@ def test_token_ids_outside_the_vocabulary_are_a_400_naming_tokens(url, tokens):
     assert r.status_code == 400 and r.json()["error"]["param"] == "tokens", r.text
 
 
+@pytest.mark.parametrize("path, body", [("/tokenize", {"model": "other", "prompt": "Hi"}),
+                                        ("/detokenize", {"model": "other", "tokens": [1]})])
+def test_an_unknown_model_is_a_404_model_not_found(url, path, body):
+    r = post(url, path, body)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
+
+
 @pytest.mark.parametrize("path, body, param", [
-    ("/tokenize", {"model": "other", "prompt": "Hi"}, "model"),
-    ("/detokenize", {"model": "other", "tokens": [1]}, "model"),
     ("/tokenize", {"messages": [{"role": "wizard", "content": "Hi"}]}, "messages[0].role"),
     ("/tokenize", {"messages": []}, "messages"),
     ("/tokenize", {"prompt": "Hi", "add_generation_prompt": True}, "add_generation_prompt"),
