@@ -44,8 +44,13 @@ def admit(fleet: Fleet, submit, max_waiting: int) -> str:
                               "LoRA adapter is loaded)")
             if not fleet.lora_links() and fleet.live():
                 raise Refused(grpc.StatusCode.FAILED_PRECONDITION, "no connected executor serves LoRA adapters")
+        weight = submit.tenant_weight or 1.0
+        if len(submit.tenant) > 128:
+            raise InvalidRequestError("tenant", "at most 128 characters")
+        if not 0 < weight <= 1000:      # NaN fails too
+            raise InvalidRequestError("tenant_weight", f"{weight} is not in (0, 1000]")
         req = Request(rid, prompt, submit.params, eos_token_ids=model.eos_token_ids, priority=submit.priority,
-                      cache_salt=submit.cache_salt or None, lora=lora)
+                      cache_salt=submit.cache_salt or None, lora=lora, tenant=submit.tenant, weight=weight)
         link, choice, source = fleet.route(req, pull=True)
         if link is None:
             fleet.lifecycles.admitted(req, submit.traceparent, "")

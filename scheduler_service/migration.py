@@ -23,6 +23,7 @@ def take_all(core: Scheduler, only_waiting: bool = False) -> list[Request]:
     for req in moved:
         core.kv.free(req)
         del core.requests[req.request_id]
+        core.clock.leave(req)
         req.forget_computed()
         req.num_output_placeholders = 0          # steps in flight there are lost
         req.spec_in_flight = 0
@@ -45,6 +46,7 @@ def detach(core: Scheduler, req: Request) -> list:
     for a peer to read. The executor keeps its row until told (ExecutorLink.drop_rows)."""
     core.running.remove(req)
     del core.requests[req.request_id]
+    core.clock.leave(req)
     pin = core.kv.pin(req)
     req.forget_computed()
     req.num_output_placeholders = 0
@@ -59,6 +61,7 @@ def take_queued(core: Scheduler, req: Request) -> None:
     never heard of it."""
     core.waiting.remove_all((req,))
     del core.requests[req.request_id]
+    core.clock.leave(req)
 
 
 def adopt(core: Scheduler, moved: list[Request]) -> list[Request]:
@@ -75,5 +78,6 @@ def adopt(core: Scheduler, moved: list[Request]) -> list[Request]:
         # Proposals were offered by the executor it left; this one (maybe not speculating) offers its own.
         req.spec_offered = 0
         core.requests[req.request_id] = req
+        core.clock.arrive(req)
         core.waiting.prepend(req)
     return refused

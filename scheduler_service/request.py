@@ -47,6 +47,9 @@ class Request:
     cache_salt: str | None = None
     # LoRA: (key, path) of its adapter (adapter_slots.py); None: the base model.
     lora: tuple[str, str] | None = None
+    # Who it is for, and that tenant's weight: tenants share each step's tokens by weight (fair_share.py).
+    tenant: str = ""
+    weight: float = 1.0
 
     all_token_ids: list[int] = field(init=False)
     num_prompt_tokens: int = field(init=False)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from scheduler_service.adapter_slots import AdapterSlots
 from scheduler_service.config import SchedulerConfig
+from scheduler_service.fair_share import FairQueue, TenantClock
 from scheduler_service.kv_cache.manager import KVCacheManager
 from scheduler_service.output import (
     CachedRequestData,
@@ -27,7 +28,6 @@ from scheduler_service.output import (
 from scheduler_service.output_phase import apply_runner_output
 from scheduler_service.request import Request, RequestStatus
 from scheduler_service.request_checks import check_new_request
-from scheduler_service.request_queue import make_queue
 from scheduler_service.speculation import proposals_to_verify
 from scheduler_service.waiting_phase import admit_waiting
 
@@ -48,7 +48,9 @@ class Scheduler:
                                  config.enable_prefix_caching)
         # Unfinished requests only: waiting, running or preempted.
         self.requests: dict[str, Request] = {}
-        self.waiting = make_queue(config.policy)
+        # Tenants share each step's tokens by weight (fair_share.py); with one tenant, the policy's queue as is.
+        self.clock = TenantClock()
+        self.waiting = FairQueue(config.policy, self.clock)
         self.running: list[Request] = []
         # Ended since the last schedule(); the next output tells the executors to drop them.
         self.finished_req_ids: set[str] = set()
@@ -70,6 +72,7 @@ class Scheduler:
         request.length_limit = min(request.num_prompt_tokens + request.sampling_params.max_tokens,
                                    self.config.max_model_len)
         self.requests[rid] = request
+        self.clock.arrive(request)
         self.waiting.add(request)
 
     def abort_requests(self, request_ids) -> list[Request]:
@@ -97,6 +100,7 @@ class Scheduler:
     def _release(self, request: Request) -> None:
         self.kv.free(request)
         del self.requests[request.request_id]
+        self.clock.leave(request)
         self.finished_req_ids.add(request.request_id)
 
     def _preempt(self, request: Request) -> None:
@@ -232,6 +236,10 @@ class Scheduler:
             token_budget = admit_waiting(cfg, kv, self.waiting, running, token_budget, threshold, new_reqs, cached,
                                          num_scheduled, self.adapters)
         lora_loads, lora_rows = self.adapters.take()
+        if len(self.clock.live) > 1:
+            requests, charge = self.requests, self.clock.charge
+            for rid, n in num_scheduled.items():
+                charge(requests[rid], n)
 
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs,

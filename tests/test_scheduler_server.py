@@ -90,6 +90,12 @@ def test_bad_input_gets_invalid_argument_and_the_stack_still_serves(stack):
             list(stub.Submit(scheduler_pb2.SubmitRequest(request_id="bad", prompt_token_ids=prompt, params=params),
                              timeout=10))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (prompt, kw)
+    params = sampling_pb2.SamplingParams(max_tokens=4, top_p=1.0, top_k=-1)
+    for tenant in ({"tenant": "t" * 129}, {"tenant_weight": -1.0}, {"tenant_weight": nan}, {"tenant_weight": 1e4}):
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Submit(scheduler_pb2.SubmitRequest(request_id="bad", prompt_token_ids=[1, 2], params=params,
+                                                         **tenant), timeout=10))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tenant" in e.value.details(), tenant
     with pytest.raises(grpc.RpcError) as e:   # no sampling parameters at all
         list(stub.Submit(scheduler_pb2.SubmitRequest(request_id="bad", prompt_token_ids=[1, 2]), timeout=10))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "params" in e.value.details()

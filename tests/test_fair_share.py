@@ -1,0 +1,113 @@
+"""Weighted fair sharing of scheduled tokens between tenants in one scheduler core (fair_share.py): with one
+tenant the queue is the policy's own, request for request; with several, each backlogged tenant gets its weight's
+share of the tokens whatever the others offer, and a tenant back from idle banks no credit."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from helpers import make_scheduler, req, step
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from scheduler_service.fair_share import FairQueue, TenantClock
+from scheduler_service.request_queue import make_queue
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.sampled_from(["fcfs", "priority"]),
+       st.lists(st.tuples(st.sampled_from(["add", "prepend", "pop"]), st.integers(0, 3)), max_size=60))
+def test_with_one_tenant_the_queue_is_the_policys_own(policy, ops):
+    plain, fair = make_queue(policy), FairQueue(policy, TenantClock())
+    for i, (op, prio) in enumerate(ops):
+        if op == "pop":
+            if plain:
+                assert fair.peek() is plain.peek()
+                assert fair.pop() is plain.pop()
+            continue
+        r = req(f"r{i}", 4, first=10 * i, priority=prio)
+        getattr(plain, op)(r)
+        getattr(fair, op)(r)
+        assert len(fair) == len(plain) and list(fair) == list(plain)
+
+
+def run_backlogged(offers: dict[str, int], weights: dict[str, float], steps: int, **cfg) -> Counter:
+    """Tokens scheduled per tenant over `steps` steps while every tenant still has requests waiting."""
+    sched = make_scheduler(**cfg)
+    n = 0
+    for tenant, count in offers.items():
+        for _ in range(count):
+            sched.add_request(req(f"{tenant}{n}", 24, max_tokens=8, first=100 * n, tenant=tenant,
+                                  weight=weights[tenant]))
+            n += 1
+    tokens = Counter()
+    for _ in range(steps):
+        waiting = {r.tenant for r in sched.waiting}
+        if waiting != set(offers):
+            break
+        out, _ = step(sched)
+        for rid, k in out.num_scheduled_tokens.items():
+            tokens[rid.rstrip("0123456789")] += k
+    return tokens
+
+
+def test_equal_weights_share_equally_though_one_tenant_offers_ten_times_the_load():
+    tokens = run_backlogged({"a": 30, "b": 300}, {"a": 1.0, "b": 1.0}, 60, max_num_seqs=8,
+                            max_num_batched_tokens=64)
+    assert sum(tokens.values()) > 1000
+    assert 0.85 < tokens["a"] / tokens["b"] < 1.18, tokens
+
+
+def test_weights_three_to_one_give_three_times_the_tokens():
+    tokens = run_backlogged({"a": 100, "b": 300}, {"a": 3.0, "b": 1.0}, 60, max_num_seqs=8,
+                            max_num_batched_tokens=64)
+    assert 2.5 < tokens["a"] / tokens["b"] < 3.6, tokens
+
+
+def test_one_tenant_alone_is_scheduled_exactly_as_without_tenants():
+    def decisions(tenant: str):
+        sched = make_scheduler(num_blocks=40, block_size=4, max_num_seqs=4, max_num_batched_tokens=32)
+        for i in range(12):
+            sched.add_request(req(f"r{i}", 10 + i, max_tokens=5, first=50 * i, tenant=tenant))
+        seen = []
+        while sched.requests:
+            out, _ = step(sched)
+            seen.append((dict(out.num_scheduled_tokens), sorted(out.preempted_req_ids)))
+        return seen
+
+    assert decisions("team-a") == decisions("")
+
+
+def test_a_tenant_back_from_idle_gets_its_share_not_a_burst_for_the_time_it_was_away():
+    sched = make_scheduler(max_num_seqs=4, max_num_batched_tokens=64)
+    for i in range(1000):
+        sched.add_request(req(f"{'bc'[i % 2]}{i}", 24, max_tokens=8, first=100 * i, tenant="bc"[i % 2]))
+    sched.add_request(req("a-early", 24, max_tokens=8, first=900_000, tenant="a"))
+    for _ in range(300):     # "a" is served once, then idles while "b" and "c" share the executor
+        step(sched)
+    assert "a-early" not in sched.requests and len(sched.waiting) > 100
+    for i in range(40):
+        sched.add_request(req(f"a{i}", 24, max_tokens=8, first=1_000_000 + 100 * i, tenant="a"))
+    tokens = Counter()
+    for _ in range(40):
+        out, _ = step(sched)
+        for rid, k in out.num_scheduled_tokens.items():
+            tokens[rid[0]] += k
+    # A third each; with credit banked for its idle time, "a" would take every slot for all these steps.
+    total = sum(tokens.values())
+    assert all(0.2 < tokens[t] / total < 0.45 for t in "abc"), tokens
+
+
+def test_requests_that_leave_and_join_cores_keep_the_tenant_counts_right():
+    from scheduler_service.migration import adopt, take_all
+    src, dst = make_scheduler(), make_scheduler()
+    for i in range(6):
+        src.add_request(req(f"r{i}", 8, max_tokens=2, first=20 * i, tenant="ab"[i % 2]))
+    step(src)
+    moved = take_all(src)
+    assert src.clock.live == {} and not src.requests
+    adopt(dst, moved)
+    assert dst.clock.live == {"a": 3, "b": 3}
+    while dst.requests:
+        step(dst)
+    assert dst.clock.live == {}
