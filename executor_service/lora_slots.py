@@ -28,12 +28,14 @@ KINDS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
 @dataclass(frozen=True)
 class LoraStep:
     """One step's tokens that have an adapter, grouped by slot into `groups` x `most` rows: `gather` names the
-    token of each row. A padding row (a slot with fewer tokens than `most`) names token 0 and is zeroed by `keep`
-    (None when there is none) after the first product, so that adding every row back into the output, padding
-    included, adds nothing for it. `kinds` are the projections any of the step's slots adapts."""
+    token of each row (a padding row, where a slot has fewer tokens than `most`, names token 0). Without padding
+    every row is added back at once; with it (`rows` not None), only the rows of `tokens` are, so that a step
+    whose slots are uneven (a long prefill chunk beside decodes) does not add up many empty rows.
+    `kinds` are the projections any of the step's slots adapts."""
 
     gather: torch.Tensor
-    keep: torch.Tensor | None
+    rows: torch.Tensor | None
+    tokens: torch.Tensor | None
     groups: int
     most: int
     kinds: frozenset[str]
@@ -88,13 +90,11 @@ class LoraSlots:
         rows = slots * most + np.arange(len(slots)) - (np.cumsum(counts) - counts)[slots]
         gather = np.zeros(groups * most, dtype=np.int64)
         gather[rows] = tokens
-        keep = None
-        if len(rows) < groups * most:
-            mask = np.zeros((groups * most, 1), dtype=np.float32)
-            mask[rows] = 1
-            keep = torch.from_numpy(mask.reshape(groups, most, 1)).to(self.device, self.dtype)
         kinds = frozenset().union(*(self.kinds[s] for s in np.unique(slots).tolist()))
-        return LoraStep(torch.from_numpy(gather).to(self.device), keep, groups, most, kinds)
+        to = lambda a: torch.from_numpy(a).to(self.device)  # noqa: E731
+        padded = len(rows) < groups * most
+        return LoraStep(to(gather), to(rows) if padded else None, to(tokens) if padded else None, groups, most,
+                        kinds)
 
     def add(self, step: LoraStep, layer: int, kind: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """out[t] += B(A x[t]) for each token t with an adapter, in place; x is the projection's input."""
@@ -102,7 +102,8 @@ class LoraSlots:
             return
         g = step.groups
         grouped = x.index_select(0, step.gather).view(g, step.most, x.shape[1])
-        shrunk = torch.bmm(grouped, self.a[layer][kind][:g])
-        if step.keep is not None:
-            shrunk.mul_(step.keep)
-        out.index_add_(0, step.gather, torch.bmm(shrunk, self.b[layer][kind][:g]).view(g * step.most, -1))
+        delta = torch.bmm(torch.bmm(grouped, self.a[layer][kind][:g]), self.b[layer][kind][:g]).view(g * step.most, -1)
+        if step.rows is None:
+            out.index_add_(0, step.gather, delta)
+        else:
+            out.index_add_(0, step.tokens, delta.index_select(0, step.rows))
