@@ -7,12 +7,12 @@ lacks, so a gateway restart loses nothing and an adapter loaded through one gate
 from __future__ import annotations
 
 import logging
-import re
 import time
 
 import grpc
 
 from stepwire.contract import InvalidRequestError
+from stepwire.contract.limits import ADAPTER_NAME as NAME
 from stepwire.internal import scheduler_pb2
 
 
@@ -28,7 +28,6 @@ class ModelNotFound(InvalidRequestError):
 log = logging.getLogger("stepwire.gateway")
 # A name that can never be an adapter's is refused without asking; others ask at most this often, so a flood of
 # requests for unknown models costs the scheduler one RPC a period, not one each.
-NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
 REFRESH_SECONDS = 0.5
 
 

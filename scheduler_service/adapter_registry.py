@@ -14,16 +14,15 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import re
 import time
 from dataclasses import dataclass
 
 import grpc
 
+from stepwire.contract.limits import ADAPTER_NAME as NAME
 from stepwire.internal import executor_pb2, scheduler_pb2
 
 log = logging.getLogger("stepwire.scheduler")
-NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
 MAX_PATH_CHARS = 4096
 
 

@@ -14,6 +14,7 @@ import grpc
 from scheduler_service.fleet import Fleet
 from scheduler_service.request import Request
 from stepwire.contract import InvalidRequestError, check_prompt
+from stepwire.contract.limits import real
 
 
 class Refused(Exception):
@@ -44,11 +45,9 @@ def admit(fleet: Fleet, submit, max_waiting: int) -> str:
                               "LoRA adapter is loaded)")
             if not fleet.lora_links() and fleet.live():
                 raise Refused(grpc.StatusCode.FAILED_PRECONDITION, "no connected executor serves LoRA adapters")
-        weight = submit.tenant_weight or 1.0
         if len(submit.tenant) > 128:
             raise InvalidRequestError("tenant", "at most 128 characters")
-        if not 0 < weight <= 1000:      # NaN fails too
-            raise InvalidRequestError("tenant_weight", f"{weight} is not in (0, 1000]")
+        weight = real("tenant_weight", submit.tenant_weight or 1.0, 0, 1000, above=True)
         req = Request(rid, prompt, submit.params, eos_token_ids=model.eos_token_ids, priority=submit.priority,
                       cache_salt=submit.cache_salt or None, lora=lora, tenant=submit.tenant, weight=weight)
         link, choice, source = fleet.route(req, pull=True)

@@ -19,6 +19,8 @@ pytest.importorskip("peft")
 
 from conftest import MODEL  # noqa: E402
 from helpers import wait_executor_idle  # noqa: E402
+from lora_fixtures import make_adapter as fixtures_make_adapter  # noqa: E402
+from lora_fixtures import peft_greedy, peft_reference  # noqa: E402
 
 from launcher.processes import Service  # noqa: E402
 from stepwire.internal import scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
@@ -30,20 +32,12 @@ KEY = "sk-lora-test"
 BASE = "SmolLM2-135M-Instruct"
 PROMPT = [1, 504, 3458, 282, 1029, 314, 1789, 30, 216]
 TOKENS = 10
+TARGETS = ("q_proj", "v_proj", "gate_proj", "down_proj")
 
 
-def make_adapter(path, seed: int, rank: int = 8, targets=("q_proj", "v_proj", "gate_proj", "down_proj")):
+def make_adapter(path, seed: int, rank: int = 8) -> list[int]:
     """A random PEFT adapter saved at `path`, and its greedy continuation of PROMPT under transformers + peft."""
-    import peft
-    import transformers
-    base = transformers.AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
-    torch.manual_seed(seed)
-    m = peft.get_peft_model(base, peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets),
-                                                  init_lora_weights=False)).eval()
-    m.save_pretrained(path)
-    with torch.inference_mode():
-        out = m.generate(torch.tensor([PROMPT]), max_new_tokens=TOKENS, do_sample=False, pad_token_id=0)
-    return out[0, len(PROMPT):].tolist()
+    return peft_greedy(peft_reference(fixtures_make_adapter(path, seed, rank, TARGETS)), PROMPT, TOKENS)
 
 
 @pytest.fixture(scope="module")

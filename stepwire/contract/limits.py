@@ -9,6 +9,7 @@ NaN compares false with every bound, so a range check alone lets it through.
 from __future__ import annotations
 
 import math
+import re
 
 from stepwire.contract.errors import InvalidRequestError
 
@@ -16,6 +17,8 @@ UINT32_MAX = 2**32 - 1
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 UINT64_MAX = 2**64 - 1
 FLOAT32_MAX = 3.4028234663852886e38   # a larger double becomes inf in a proto `float`
+# A LoRA adapter's name, as the scheduler registers it and the gateway recognises one before asking.
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
 
 
 def integer(field: str, value, lo: int, hi: int) -> int:
