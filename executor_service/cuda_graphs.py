@@ -49,6 +49,7 @@ class DecodeGraphs:
         self.block_table = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
         self.token_rows = torch.arange(n, dtype=torch.int32, device=device)
         self.kv_lens = torch.ones(n, dtype=torch.int32, device=device)
+        self.ones = torch.ones(n, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         # Staging on the host: one copy per buffer per step, pinned on CUDA so the copies are asynchronous.
@@ -58,8 +59,10 @@ class DecodeGraphs:
             ("kv_lens", torch.int32))}
 
     def _forward(self, size: int) -> torch.Tensor:
-        meta = paged_only(self.slot_mapping[:size], PagedMetadata(self.block_table[:size], self.token_rows[:size],
-                                                                  self.kv_lens[:size]))
+        rows = self.token_rows[:size]
+        # One decode token per request: the token's row, its query block and its request are one index.
+        meta = paged_only(self.slot_mapping[:size], PagedMetadata(self.block_table[:size], rows, self.kv_lens[:size],
+                                                                  qblock_start=rows, qblock_len=self.ones[:size]))
         return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, meta)
 
     @torch.inference_mode()

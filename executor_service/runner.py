@@ -7,6 +7,7 @@ import logging
 import os
 import time
 from contextlib import nullcontext
+from functools import partial
 
 import numpy as np
 import torch
@@ -96,7 +97,8 @@ class ModelRunner:
         self.attention = "torch" if cfg.deterministic else attention_backend(cfg.attention_backend, self.device)
         if self.attention == "triton":
             from executor_service.triton_attention import paged_metadata
-            self._paged_metadata = paged_metadata
+            group = self.model_config.num_heads // self.model_config.num_kv_heads
+            self._paged_metadata = partial(paged_metadata, group=group)
         # SDPA's own choice on CUDA included cuDNN, which plans each new shape (~40 ms at first sight of it).
         self._sdpa = (lambda: sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                                            SDPBackend.MATH])) if self.device.type == "cuda" else nullcontext

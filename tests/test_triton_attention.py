@@ -69,9 +69,9 @@ def run_both(requests, heads: int, kv_heads: int, head_dim: int, block_size: int
     (32, 8, 64, 16),     # the ~1B Llama of the GPU bench
 ])
 def test_paged_kernel_equals_the_torch_path_on_a_mixed_step(heads, kv_heads, head_dim, block_size):
-    # decodes at several lengths (one crossing the kernel's 64-position tile), a chunk after a cached
-    # prefix, a fresh prompt, and a decode on a request whose cache is one token long
-    requests = [(0, 7), (37, 1), (70, 1), (130, 1), (21, 9), (0, 1), (1, 1)]
+    # decodes at several lengths (one crossing the kernel's 64-position tile), chunks after a cached
+    # prefix (one longer than a query block), a fresh prompt, and a decode on a request whose cache is one token long
+    requests = [(0, 7), (37, 1), (70, 1), (130, 1), (21, 9), (0, 1), (1, 1), (3, 70)]
     got, ref = run_both(requests, heads, kv_heads, head_dim, block_size)
     torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
 
