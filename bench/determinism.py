@@ -42,9 +42,9 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def engine(model: str, dtype: str, deterministic: bool, budget: int = 512) -> LLMEngine:
-    return LLMEngine(RunnerConfig(model, dtype=dtype, deterministic=deterministic, kv_cache_memory=256 << 20,
-                                  max_num_seqs=CONCURRENCY, max_model_len=1024),
+def engine(model: str, dtype: str, deterministic: bool, budget: int = 512, device: str = "cpu") -> LLMEngine:
+    return LLMEngine(RunnerConfig(model, device=device, dtype=dtype, deterministic=deterministic,
+                                  kv_cache_memory=256 << 20, max_num_seqs=CONCURRENCY, max_model_len=1024),
                      SchedulerConfig(block_size=16, max_model_len=1024, max_num_seqs=CONCURRENCY,
                                      max_num_batched_tokens=budget))
 
@@ -77,13 +77,14 @@ def reorder_in_waves(e: LLMEngine, prompts, params, wave: int = 8) -> list[list[
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=str(ROOT / "models" / "SmolLM2-135M-Instruct"))
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default=None, help="default: the executor's for this machine")
     ap.add_argument("--tokens", type=int, default=64, help="tokens generated per request")
     ap.add_argument("--rounds", type=int, default=2)
     a = ap.parse_args()
-    dtype = a.dtype or default_dtype("cpu")
+    dtype = a.dtype or default_dtype(a.device)
     prompts, params = workload(CONCURRENCY, a.tokens)
-    default, det = engine(a.model, dtype, False), engine(a.model, dtype, True)
+    default, det = engine(a.model, dtype, False, device=a.device), engine(a.model, dtype, True, device=a.device)
     best = {"default": 0.0, "deterministic": 0.0}
     det_runs = []     # the deterministic engine's tokens, each c32 round
     for _ in range(a.rounds):
@@ -92,12 +93,13 @@ def main() -> None:
             best[name] = max(best[name], tps)
             if name == "deterministic":
                 det_runs.append(out)
-    det_runs.append(reorder_in_waves(engine(a.model, dtype, True, budget=37), prompts, params))
+    det_runs.append(reorder_in_waves(engine(a.model, dtype, True, budget=37, device=a.device), prompts, params))
     first = det_runs[0]
     mismatched = sum(any(run[i] != first[i] for run in det_runs) for i in range(CONCURRENCY))
     identical = "yes" if mismatched == 0 else "no"
     ratio = best["deterministic"] / best["default"]
-    print(f"cpu: {cpu_model()}  dtype: {dtype}  c{CONCURRENCY}, {a.tokens} tokens per request, best of {a.rounds}")
+    print(f"cpu: {cpu_model()}  device: {a.device}  dtype: {dtype}  c{CONCURRENCY}, {a.tokens} tokens per request, "
+          f"best of {a.rounds}")
     print(f"{'mode':>14} {'tok/s':>8}")
     for name, v in best.items():
         print(f"{name:>14} {v:>8.1f}")

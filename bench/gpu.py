@@ -9,8 +9,9 @@ For each model (random-weight checkpoints that ../shared/gpu/device_setup.sh bui
   every request) over `--hbm-gbps`;
 - `stepwire serve` (split) against the in-process engine at each `--concurrency`, closed-loop streaming.
 
-Prints `RESULT gpu model=<name> decode_floor_ratio=<step / floor> offline_vs_hf=<x> split_ratio_c64=<x>
-split_ratio_c256=<x>` per model.
+Prints `RESULT gpu step_floor_ratio=<decode step wall / HBM floor> offline_ratio=<offline tok/s / transformers'
+best> split_ratio=<split / in-process, the worse concurrency>` per model, after the profile of the decode step
+(kernel time, kernels and host launches per step, the kernels that dominate, where the host's time goes).
 
 On the GPU machine: `source .gpu/device_setup.sh; python bench/gpu.py`. A CPU dry run of the script itself
 (tiny models from `mkmodels.py DIR --tiny`): `bench/gpu.py --models-dir DIR --device cpu --dtype float32
@@ -30,7 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.append(str(ROOT / "bench"))     # after the packages: bench/structured.py is not structured/
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -116,8 +117,44 @@ def step_bytes(engine: LLMEngine) -> tuple[int, int]:
     return weights, kv_per_token
 
 
-def decode_step(engine: LLMEngine, prompts, batch: int, args) -> dict:
-    """Put `batch` requests into decode, then time steps: wall, and GPU kernel time with the profiler."""
+def timed(obj, name: str, spent: dict) -> None:
+    """Wrap obj.name so that each call adds its seconds to spent[name]: where a step's host time goes."""
+    fn = getattr(obj, name)
+
+    def wrapper(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
+    setattr(obj, name, wrapper)
+
+
+def profile_steps(engine: LLMEngine, steps: int, out: Path | None, name: str) -> dict:
+    """GPU kernel time per step, kernels per step, host-side launches per step and the kernels that dominate,
+    from torch.profiler over `steps` decode steps."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    gpu = sum(e.self_device_time_total for e in kernels) / steps / 1e6
+    launches = {e.key: e.count / steps for e in events
+                if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC",
+                             "cudaGraphLaunch", "cudaMemcpyAsync", "cudaStreamSynchronize")}
+    top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:8]
+    table = [(e.key[:70], e.count / steps, e.self_device_time_total / steps / 1e3) for e in top]
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"profile_{name}.txt").write_text(events.table(sort_by="self_device_time_total", row_limit=40))
+    return {"gpu": gpu, "kernels": sum(e.count for e in kernels) / steps, "launches": launches, "top": table}
+
+
+def decode_step(engine: LLMEngine, prompts, batch: int, args, name: str) -> dict:
+    """Put `batch` requests into decode, then time steps: wall, where the host's time goes, and GPU kernel
+    time with the profiler."""
     params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
     rids = [engine.add_request(p, params) for p in prompts[:batch]]
     s = engine.scheduler
@@ -126,26 +163,30 @@ def decode_step(engine: LLMEngine, prompts, batch: int, args) -> dict:
     for _ in range(3):
         engine.step()
     sync(args.device)
+    spent: dict[str, float] = {}
+    for obj, fn in ((s, "schedule"), (s, "update_from_output"), (engine.runner, "execute")):
+        timed(obj, fn, spent)
+    phases = np.zeros(3)
     walls = []
     for _ in range(args.decode_steps):
         t0 = time.perf_counter()
         engine.step()
         sync(args.device)
         walls.append(time.perf_counter() - t0)
+        phases += engine.runner.phase_seconds
+    for obj, fn in ((s, "schedule"), (s, "update_from_output"), (engine.runner, "execute")):
+        delattr(obj, fn)
+    host = {k: v / args.decode_steps for k, v in spent.items()}
+    host.update(zip(("prepare", "forward", "sample"), phases / args.decode_steps, strict=True))
     context = sum(r.num_tokens for r in s.running)
-    gpu = None
+    prof = None
     if args.device.startswith("cuda"):
-        from torch.profiler import ProfilerActivity, profile
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
-                engine.step()
-            sync(args.device)
-        gpu = sum(e.self_device_time_total for e in prof.key_averages()) / 5 / 1e6
+        prof = profile_steps(engine, 5, Path(args.out) if args.out else None, name)
     engine.abort(rids)
     engine.step()
     weights, kv_per_token = step_bytes(engine)
     floor = (weights + kv_per_token * context) / (args.hbm_gbps * 1e9)
-    return {"wall": statistics.median(walls), "gpu": gpu, "floor": floor, "weights": weights,
+    return {"wall": statistics.median(walls), "prof": prof, "floor": floor, "weights": weights, "host": host,
             "kv": kv_per_token * context, "batch": len(s.running) or batch}
 
 
@@ -199,6 +240,7 @@ def main() -> None:
     ap.add_argument("--serve-tokens", type=int, default=64)
     ap.add_argument("--kv-cache-memory", type=int, default=16 << 30)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for the profiler's full table")
     ap.add_argument("--hbm-gbps", type=float, default=3000.0, help="the floor's memory bandwidth (H100 SXM: ~3,000 "
                                                                    "achievable of 3,350 nominal)")
     args = ap.parse_args()
@@ -218,17 +260,25 @@ def main() -> None:
         hf, hf_batch = hf_best(model, prompts, args.new_tokens, [int(b) for b in args.hf_batches.split(",")],
                                args.device, engine.runner.dtype)
         step = decode_step(engine, random_prompts(args.decode_batch, vocab, args.min_len, args.max_len, seed=1),
-                           args.decode_batch, args)
-        gpu = "n/a" if step["gpu"] is None else f"{step['gpu'] * 1e3:.2f} ms"
-        print(f"  decode step at batch {step['batch']}: wall {step['wall'] * 1e3:.2f} ms, GPU {gpu}, floor "
+                           args.decode_batch, args, name)
+        prof = step["prof"]
+        gpu = "n/a" if prof is None else f"{prof['gpu'] * 1e3:.2f} ms"
+        print(f"  decode step at batch {step['batch']}: wall {step['wall'] * 1e3:.2f} ms, GPU kernels {gpu}, floor "
               f"{step['floor'] * 1e3:.2f} ms ({step['weights'] / 1e6:.0f} MB weights + {step['kv'] / 1e6:.0f} MB KV)",
               flush=True)
+        print("  host per step (ms): " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in step["host"].items()), flush=True)
+        if prof is not None:
+            print(f"  per step: {prof['kernels']:.0f} kernels; host calls " +
+                  ", ".join(f"{k} {v:.0f}" for k, v in prof["launches"].items()), flush=True)
+            for key, count, ms in prof["top"]:
+                print(f"    {ms:7.3f} ms  x{count:<5.0f} {key}", flush=True)
         ratios = {c: split_ratio(model, engine, c, args) for c in concurrencies}
-        print(f"RESULT gpu model={name} decode_floor_ratio={step['wall'] / step['floor']:.2f} "
-              f"offline_vs_hf={ours / hf:.2f} " + " ".join(f"split_ratio_c{c}={r:.2f}" for c, r in ratios.items()),
-              flush=True)
-        gpu_ratio = "n/a" if step["gpu"] is None else f"{step['gpu'] / step['floor']:.2f}"
-        print(f"  (transformers' best batch: {hf_batch}; decode step GPU time / floor: {gpu_ratio})", flush=True)
+        # The issue's keys: split_ratio is the worse of the concurrencies (each is printed above).
+        print(f"RESULT gpu step_floor_ratio={step['wall'] / step['floor']:.2f} offline_ratio={ours / hf:.2f} "
+              f"split_ratio={min(ratios.values()):.2f}", flush=True)
+        gpu_ratio = "n/a" if prof is None else f"{prof['gpu'] / step['floor']:.2f}"
+        print(f"  ({name}; split " + ", ".join(f"c{c} {r:.2f}" for c, r in ratios.items()) +
+              f"; transformers' best batch: {hf_batch}; decode step GPU time / floor: {gpu_ratio})", flush=True)
         del engine
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()

@@ -67,14 +67,15 @@ def valid(tok: ModelTokenizer, ids: list[int], schema: dict) -> bool:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=str(ROOT / "models" / "SmolLM2-135M-Instruct"))
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default=None, help="default: the executor's for this machine")
     ap.add_argument("--max-tokens", type=int, default=320)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--seed", type=int, default=1)
     a = ap.parse_args()
-    dtype = a.dtype or default_dtype("cpu")
-    engine = LLMEngine(RunnerConfig(a.model, dtype=dtype, kv_cache_memory=512 << 20, max_num_seqs=CONCURRENCY,
-                                    max_model_len=1024),
+    dtype = a.dtype or default_dtype(a.device)
+    engine = LLMEngine(RunnerConfig(a.model, device=a.device, dtype=dtype, kv_cache_memory=512 << 20,
+                                    max_num_seqs=CONCURRENCY, max_model_len=1024),
                        SchedulerConfig(block_size=16, max_model_len=1024, max_num_seqs=CONCURRENCY,
                                        max_num_batched_tokens=512))
     tok = ModelTokenizer(a.model)
@@ -96,7 +97,8 @@ def main() -> None:
         best["unconstrained"] = max(best["unconstrained"], run(engine, prompts, same_length)[0])
     lengths = [len(o) for o in outs]
     p50, p99 = np.percentile(fills, [50, 99])
-    print(f"cpu: {cpu_model()}  dtype: {dtype}  c{CONCURRENCY}, greedy, best of {a.rounds}; output tokens per "
+    print(f"cpu: {cpu_model()}  device: {a.device}  dtype: {dtype}  c{CONCURRENCY}, greedy, best of {a.rounds}; "
+          "output tokens per "
           f"request min/median/max {min(lengths)}/{int(np.median(lengths))}/{max(lengths)}")
     print(f"{'run':>14} {'tok/s':>8}")
     for name, v in best.items():
