@@ -191,10 +191,21 @@ class Backend:
                  for i in range(p.n)]
         try:
             done = 0
+            held = None
             while done < p.n:
-                item = await queue.get()
+                item, held = (held, None) if held is not None else (await queue.get(), None)
                 if isinstance(item, BaseException):
                     raise item
+                # When the client side falls behind the scheduler (a busy gateway), what has piled up for a
+                # completion goes out as one delta: one event and one write instead of one per token, so a
+                # loaded gateway spends less per token instead of falling further behind. Unloaded, the queue
+                # holds one delta at a time and nothing changes.
+                while item.finish_reason is None and not queue.empty():
+                    later = queue.get_nowait()
+                    if not isinstance(later, Chunk) or later.index != item.index:
+                        held = later
+                        break
+                    item = item.then(later)
                 if obs is not None and item.token_ids:
                     obs.token()
                 yield item

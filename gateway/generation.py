@@ -35,6 +35,14 @@ class Chunk:
     stop: str | None = None
     logprobs: list | None = None   # per token: list of (token id, logprob), sampled first
 
+    def then(self, later: Chunk) -> Chunk:
+        """This delta and a later one of the same completion as one."""
+        lps = None
+        if self.logprobs is not None or later.logprobs is not None:
+            lps = (self.logprobs or []) + (later.logprobs or [])
+        return Chunk(self.index, self.text + later.text, self.token_ids + later.token_ids, later.finish_reason,
+                     later.stop, lps)
+
 
 @dataclass
 class Usage:
