@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing
 import os
 import statistics
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -190,10 +192,28 @@ def decode_step(engine: LLMEngine, prompts, batch: int, args, name: str) -> dict
             "kv": kv_per_token * context, "batch": len(s.running) or batch}
 
 
+def _client_share(url: str, name: str, texts: list[str], tokens: int, concurrency: int) -> tuple[float, float, int]:
+    """One load-generator process's share: (start, end, tokens) on the wall clock."""
+    from serving import http_run
+
+    t0 = time.time()
+    r = asyncio.run(http_run(url, name, texts, tokens, concurrency))
+    return t0, t0 + r["seconds"], round(r["tok_s"] * r["seconds"])
+
+
+def http_load(pool, url: str, name: str, texts: list[str], tokens: int, concurrency: int) -> float:
+    """Closed-loop streaming from the pool's processes, the streams split between them: tok/s over the whole
+    run. One Python client parses ~30k SSE events a second, less than one GPU's split stack can send."""
+    k = pool._max_workers
+    shares = [pool.submit(_client_share, url, name, texts[i::k], tokens, max(1, concurrency // k)) for i in range(k)]
+    got = [f.result() for f in shares]
+    return sum(n for _, _, n in got) / (max(e for _, e, _ in got) - min(s for s, _, _ in got))
+
+
 def split_ratio(model: Path, engine: LLMEngine, concurrency: int, args) -> float:
     """`stepwire serve` against the in-process engine: closed-loop streaming, same prompts and lengths."""
     from offline_throughput import prompt_texts
-    from serving import http_run, inproc_run, start_stack
+    from serving import inproc_run, start_stack
 
     from gateway.tokenizer import ModelTokenizer
 
@@ -207,18 +227,20 @@ def split_ratio(model: Path, engine: LLMEngine, concurrency: int, args) -> float
     if args.dtype:
         env["STEPWIRE_EXECUTOR_DTYPE"] = args.dtype
     proc, url, _ = start_stack(env=env, model=model, extra=("--kv-cache-memory", str(args.kv_cache_memory)))
+    procs = max(1, min(args.client_procs, concurrency // 16))
     try:
         name = model.name
-        asyncio.run(http_run(url, name, texts[:concurrency], args.serve_tokens, concurrency))       # warm-up
-        split = asyncio.run(http_run(url, name, texts, args.serve_tokens, concurrency))
+        with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            http_load(pool, url, name, texts[:concurrency], args.serve_tokens, concurrency)         # warm-up
+            split = http_load(pool, url, name, texts, args.serve_tokens, concurrency)
     finally:
         proc.terminate()
         proc.wait(timeout=60)
     inproc_run(engine, ids[:concurrency], args.serve_tokens, concurrency)                           # warm-up
     inproc = inproc_run(engine, ids, args.serve_tokens, concurrency)
-    print(f"  concurrency {concurrency}: split {split['tok_s']:,.0f} tok/s, in-process {inproc['tok_s']:,.0f} tok/s",
-          flush=True)
-    return split["tok_s"] / inproc["tok_s"]
+    print(f"  concurrency {concurrency}: split {split:,.0f} tok/s ({procs} client processes), in-process "
+          f"{inproc['tok_s']:,.0f} tok/s", flush=True)
+    return split / inproc["tok_s"]
 
 
 def main() -> None:
@@ -238,6 +260,7 @@ def main() -> None:
     ap.add_argument("--decode-steps", type=int, default=20)
     ap.add_argument("--concurrency", default="64,256")
     ap.add_argument("--serve-tokens", type=int, default=64)
+    ap.add_argument("--client-procs", type=int, default=4, help="load-generator processes (one per 16 streams at most)")
     ap.add_argument("--kv-cache-memory", type=int, default=16 << 30)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for the profiler's full table")
