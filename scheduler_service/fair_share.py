@@ -105,3 +105,47 @@ class FairQueue:
     def __iter__(self) -> Iterator[Request]:
         for q in list(self.queues.values()):
             yield from q
+
+
+def slot_victim(running: list[Request], waiting: FairQueue, clock: TenantClock, max_num_seqs: int) -> Request | None:
+    """When every slot is taken and the tenant next in line holds fewer than its weighted share of them, the
+    last-admitted running request of the tenant furthest over its share; else None.
+
+    Admission alone gives a waiting tenant the next slot that frees, which behind long requests of a flooding
+    tenant can be many steps away: its first token would wait on the other tenant's output lengths. Taking
+    back one slot a step (the victim recomputes, from its cached blocks where they are still there) bounds
+    that wait at a step or two, and stops once every tenant holds its share. A share is the slots times the
+    tenant's weight over the weights of the tenants with live requests. The victim's tenant must also be ahead
+    in virtual time, so that it is not the next one admitted again (no slot changes hands back and forth)."""
+    live = clock.live
+    if len(live) < 2 or len(running) < max_num_seqs or not waiting:
+        return None
+    head = waiting.peek()
+    weight = {t: q.peek().weight for t, q in waiting.queues.items() if q}
+    held: dict[str, int] = {}
+    for r in running:
+        held[r.tenant] = held.get(r.tenant, 0) + 1
+        weight[r.tenant] = r.weight
+    total = sum(weight.get(t, 1.0) for t in live)
+    share = {t: max_num_seqs * weight.get(t, 1.0) / total for t in live}
+    if held.get(head.tenant, 0) + 1 > share[head.tenant]:
+        return None
+    over = max(held, key=lambda t: held[t] / weight[t])
+    if over == head.tenant or held[over] <= share.get(over, 0.0) or clock.vtime[over] <= clock.vtime[head.tenant]:
+        return None
+    for r in reversed(running):
+        # A request verifying proposals waits for their verdict before it can be set back.
+        if r.tenant == over and not r.spec_in_flight:
+            return r
+    return None
+
+
+def kv_victim(running: list[Request], start: int, clock: TenantClock) -> int:
+    """Where the KV runs out with several tenants live, the index of the request to set back: among those not
+    yet scheduled this step (from `start`), the last admitted of the tenant furthest ahead in virtual time, so
+    that memory pressure costs the tenant over its share first. With one tenant: the last one, as vLLM does."""
+    if len(clock.live) < 2:
+        return len(running) - 1
+    vt = clock.vtime
+    worst = max((r.tenant for r in running[start:]), key=lambda t: vt.get(t, 0.0))
+    return max(j for j in range(start, len(running)) if running[j].tenant == worst)

@@ -29,6 +29,7 @@ class _Life:
     last_token: float | None = None
     output_tokens: int = 0
     preemptions: int = 0
+    tenant: str = "default"          # its metric label (SchedulerMetrics.tenant_label)
 
 
 class Lifecycles:
@@ -51,13 +52,14 @@ class Lifecycles:
                      "gen_ai.request.max_tokens": sp.max_tokens, "gen_ai.request.temperature": sp.temperature,
                      "gen_ai.request.top_p": sp.top_p, "gen_ai.request.top_k": sp.top_k,
                      "gen_ai.usage.input_tokens": req.num_prompt_tokens, "stepwire.request.id": req.request_id,
-                     "stepwire.executor": executor}
+                     "stepwire.executor": executor, "stepwire.tenant": req.tenant}
             if sp.seed is not None:
                 attrs["gen_ai.request.seed"] = sp.seed
             span = tracer.start_span("scheduler.request", context=tracing.from_traceparent(traceparent),
                                      kind=SpanKind.SERVER, attributes=attrs)
             span.add_event("queued")
-        self.lives[req.request_id] = _Life(now, req.num_prompt_tokens, span)
+        self.lives[req.request_id] = _Life(now, req.num_prompt_tokens, span,
+                                           tenant=self.metrics.tenant_label(req.tenant))
 
     def routed(self, rid: str, executor: str, hit_tokens: int, why: str) -> None:
         """Where the router put a request (why: "new" or "moved"), and the prefix hit that decided it."""
@@ -82,6 +84,7 @@ class Lifecycles:
             if life.scheduled is None:
                 life.scheduled = now
                 self.metrics.queue_time.observe(now - life.arrival)
+                self.metrics.tenant_queue_time.labels(life.tenant).observe(now - life.arrival)
             if life.span is not None:
                 life.span.add_event("scheduled", {"stepwire.num_computed_tokens":
                                                   out.num_scheduled_tokens.get(rid, 0)})
@@ -99,6 +102,7 @@ class Lifecycles:
         now = time.monotonic()
         m = self.metrics
         generated = 0
+        by_tenant: dict[str, int] = {}
         for d in deltas:
             life = self.lives.get(d.req_id)
             if life is None:
@@ -106,11 +110,14 @@ class Lifecycles:
             if d.new_token_ids:
                 n = len(d.new_token_ids)
                 generated += n
+                by_tenant[life.tenant] = by_tenant.get(life.tenant, 0) + n
                 life.output_tokens += n
                 if life.first_token is None:
                     life.first_token = now
                     m.ttft.observe(now - life.arrival)
+                    m.tenant_ttft.labels(life.tenant).observe(now - life.arrival)
                     m.prompt_tokens.inc(life.num_prompt_tokens)
+                    m.tenant_tokens.labels(life.tenant, "prompt").inc(life.num_prompt_tokens)
                     if life.span is not None:
                         life.span.add_event("first_token")
                 else:
@@ -120,6 +127,8 @@ class Lifecycles:
                 self.finished(d.req_id, d.finish_reason, max(d.num_cached_tokens, 0), d.spec)
         if generated:
             m.generation_tokens.inc(generated)
+            for tenant, n in by_tenant.items():
+                m.tenant_tokens.labels(tenant, "generation").inc(n)
 
     def finished(self, rid: str, reason: str, cached_tokens: int = 0, spec: tuple | None = None) -> None:
         life = self.lives.pop(rid, None)

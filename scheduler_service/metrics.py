@@ -14,6 +14,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from observability.buckets import BYTES, LATENCY
 
+MAX_TENANT_LABELS = 100
+
 
 class SchedulerMetrics:
     def __init__(self, links: Callable[[], Iterable]):
@@ -59,7 +61,25 @@ class SchedulerMetrics:
         self.rebalanced = Counter("stepwire:rebalanced_requests", "Requests the rebalancer moved to a less loaded "
                                   "executor, by kind: queued (not yet run) or running (with their KV).",
                                   ["kind"], registry=r)
+        # Per tenant (bounded: see tenant_label), as the gateways name them from their tenants files.
+        self.tenant_tokens = Counter("stepwire:tenant_tokens", "Prompt and generated tokens by tenant (prompt "
+                                     "tokens counted at the first token).", ["tenant", "kind"], registry=r)
+        self.tenant_ttft = Histogram("stepwire:tenant_time_to_first_token_seconds", "Arrival at the scheduler to "
+                                     "first token, by tenant.", ["tenant"], buckets=LATENCY, registry=r)
+        self.tenant_queue_time = Histogram("stepwire:tenant_request_queue_time_seconds", "Arrival to first "
+                                           "scheduled, by tenant.", ["tenant"], buckets=LATENCY, registry=r)
+        self._tenant_labels: set[str] = set()
         r.register(_Live(links))
+
+    def tenant_label(self, tenant: str) -> str:
+        """The tenant's label value: its name for the first MAX_TENANT_LABELS names seen, then "other", so a
+        misconfigured gateway cannot grow the series without bound. "" (no tenant) is "default"."""
+        if tenant in self._tenant_labels:
+            return tenant or "default"
+        if len(self._tenant_labels) < MAX_TENANT_LABELS:
+            self._tenant_labels.add(tenant)
+            return tenant or "default"
+        return "other"
 
 
 class _Live:
@@ -80,6 +100,8 @@ class _Live:
         hits = CounterMetricFamily("stepwire:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                                    labels=["executor"])
         preemptions = CounterMetricFamily("stepwire:num_preemptions", "Preemptions.", labels=["executor"])
+        fair = CounterMetricFamily("stepwire:fair_preemptions", "Of the preemptions, running requests set back so "
+                                   "that a tenant under its share of the slots got one.", labels=["executor"])
         recomputed = CounterMetricFamily("stepwire:recomputed_tokens", "Tokens computed again because their KV "
                                          "was lost (preemption, a move without KV, an executor lost).",
                                          labels=["executor"])
@@ -105,6 +127,7 @@ class _Live:
             queries.add_metric([link.address], s.prefix_cache_queries)
             hits.add_metric([link.address], s.prefix_cache_hits)
             preemptions.add_metric([link.address], s.num_preemptions)
+            fair.add_metric([link.address], link.core.fair_preemptions)
             recomputed.add_metric([link.address], link.core.kv.recomputed_tokens)
             counts = by_role.setdefault(link.role, [0, 0])
             counts[0] += s.num_waiting
@@ -112,5 +135,5 @@ class _Live:
         for role, (w, r) in sorted(by_role.items()):
             role_waiting.add_metric([role], w)
             role_running.add_metric([role], r)
-        yield from (running, waiting, usage, queries, hits, preemptions, recomputed, role_waiting, role_running,
+        yield from (running, waiting, usage, queries, hits, preemptions, fair, recomputed, role_waiting, role_running,
                     connected, draining)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from scheduler_service.adapter_slots import AdapterSlots
 from scheduler_service.config import SchedulerConfig
-from scheduler_service.fair_share import FairQueue, TenantClock
+from scheduler_service.fair_share import FairQueue, TenantClock, kv_victim, slot_victim
 from scheduler_service.kv_cache.manager import KVCacheManager
 from scheduler_service.output import (
     CachedRequestData,
@@ -55,6 +55,7 @@ class Scheduler:
         # Ended since the last schedule(); the next output tells the executors to drop them.
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
+        self.fair_preemptions = 0          # of those, slots taken back for a tenant under its share
         self.adapters = AdapterSlots()     # its executor's LoRA slots (configured from its Describe)
 
     # ------------------------------------------------------------------ requests in and out
@@ -157,6 +158,13 @@ class Scheduler:
         sampling: set[str] = set()
         spec: dict[str, int] = {}
 
+        # A tenant under its share of the slots takes one back from the tenant furthest over it (fair_share.py).
+        victim = slot_victim(running, self.waiting, self.clock, cfg.max_num_seqs)
+        if victim is not None:
+            running.remove(victim)
+            self._preempt(victim)
+            self.fair_preemptions += 1
+
         # Running requests. num_computed_tokens advances as soon as a request is scheduled: nothing later
         # in this step reads it for an already scheduled request, and a preempted one is reset to 0 anyway.
         i = 0
@@ -200,7 +208,7 @@ class Scheduler:
                         k = c_ids.index(victim.request_id)
                         del c_ids[k], c_blocks[k], c_computed[k]
                 else:
-                    victim = running.pop()
+                    victim = running.pop(kv_victim(running, i, self.clock))
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is req:
@@ -247,7 +255,7 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=cfg.max_num_batched_tokens - token_budget,
             finished_req_ids=self.finished_req_ids,
-            preempted_req_ids={r.request_id for r in preempted},
+            preempted_req_ids={r.request_id for r in preempted} | ({victim.request_id} if victim else set()),
             spec_tokens=spec,
             lora_loads=lora_loads,
             lora_rows=lora_rows,

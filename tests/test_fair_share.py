@@ -111,3 +111,91 @@ def test_requests_that_leave_and_join_cores_keep_the_tenant_counts_right():
     while dst.requests:
         step(dst)
     assert dst.clock.live == {}
+
+
+def long_requests(sched, tenant: str, count: int, first: int, weight: float = 1.0) -> list[str]:
+    ids = [f"{tenant}{i}" for i in range(count)]
+    for i, rid in enumerate(ids):
+        sched.add_request(req(rid, 8, max_tokens=500, first=first + 10 * i, tenant=tenant, weight=weight))
+    return ids
+
+
+def held(sched) -> Counter:
+    return Counter(r.tenant for r in sched.running)
+
+
+def test_a_tenant_that_finds_every_slot_taken_gets_one_within_two_steps_from_the_last_admitted():
+    sched = make_scheduler(max_num_seqs=4, max_num_batched_tokens=64)
+    long_requests(sched, "b", 8, first=0)
+    for _ in range(5):
+        step(sched)
+    assert held(sched) == {"b": 4}
+    last_b = sched.running[-1].request_id
+    sched.add_request(req("a0", 8, max_tokens=4, first=5000, tenant="a"))
+    preempted = set()
+    for _ in range(2):
+        out, _ = step(sched)
+        preempted |= out.preempted_req_ids
+    # Without taking a slot back, "a0" would wait for one of b's 500-token requests to end.
+    assert sched.requests["a0"].num_computed_tokens > 0
+    assert preempted == {last_b} and sched.fair_preemptions == 1
+
+
+def shares_after(weights: dict[str, float], steps: int) -> tuple[Counter, list[int]]:
+    sched = make_scheduler(max_num_seqs=4, max_num_batched_tokens=64)
+    long_requests(sched, "b", 10, first=0, weight=weights["b"])
+    for _ in range(3):
+        step(sched)
+    long_requests(sched, "a", 10, first=5000, weight=weights["a"])
+    taken = []
+    for _ in range(steps):
+        before = sched.fair_preemptions
+        step(sched)
+        taken.append(sched.fair_preemptions - before)
+    return held(sched), taken
+
+
+def test_slots_settle_at_the_weighted_shares_and_then_no_slot_changes_hands():
+    slots, taken = shares_after({"a": 1.0, "b": 1.0}, 60)
+    assert slots == {"a": 2, "b": 2}
+    assert sum(taken) == 2 and not any(taken[10:]), taken
+    slots, taken = shares_after({"a": 3.0, "b": 1.0}, 60)
+    assert slots == {"a": 3, "b": 1}
+    assert sum(taken) == 3 and not any(taken[10:]), taken
+
+
+def test_one_tenant_never_has_a_slot_taken_back():
+    sched = make_scheduler(max_num_seqs=4, max_num_batched_tokens=64)
+    long_requests(sched, "b", 10, first=0)
+    for _ in range(50):
+        step(sched)
+    assert sched.fair_preemptions == 0 and held(sched) == {"b": 4}
+
+
+def test_a_slot_taken_back_is_not_given_straight_back_to_the_tenant_it_was_taken_from():
+    # b holds every slot and has nothing waiting; a arrives level with b in virtual time. Taking a slot while
+    # they are level would hand it back to b's older request at once, and take it again the next step.
+    sched = make_scheduler(max_num_seqs=4, max_num_batched_tokens=64)
+    long_requests(sched, "b", 4, first=0)
+    for _ in range(3):
+        step(sched)
+    sched.add_request(req("a0", 8, max_tokens=500, first=5000, tenant="a"))
+    for _ in range(6):
+        step(sched)
+    assert held(sched) == {"a": 1, "b": 3} and sched.fair_preemptions == 1
+
+
+def test_when_the_kv_runs_out_the_victim_is_from_the_tenant_furthest_ahead_not_the_last_admitted():
+    sched = make_scheduler(num_blocks=30, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    for i in range(3):
+        sched.add_request(req(f"b{i}", 8, max_tokens=100, first=100 * i, tenant="b"))
+    step(sched)
+    sched.add_request(req("a0", 8, max_tokens=100, first=5000, tenant="a"))
+    preempted: list[str] = []
+    for _ in range(80):
+        out, _ = step(sched)
+        preempted += sorted(out.preempted_req_ids)
+        if preempted:
+            break
+    # b runs three requests to a's one, so it is ahead; a0, admitted last, is what FCFS alone would set back.
+    assert sched.running[-1].request_id == "a0" and preempted == ["b2"]
