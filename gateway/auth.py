@@ -19,6 +19,7 @@ from fastapi.security.utils import get_authorization_scheme_param
 from starlette.authentication import AuthCredentials, AuthenticationBackend, AuthenticationError, SimpleUser
 from starlette.requests import HTTPConnection
 
+from gateway.tenants import DEFAULT, Tenant, TenantsError, TenantsFile
 from security.listen import is_loopback
 
 log = logging.getLogger("stepwire.gateway")
@@ -45,7 +46,7 @@ def parse_keys(text: str) -> list[str]:
 
 
 class ApiKeys:
-    def __init__(self, key_file: str = "", env_value: str | None = None):
+    def __init__(self, key_file: str = "", env_value: str | None = None, tenants_file: str = ""):
         env_value = os.environ.get(ENV, "") if env_value is None else env_value
         self._env = [_digest(k) for k in parse_keys(env_value.replace(",", "\n"))]
         self._path = Path(key_file) if key_file else None
@@ -59,23 +60,38 @@ class ApiKeys:
                 raise AuthSetupError(f"stepwire gateway: cannot read --api-key-file {key_file}: {e}") from None
             if not self._file:
                 raise AuthSetupError(f"stepwire gateway: --api-key-file {key_file} holds no key")
+        self.tenants = None
+        if tenants_file:
+            try:
+                self.tenants = TenantsFile(tenants_file, _digest)
+            except (OSError, TenantsError) as e:
+                raise AuthSetupError(f"stepwire gateway: cannot use --tenants-file {tenants_file}: {e}") from None
 
     @property
     def enabled(self) -> bool:
         # A key file that later empties refuses everyone rather than opening the gateway.
-        return self._path is not None or bool(self._env)
+        return self._path is not None or bool(self._env) or self.tenants is not None
 
     def check(self, presented: str | None) -> bool:
-        """True when `presented` is one of the keys; compares with every key, matched or not, in constant
-        time, so neither the timing nor the order of the keys tells which one (or how much of one) matched."""
+        return self.identify(presented) is not None
+
+    def identify(self, presented: str | None) -> Tenant | None:
+        """The tenant whose key `presented` is (DEFAULT for the API key file's and STEPWIRE_API_KEY's), or None
+        when it is no key. Compares with every key, matched or not, in constant time, so neither the timing nor
+        the order of the keys tells which one (or how much of one) matched."""
         keys = self._current()
+        tenants = self.tenants.current() if self.tenants is not None else []
         if not presented:
-            return False
+            return None
         given = _digest(presented)
-        ok = False
+        found = None
         for key in keys:
-            ok |= hmac.compare_digest(given, key)
-        return ok
+            if hmac.compare_digest(given, key):
+                found = DEFAULT
+        for key, tenant in tenants:
+            if hmac.compare_digest(given, key):
+                found = tenant
+        return found
 
     def _current(self) -> list[bytes]:
         now = time.monotonic()
@@ -121,6 +137,28 @@ class KeyRefused(AuthenticationError):
         self.code = code
 
 
+class TenantUser(SimpleUser):
+    """The caller, as the handlers find it in `request.user`: its API key's tenant."""
+
+    def __init__(self, tenant: Tenant):
+        super().__init__(tenant.name or "api-key")
+        self.tenant = tenant
+
+
+def tenant_of(request) -> Tenant:
+    """The HTTP caller's tenant: DEFAULT where no key is asked for."""
+    user = request.scope.get("user")
+    return user.tenant if isinstance(user, TenantUser) else DEFAULT
+
+
+def grpc_tenant(keys: ApiKeys | None, context) -> Tenant:
+    """The gRPC caller's tenant, from the key GrpcKeys already let through: DEFAULT where no key is asked for."""
+    if keys is None or not keys.enabled:
+        return DEFAULT
+    key = bearer(dict(context.invocation_metadata() or ()).get("authorization"))
+    return keys.identify(key) or DEFAULT
+
+
 class HttpKeys(AuthenticationBackend):
     """For Starlette's AuthenticationMiddleware, which runs before the body is read: a caller without a
     key is turned away without costing a parse."""
@@ -135,9 +173,10 @@ class HttpKeys(AuthenticationBackend):
         key = bearer(conn.headers.get("authorization"))
         if key is None:
             raise KeyRefused(MISSING, None)
-        if not self.keys.check(key):
+        tenant = self.keys.identify(key)
+        if tenant is None:
             raise KeyRefused(INCORRECT, "invalid_api_key")
-        return AuthCredentials(["api"]), SimpleUser("api-key")
+        return AuthCredentials(["api"]), TenantUser(tenant)
 
 
 class GrpcKeys(grpc.aio.ServerInterceptor):

@@ -230,7 +230,7 @@ class Backend:
             sp = replace(sp, seed=(sp.seed + index) % (UINT64_MAX + 1))
         entry = self.journal.add(Entry(rid, prompt_ids, sp, p.priority, p.cache_salt or "", traceparent,
                                        IncrementalDetokenizer(self.tokenizer), StopMatcher(p.stop),
-                                       adapter=p.adapter))
+                                       adapter=p.adapter, tenant=p.tenant, tenant_weight=p.tenant_weight))
         lost_at: float | None = None      # when the scheduler was lost with this request unfinished
         try:
             while True:

@@ -22,6 +22,8 @@ class GenerationParams:
     priority: int = 0
     cache_salt: str | None = None
     adapter: str = ""               # a LoRA adapter's name; "": the served model
+    tenant: str = ""                # the API key's tenant (tenants.py); "": the default one
+    tenant_weight: float = 1.0
 
 
 @dataclass

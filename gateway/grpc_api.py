@@ -8,6 +8,7 @@ import uuid
 import grpc
 
 from gateway.adapter_names import ModelNotFound
+from gateway.auth import ApiKeys, grpc_tenant
 from gateway.backend import Backend
 from gateway.generation import GenerationParams, Usage
 from gateway.session import SchedulerError
@@ -27,9 +28,10 @@ FINISH = {None: generation_pb2.FINISH_REASON_UNSPECIFIED, "stop": generation_pb2
 
 
 class GenerationService(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, backend: Backend, metrics: GatewayMetrics):
+    def __init__(self, backend: Backend, metrics: GatewayMetrics, keys: ApiKeys | None = None):
         self.backend = backend
         self.metrics = metrics
+        self.keys = keys
 
     def _observe(self, context, method: str, request) -> Observation:
         operation = "chat" if request.WhichOneof("prompt") == "chat" else "text_completion"
@@ -40,6 +42,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         b = self.backend
         try:
             params = _params(request)
+            tenant = grpc_tenant(self.keys, context)
+            params.tenant, params.tenant_weight = tenant.name, tenant.weight
             params.adapter = await b.resolve_model(request.model)
             b.check_params(params)   # before tokenizing: a request refused anyway costs no tokenizer time
             which = request.WhichOneof("prompt")

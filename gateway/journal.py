@@ -35,6 +35,8 @@ class Entry:
     delivered: list[int] = field(default_factory=list)
     submissions: int = 0
     adapter: str = ""                # its LoRA adapter, by name ("": the base model)
+    tenant: str = ""                 # whose it is, and that tenant's weight in the scheduler's fair sharing
+    tenant_weight: float = 1.0
 
     def submit_request(self) -> scheduler_pb2.SubmitRequest:
         """The request as the scheduler must see it now: prompt plus delivered tokens, the rest of max_tokens
@@ -49,7 +51,8 @@ class Entry:
         self.submissions += 1
         return scheduler_pb2.SubmitRequest(request_id=rid, prompt_token_ids=self.prompt_ids + self.delivered,
                                            params=sp.to_proto(), priority=self.priority, cache_salt=self.cache_salt,
-                                           traceparent=self.traceparent, adapter=self.adapter)
+                                           traceparent=self.traceparent, adapter=self.adapter,
+                                           tenant=self.tenant, tenant_weight=self.tenant_weight)
 
 
 class Journal:

@@ -12,6 +12,7 @@ import grpc
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from gateway.auth import tenant_of
 from gateway.backend import Backend
 from gateway.generation import GenerationParams, Usage
 from gateway.session import SchedulerError
@@ -32,6 +33,8 @@ async def respond(backend: Backend, raw: Request, req, prompt: list[int], p: Gen
     if not backend.max_model_len:
         await backend.refresh()
     backend.check(prompt, p)
+    tenant = tenant_of(raw)
+    p.tenant, p.tenant_weight = tenant.name, tenant.weight
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created = int(time.time())
     usage = Usage()

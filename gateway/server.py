@@ -109,7 +109,7 @@ async def serve(s: GatewaySettings, model_name: str, api_keys: ApiKeys) -> None:
     interceptors = [GrpcKeys(api_keys, frozenset({health.SERVICE_NAME}))] if api_keys.enabled else []
     server = grpc.aio.server(interceptors=[*interceptors, DecodeErrorsAreInvalidArgument()],
                              options=[("grpc.max_receive_message_length", s.max_body_bytes)])
-    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationService(backend, metrics), server)
+    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationService(backend, metrics, api_keys), server)
     health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
@@ -160,7 +160,7 @@ def warn_if_over_descriptor_limit(connections: int) -> None:
 def main(argv: list[str] | None = None) -> None:
     s = load(GatewaySettings, argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    api_keys = ApiKeys(s.api_key_file)
+    api_keys = ApiKeys(s.api_key_file, tenants_file=s.tenants_file)
     require_key_beyond_loopback([s.host, s.grpc_address], api_keys, s.insecure)
     name = s.served_model_name or Path(s.model).name
     asyncio.run(serve(s, name, api_keys))

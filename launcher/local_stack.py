@@ -68,6 +68,8 @@ class ServeSettings(ServiceSettings):
                               "(needs --max-loras); more are loaded through POST /v1/load_lora_adapter")
     lora_dir: str = Field("", description="executors read adapters only from inside this directory; empty: any "
                           "path")
+    tenants_file: str = Field("", description="the gateway's tenants: API keys and weights in the scheduler's fair "
+                              "sharing (docs/tenants.md)")
     scheduler_metrics_port: int = Field(9091, description="Prometheus /metrics of the scheduler")
     executor_metrics_port: int = Field(9092, description="Prometheus /metrics of the first executor (then +1)")
     tls: bool = Field(True, description="mTLS between the services, with a development CA (--no-tls: plaintext "
@@ -135,7 +137,8 @@ def children(a: ServeSettings, certs: Path | None = None) -> tuple[list[Child], 
                                          "--metrics-address": f"127.0.0.1:{a.scheduler_metrics_port}",
                                          "--lora-modules": a.lora_modules or None}),
         child("gateway", "gateway", {"--model": a.model, "--scheduler": sc, "--port": a.port,
-                                     "--grpc-address": f"127.0.0.1:{a.grpc_port}"}),
+                                     "--grpc-address": f"127.0.0.1:{a.grpc_port}",
+                                     "--tenants-file": a.tenants_file or None}),
     ]
     return executors, stack
 

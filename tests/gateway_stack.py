@@ -26,6 +26,7 @@ class TinyStack(NamedTuple):
     model: Path       # the model directory the gateway and the executor read
     gateway: subprocess.Popen
     logs: list[Path]
+    scheduler_metrics: str = ""   # the scheduler's /metrics URL
 
 
 def tiny_model_with_tokenizer(path: Path, **overrides) -> Path:
@@ -47,4 +48,5 @@ def tiny_stack(tmp: Path, gateway_args: list[str] = (), env: dict | None = None,
                                            "--max-num-seqs": 8, "--max-model-len": max_model_len}),
                 Service("scheduler"),
                 Service("gateway", flags={"--model": model, **flag_dict(gateway_args)}, env=env or {})], tmp) as s:
-        yield TinyStack(s["gateway"].url, s["gateway"].address, model, s.procs["gateway"], s.logs())
+        yield TinyStack(s["gateway"].url, s["gateway"].address, model, s.procs["gateway"], s.logs(),
+                        f"http://{s['scheduler'].flags['--metrics-address']}/metrics")

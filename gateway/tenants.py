@@ -1,0 +1,115 @@
+"""Tenants: which team an API key belongs to, and that team's weight in the scheduler's fair sharing.
+
+A tenants file (JSON, a Kubernetes Secret in the chart) names each tenant with its keys and weight:
+
+    {"tenants": {"search": {"keys": ["sk-s1", "sk-s2"], "weight": 3},
+                 "batch-jobs": {"keys": ["sk-b1"]}}}
+
+It is re-read when it changes, like the API key file, so keys rotate and weights change without a restart; a
+file that no longer parses keeps the tenants read before (and says so in the log). Every key in it is an API
+key. The gateway puts the key's tenant and weight on each request it submits; the scheduler shares each step's
+tokens between tenants by weight (scheduler_service/fair_share.py). A key from the plain API key file or
+STEPWIRE_API_KEY belongs to the default tenant, "", of weight 1.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+log = logging.getLogger("stepwire.gateway")
+
+RECHECK_SECONDS = 1.0
+TENANT_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+
+
+class TenantSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    keys: list[str] = Field(min_length=1, description="its API keys")
+    weight: float = Field(1.0, gt=0, le=1000, description="its share of each step against the others' weights")
+
+
+class TenantsSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    tenants: dict[str, TenantSpec]
+
+
+@dataclass(frozen=True)
+class Tenant:
+    name: str             # "": the default tenant (keys from the API key file, or no keys at all)
+    weight: float = 1.0
+
+
+DEFAULT = Tenant("")
+
+
+class TenantsError(ValueError):
+    """The file is not a valid tenants file; the text says where."""
+
+
+def parse_tenants(text: str) -> dict[str, Tenant]:
+    """Key -> its tenant. Raises TenantsError for malformed JSON, unknown fields, bad names or weights, and a
+    key given to two tenants."""
+    try:
+        spec = TenantsSpec.model_validate(json.loads(text))
+    except json.JSONDecodeError as e:
+        raise TenantsError(f"not JSON: {e}") from None
+    except ValidationError as e:
+        raise TenantsError(str(e)) from None
+    by_key: dict[str, Tenant] = {}
+    for name, t in spec.tenants.items():
+        if not re.match(TENANT_NAME, name):
+            raise TenantsError(f"tenant name {name!r}: 1-64 letters, digits, '.', '_' or '-', not starting with "
+                               f"a symbol")
+        tenant = Tenant(name, t.weight)
+        for key in t.keys:
+            key = key.strip()
+            if not key:
+                raise TenantsError(f"tenant {name!r}: an empty key")
+            if key in by_key and by_key[key].name != name:
+                raise TenantsError(f"a key is given to both {by_key[key].name!r} and {name!r}")
+            by_key[key] = tenant
+    return by_key
+
+
+class TenantsFile:
+    """The tenants file as last read: (digest of a key, its tenant) pairs, re-read at most every
+    RECHECK_SECONDS when it changed. `digest` is how the caller compares keys (auth.py)."""
+
+    def __init__(self, path: str, digest):
+        self.path = Path(path)
+        self.digest = digest
+        self._stamp = None
+        self._checked = time.monotonic()
+        self.keys: list[tuple[bytes, Tenant]] = []
+        self._reload(first=True)
+
+    def current(self) -> list[tuple[bytes, Tenant]]:
+        now = time.monotonic()
+        if now - self._checked >= RECHECK_SECONDS:
+            self._checked = now
+            try:
+                self._reload()
+            except (OSError, TenantsError) as e:   # mid-rotation, gone, or broken: keep what was read before
+                log.warning("cannot use the tenants file %s now (%s); keeping the tenants read before", self.path, e)
+        return self.keys
+
+    def _reload(self, first: bool = False) -> None:
+        st = os.stat(self.path)   # follows the symlinks a Kubernetes Secret volume swaps on rotation
+        stamp = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
+        if stamp == self._stamp:
+            return
+        by_key = parse_tenants(self.path.read_text())
+        if not first:
+            log.info("tenants file %s changed: %d tenants, %d keys", self.path,
+                     len({t.name for t in by_key.values()}), len(by_key))
+        self.keys, self._stamp = [(self.digest(k), t) for k, t in by_key.items()], stamp
