@@ -62,12 +62,15 @@ class LLMEngine:
         self.adapters[name] = (f"{name}@{next(self._ids)}", path)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, priority: int = 0, adapter: str = "") -> str:
-        """Queue a prompt; `adapter` names a loaded LoRA adapter (empty: the base model)."""
+                    request_id: str | None = None, priority: int = 0, adapter: str = "", tenant: str = "",
+                    weight: float = 1.0) -> str:
+        """Queue a prompt; `adapter` names a loaded LoRA adapter (empty: the base model); `tenant` and its
+        `weight` set its share of the steps against other tenants' requests."""
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         self.scheduler.add_request(Request(rid, list(prompt_token_ids), params or SamplingParams(),
                                            eos_token_ids=self.eos_token_ids, priority=priority,
-                                           lora=self.adapters[adapter] if adapter else None))
+                                           lora=self.adapters[adapter] if adapter else None, tenant=tenant,
+                                           weight=weight))
         return rid
 
     def abort(self, request_ids) -> None:
