@@ -157,6 +157,7 @@ class Backend:
                                                         f"{p.max_tokens} exceed it")
         p.sampling.validate()
         self.check_params(p)
+        check_tenant(len(prompt_ids), p)
 
     def check_params(self, p: GenerationParams) -> None:
         """What can be checked without the prompt: the front ends call it before tokenizing, so a request
@@ -230,7 +231,7 @@ class Backend:
             sp = replace(sp, seed=(sp.seed + index) % (UINT64_MAX + 1))
         entry = self.journal.add(Entry(rid, prompt_ids, sp, p.priority, p.cache_salt or "", traceparent,
                                        IncrementalDetokenizer(self.tokenizer), StopMatcher(p.stop),
-                                       adapter=p.adapter, tenant=p.tenant, tenant_weight=p.tenant_weight))
+                                       adapter=p.adapter, tenant=p.tenant))
         lost_at: float | None = None      # when the scheduler was lost with this request unfinished
         try:
             while True:
@@ -302,6 +303,20 @@ class Backend:
         except TimeoutError:
             raise SchedulerError(grpc.StatusCode.UNAVAILABLE,
                                  SCHEDULER_GONE.format(self.scheduler_wait_seconds)) from None
+
+
+def check_tenant(prompt_tokens: int, p: GenerationParams) -> None:
+    """What the caller's tenant allows, that the gateway can tell alone: its priority ceiling, and that the
+    request fits its tokens per minute at all (one that never could would otherwise get 429s for ever)."""
+    t = p.tenant
+    if t.max_priority is not None and p.priority < t.max_priority:
+        raise InvalidRequestError("priority", f"tenant {t.name!r} may ask priorities of {t.max_priority} and above "
+                                  f"(lower is more urgent), got {p.priority}")
+    cost = (prompt_tokens + p.sampling.max_tokens) * p.n
+    if t.tokens_per_minute and cost > t.tokens_per_minute:
+        raise InvalidRequestError("max_tokens", f"the prompt's {prompt_tokens} tokens plus max_tokens="
+                                  f"{p.sampling.max_tokens} (times n={p.n}) exceed tenant {t.name!r}'s "
+                                  f"{t.tokens_per_minute} tokens per minute; it could never be served")
 
 
 def _lp(out) -> list | None:

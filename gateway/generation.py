@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from gateway.tenants import DEFAULT, Tenant
 from stepwire.contract import SamplingParams
 
 MAX_N = 16   # completions per request
@@ -22,8 +23,7 @@ class GenerationParams:
     priority: int = 0
     cache_salt: str | None = None
     adapter: str = ""               # a LoRA adapter's name; "": the served model
-    tenant: str = ""                # the API key's tenant (tenants.py); "": the default one
-    tenant_weight: float = 1.0
+    tenant: Tenant = DEFAULT        # the API key's tenant (tenants.py): name, weight and limits
 
 
 @dataclass

@@ -11,6 +11,7 @@ from gateway.adapter_names import ModelNotFound
 from gateway.auth import ApiKeys, grpc_tenant
 from gateway.backend import Backend
 from gateway.generation import GenerationParams, Usage
+from gateway.openai_responses import rate_limit_headers
 from gateway.session import SchedulerError
 from gateway.structured_requests import from_v1, one_constraint
 from gateway.telemetry import GatewayMetrics, Observation
@@ -42,8 +43,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         b = self.backend
         try:
             params = _params(request)
-            tenant = grpc_tenant(self.keys, context)
-            params.tenant, params.tenant_weight = tenant.name, tenant.weight
+            params.tenant = grpc_tenant(self.keys, context)
             params.adapter = await b.resolve_model(request.model)
             b.check_params(params)   # before tokenizing: a request refused anyway costs no tokenizer time
             which = request.WhichOneof("prompt")
@@ -103,7 +103,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             obs.end("OK", usage, finish)
         except SchedulerError as e:
             obs.end(e.code().name, error=e.details())
-            await context.abort(e.code(), e.details())
+            await context.abort(e.code(), e.details(), trailing_metadata=_rate_metadata(e))
         finally:
             obs.end("CANCELLED", usage, finish, error="client cancelled")   # a no-op once ended
         return generation_pb2.GenerateResponse(id=f"gen-{uuid.uuid4().hex}",
@@ -138,7 +138,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             obs.end("OK", usage, finish)
         except SchedulerError as e:
             obs.end(e.code().name, error=e.details())
-            await context.abort(e.code(), e.details())
+            await context.abort(e.code(), e.details(), trailing_metadata=_rate_metadata(e))
         finally:
             obs.end("CANCELLED", usage, finish, error="client cancelled")   # a no-op once ended
 
@@ -199,6 +199,11 @@ def _with_calls(comp: generation_pb2.Completion, reason: str | None, tools: Tool
         comp.tool_calls.extend(generation_pb2.ToolCall(index=i, id=c.id, name=c.name, arguments=c.arguments)
                                for i, c in enumerate(calls))
         comp.finish_reason = FINISH[finish_reason(reason, True)]
+
+
+def _rate_metadata(e: SchedulerError) -> tuple:
+    """A tenant's limit: the HTTP API's Retry-After and x-ratelimit-* headers as trailing metadata."""
+    return tuple(rate_limit_headers(e.rate_limited).items()) if e.rate_limited is not None else ()
 
 
 def _pieces(d: Delta) -> list:

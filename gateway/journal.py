@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.stops import StopMatcher
+from gateway.tenants import DEFAULT, Tenant
 from stepwire.contract import SamplingParams
 from stepwire.internal import scheduler_pb2
 
@@ -35,8 +36,7 @@ class Entry:
     delivered: list[int] = field(default_factory=list)
     submissions: int = 0
     adapter: str = ""                # its LoRA adapter, by name ("": the base model)
-    tenant: str = ""                 # whose it is, and that tenant's weight in the scheduler's fair sharing
-    tenant_weight: float = 1.0
+    tenant: Tenant = DEFAULT         # whose it is: its weight in fair sharing and its limits
 
     def submit_request(self) -> scheduler_pb2.SubmitRequest:
         """The request as the scheduler must see it now: prompt plus delivered tokens, the rest of max_tokens
@@ -48,11 +48,15 @@ class Entry:
             sp = replace(sp, max_tokens=sp.max_tokens - n, min_tokens=max(sp.min_tokens - n, 0),
                          prior_output_tokens=sp.prior_output_tokens + n)
         rid = self.request_id if not self.submissions else f"{self.request_id}~{self.submissions}"
+        resumed = self.submissions > 0
         self.submissions += 1
+        t = self.tenant
+        limits = scheduler_pb2.TenantLimits(requests_per_minute=t.requests_per_minute,
+                                            tokens_per_minute=t.tokens_per_minute, max_concurrent=t.max_concurrent)
         return scheduler_pb2.SubmitRequest(request_id=rid, prompt_token_ids=self.prompt_ids + self.delivered,
                                            params=sp.to_proto(), priority=self.priority, cache_salt=self.cache_salt,
-                                           traceparent=self.traceparent, adapter=self.adapter,
-                                           tenant=self.tenant, tenant_weight=self.tenant_weight)
+                                           traceparent=self.traceparent, adapter=self.adapter, tenant=t.name,
+                                           tenant_weight=t.weight, tenant_limits=limits, resumed=resumed)
 
 
 class Journal:

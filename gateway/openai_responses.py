@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 import uuid
 
@@ -32,15 +33,24 @@ async def respond(backend: Backend, raw: Request, req, prompt: list[int], p: Gen
     """`tools`: the chat request's tools, whose calls are parsed out of the text (gateway.tool_output)."""
     if not backend.max_model_len:
         await backend.refresh()
+    p.tenant = tenant_of(raw)
     backend.check(prompt, p)
-    tenant = tenant_of(raw)
-    p.tenant, p.tenant_weight = tenant.name, tenant.weight
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created = int(time.time())
     usage = Usage()
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_sse(backend, prompt, p, usage, rid, created, chat, include_usage, obs, tools),
+        deltas = backend.generate(prompt, p, usage, obs)
+        if p.tenant.limited:
+            # A tenant's limit refuses at the scheduler: that must be a 429 the client's SDK can act on, not an
+            # event inside a 200 stream, so the response starts only once the first delta (or refusal) is in.
+            try:
+                deltas = _then(await anext(deltas), deltas)
+            except SchedulerError as e:
+                response = rpc_error(e)
+                obs.end(response.status_code, error=e.details())
+                return response
+        return StreamingResponse(_sse(backend, deltas, p, usage, rid, created, chat, include_usage, obs, tools),
                                  media_type="text/event-stream")
     texts = [""] * p.n
     finish: list[str | None] = [None] * p.n
@@ -86,7 +96,13 @@ async def _collect(gen, texts, finish, lps) -> None:
             finish[c.index] = c.finish_reason
 
 
-async def _sse(backend, prompt, p, usage, rid, created, chat, include_usage, obs: Observation, tools=None):
+async def _then(first, rest):
+    yield first
+    async for c in rest:
+        yield c
+
+
+async def _sse(backend, deltas, p, usage, rid, created, chat, include_usage, obs: Observation, tools=None):
     obj = "chat.completion.chunk" if chat else "text_completion"
 
     def event(choices, **extra):
@@ -104,7 +120,7 @@ async def _sse(backend, prompt, p, usage, rid, created, chat, include_usage, obs
     calls = parsers(tools, p.n) if chat else None
     error = None
     try:
-        async for c in backend.generate(prompt, p, usage, obs):
+        async for c in deltas:
             if c.finish_reason is not None:
                 finish[c.index] = c.finish_reason
             if chat:
@@ -166,6 +182,26 @@ def _chat_lp(backend, per_token) -> dict:
                                           for t, v in pairs[1:]]} for pairs in per_token]}
 
 
+def _duration(seconds: float) -> str:
+    """OpenAI's way of writing a reset time: 6m0s, 1s, 20ms."""
+    if seconds < 1:
+        return f"{max(int(seconds * 1000), 1)}ms"
+    m, s = divmod(math.ceil(seconds), 60)
+    return f"{m}m{s}s" if m else f"{s}s"
+
+
+def rate_limit_headers(r) -> dict[str, str]:
+    """Retry-After (whole seconds, as the openai SDK reads it, and in ms) and OpenAI's x-ratelimit-* headers."""
+    headers = {"retry-after": str(max(math.ceil(r.retry_after_seconds), 1)),
+               "retry-after-ms": str(max(int(r.retry_after_seconds * 1000), 1))}
+    for kind, limit, left, reset in (("requests", r.requests_limit, r.requests_remaining, r.requests_reset_seconds),
+                                     ("tokens", r.tokens_limit, r.tokens_remaining, r.tokens_reset_seconds)):
+        if limit:
+            headers |= {f"x-ratelimit-limit-{kind}": str(limit), f"x-ratelimit-remaining-{kind}": str(left),
+                        f"x-ratelimit-reset-{kind}": _duration(reset)}
+    return headers
+
+
 def rpc_error(e: SchedulerError) -> JSONResponse:
     # The details are the scheduler's own words for one request, or gateway.session's fixed message when
     # the link broke: never grpc's transport details.
@@ -174,5 +210,8 @@ def rpc_error(e: SchedulerError) -> JSONResponse:
     if e.code() == grpc.StatusCode.NOT_FOUND:     # its adapter was unloaded since this gateway last looked
         return error(404, e.details(), "model", code="model_not_found")
     if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        if e.rate_limited is not None:
+            r = e.rate_limited
+            return error(429, e.details(), kind=r.limit, code="rate_limit_exceeded", headers=rate_limit_headers(r))
         return error(429, e.details(), kind="rate_limit_error")
     return error(503, e.details(), kind="server_error")

@@ -27,9 +27,10 @@ class SchedulerError(Exception):
     """A request ended by the scheduler or the link to it; shaped like grpc's errors so the front ends can
     map the status the same way whichever path raised it."""
 
-    def __init__(self, code: grpc.StatusCode, details: str):
+    def __init__(self, code: grpc.StatusCode, details: str, rate_limited=None):
         super().__init__(f"{code.name}: {details}")
         self._code, self._details = code, details
+        self.rate_limited = rate_limited     # scheduler_pb2.RateLimited when a tenant's limit refused it
 
     def code(self) -> grpc.StatusCode:
         return self._code
@@ -126,4 +127,5 @@ class SchedulerSession:
 def output_error(out: scheduler_pb2.RequestOutput) -> SchedulerError | None:
     if not out.HasField("error"):
         return None
-    return SchedulerError(_STATUS.get(out.error.code, grpc.StatusCode.UNKNOWN), out.error.message)
+    return SchedulerError(_STATUS.get(out.error.code, grpc.StatusCode.UNKNOWN), out.error.message,
+                          out.error.rate_limited if out.error.HasField("rate_limited") else None)

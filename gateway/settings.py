@@ -23,9 +23,9 @@ class GatewaySettings(TLSSettings):
     api_key_file: str = Field("", description="file of API keys, one a line (blank lines and # comments ignored), "
                               "re-read when it changes; keys also come from STEPWIRE_API_KEY (comma-separated). "
                               "No key from either: no authentication")
-    tenants_file: str = Field("", description="JSON file of tenants: each with its API keys and weight in the "
-                              "scheduler's fair sharing of each step (docs/tenants.md); re-read when it changes. "
-                              "Its keys are API keys too")
+    tenants_file: str = Field("", description="JSON file of tenants: each with its API keys, its weight in the "
+                              "scheduler's fair sharing of each step and its limits (docs/tenants.md); re-read "
+                              "when it changes. Its keys are API keys too")
     health_port: int = Field(0, ge=0, le=65535, description="also serve /health and /metrics, never needing a key, "
                              "on this plain HTTP port on --host (for probes and Prometheus); 0: off")
     max_body_bytes: int = Field(2 << 20, ge=1, description="largest HTTP request body and gRPC request message, in "

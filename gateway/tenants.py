@@ -1,6 +1,7 @@
-"""Tenants: which team an API key belongs to, and that team's weight in the scheduler's fair sharing.
+"""Tenants: which team an API key belongs to, that team's weight in the scheduler's fair sharing, and its limits.
 
-A tenants file (JSON, a Kubernetes Secret in the chart) names each tenant with its keys and weight:
+A tenants file (JSON, typically mounted from a Kubernetes Secret) names each tenant with its keys, its weight and
+optional limits (requests and tokens per minute, concurrent requests, a priority ceiling; docs/tenants.md):
 
     {"tenants": {"search": {"keys": ["sk-s1", "sk-s2"], "weight": 3},
                  "batch-jobs": {"keys": ["sk-b1"]}}}
@@ -9,7 +10,8 @@ It is re-read when it changes, like the API key file, so keys rotate and weights
 file that no longer parses keeps the tenants read before (and says so in the log). Every key in it is an API
 key. The gateway puts the key's tenant and weight on each request it submits; the scheduler shares each step's
 tokens between tenants by weight (scheduler_service/fair_share.py). A key from the plain API key file or
-STEPWIRE_API_KEY belongs to the default tenant, "", of weight 1.
+STEPWIRE_API_KEY belongs to the default tenant, "", of weight 1, without limits. The limits travel with each
+request; the scheduler counts them for all gateways (scheduler_service/tenant_limits.py).
 """
 
 from __future__ import annotations
@@ -35,6 +37,11 @@ class TenantSpec(BaseModel):
 
     keys: list[str] = Field(min_length=1, description="its API keys")
     weight: float = Field(1.0, gt=0, le=1000, description="its share of each step against the others' weights")
+    requests_per_minute: int = Field(0, ge=0, le=2**32 - 1, description="0: no limit")
+    tokens_per_minute: int = Field(0, ge=0, le=2**32 - 1, description="prompt plus max_tokens; 0: no limit")
+    max_concurrent: int = Field(0, ge=0, le=2**32 - 1, description="requests at once; 0: no limit")
+    max_priority: int | None = Field(None, ge=-(2**31), le=2**31 - 1, description="the most urgent priority its "
+                                     "requests may ask (lower is more urgent); None: any")
 
 
 class TenantsSpec(BaseModel):
@@ -47,6 +54,14 @@ class TenantsSpec(BaseModel):
 class Tenant:
     name: str             # "": the default tenant (keys from the API key file, or no keys at all)
     weight: float = 1.0
+    requests_per_minute: int = 0     # limits the scheduler counts across gateways (0: none)
+    tokens_per_minute: int = 0
+    max_concurrent: int = 0
+    max_priority: int | None = None  # checked here: the most urgent priority its requests may ask
+
+    @property
+    def limited(self) -> bool:
+        return bool(self.requests_per_minute or self.tokens_per_minute or self.max_concurrent)
 
 
 DEFAULT = Tenant("")
@@ -70,7 +85,8 @@ def parse_tenants(text: str) -> dict[str, Tenant]:
         if not re.match(TENANT_NAME, name):
             raise TenantsError(f"tenant name {name!r}: 1-64 letters, digits, '.', '_' or '-', not starting with "
                                f"a symbol")
-        tenant = Tenant(name, t.weight)
+        tenant = Tenant(name, t.weight, t.requests_per_minute, t.tokens_per_minute, t.max_concurrent,
+                        t.max_priority)
         for key in t.keys:
             key = key.strip()
             if not key:

@@ -13,16 +13,18 @@ import grpc
 
 from scheduler_service.fleet import Fleet
 from scheduler_service.request import Request
+from scheduler_service.tenant_limits import RateLimited
 from stepwire.contract import InvalidRequestError, check_prompt
 from stepwire.contract.limits import real
 
 
 class Refused(Exception):
-    """A request that cannot be queued, with the status its caller should see."""
+    """A request that cannot be queued, with the status its caller should see (and, when a tenant's limit
+    refused it, which limit and when to retry)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+    def __init__(self, code: grpc.StatusCode, message: str, rate_limited=None):
         super().__init__(message)
-        self.code, self.message = code, message
+        self.code, self.message, self.rate_limited = code, message, rate_limited
 
 
 def admit(fleet: Fleet, submit, max_waiting: int) -> str:
@@ -51,16 +53,22 @@ def admit(fleet: Fleet, submit, max_waiting: int) -> str:
         req = Request(rid, prompt, submit.params, eos_token_ids=model.eos_token_ids, priority=submit.priority,
                       cache_salt=submit.cache_salt or None, lora=lora, tenant=submit.tenant, weight=weight)
         link, choice, source = fleet.route(req, pull=True)
+        if link is not None:
+            waiting = len(link.core.waiting)
+            if waiting >= max_waiting:
+                raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{waiting} requests already waiting; retry later")
+            link.check(req)
+        # Last, so that a request refused for anything else costs its tenant nothing.
+        fleet.limits.admit(req.tenant, submit.tenant_limits, rid,
+                           len(prompt) + submit.params.max_tokens, submit.resumed)
         if link is None:
             fleet.lifecycles.admitted(req, submit.traceparent, "")
             fleet.wait_for_executor(req)
             return rid
-        waiting = len(link.core.waiting)
-        if waiting >= max_waiting:
-            raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{waiting} requests already waiting; retry later")
-        link.check(req)
     except InvalidRequestError as e:
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+    except RateLimited as e:
+        raise Refused(e.code, e.message, e.info) from None
     fleet.lifecycles.admitted(req, submit.traceparent, link.address)
     fleet.routed(link, req)
     pulled = source is not None and fleet.kv_moves.pull_prefix(req, source, link, choice)

@@ -23,6 +23,7 @@ from scheduler_service.lifecycle import Lifecycles
 from scheduler_service.request import Request
 from scheduler_service.routing import Choice, PullCost, by_adapter, by_role, pick
 from scheduler_service.settings import SchedulerSettings
+from scheduler_service.tenant_limits import TenantLimits
 
 log = logging.getLogger("stepwire.scheduler")
 
@@ -40,6 +41,8 @@ class Fleet:
     def __init__(self, settings: SchedulerSettings, lifecycles: Lifecycles, on_change=lambda: None):
         self.settings = settings
         self.lifecycles = lifecycles
+        # Tenants' limits, for every gateway at once; a request's count ends with its life.
+        self.limits = lifecycles.limits = TenantLimits(settings.rate_limit_window_seconds)
         self.on_change = on_change
         self.links: dict[str, ExecutorLink] = {}
         self.streams: dict[str, object] = {}         # request id -> its stream; shared by every link

@@ -37,6 +37,7 @@ class Lifecycles:
         self.metrics = metrics
         self.model = model
         self.lives: dict[str, _Life] = {}
+        self.limits = None      # the fleet's TenantLimits: a request's count there ends with its life
 
     def span_of(self, rid: str):
         life = self.lives.get(rid)
@@ -132,6 +133,8 @@ class Lifecycles:
 
     def finished(self, rid: str, reason: str, cached_tokens: int = 0, spec: tuple | None = None) -> None:
         life = self.lives.pop(rid, None)
+        if self.limits is not None:
+            self.limits.ended(rid)
         if life is None:
             return
         now = time.monotonic()

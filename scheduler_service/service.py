@@ -100,7 +100,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                     try:
                         rid = self._admit(msg.submit)
                     except Refused as e:
-                        session.refuse(rid, e.code, e.message)
+                        session.refuse(rid, e.code, e.message, e.rate_limited)
                         continue
                     self.fleet.streams[rid] = session
                     session.live.add(rid)

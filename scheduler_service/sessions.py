@@ -47,9 +47,10 @@ class Session:
             self.fleet.streams.pop(d.req_id, None)
         self.ready.set()
 
-    def refuse(self, rid: str, code: grpc.StatusCode, message: str) -> None:
+    def refuse(self, rid: str, code: grpc.StatusCode, message: str, rate_limited=None) -> None:
         self.pending.append(scheduler_pb2.RequestOutput(
-            request_id=rid, error=scheduler_pb2.RequestError(code=code.value[0], message=message)))
+            request_id=rid, error=scheduler_pb2.RequestError(code=code.value[0], message=message,
+                                                             rate_limited=rate_limited)))
         self.ready.set()
 
     async def messages(self):

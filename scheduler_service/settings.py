@@ -47,6 +47,9 @@ class SchedulerSettings(RoleSettings):
                                 "probes that cannot present a certificate; empty: off")
     executor_server_name: str = Field("stepwire-executor", description="with TLS: the name executors' "
                                       "certificates must carry (they are dialled by IP)")
+    rate_limit_window_seconds: float = Field(60.0, gt=0, description="the window of tenants' per-minute limits "
+                                             "(tests shorten it; a limit stays per minute as the tenants file "
+                                             "states it only at 60)")
     max_waiting: int = Field(1024, ge=0, description="waiting requests per executor beyond which new ones get "
                                                     "RESOURCE_EXHAUSTED")
     retry_seconds: float = Field(1.0, gt=0, description="pause between attempts to reach an executor")

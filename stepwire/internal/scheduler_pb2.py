@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from stepwire.internal import sampling_pb2 as stepwire_dot_internal_dot_sampling__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!stepwire/internal/scheduler.proto\x12\x11stepwire.internal\x1a stepwire/internal/sampling.proto\"\x11\n\x0f\x41\x64\x61ptersRequest\"H\n\x0b\x41\x64\x61pterInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x0f\n\x07\x63reated\x18\x04 \x01(\x01\"D\n\x10\x41\x64\x61ptersResponse\x12\x30\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x1e.stepwire.internal.AdapterInfo\"0\n\x12LoadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"$\n\x14UnloadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\xe9\x01\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x31\n\x06params\x18\x03 \x01(\x0b\x32!.stepwire.internal.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x13\n\x0btraceparent\x18\x07 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x08 \x01(\t\x12\x0e\n\x06tenant\x18\t \x01(\t\x12\x15\n\rtenant_weight\x18\n \x01(\x02J\x04\x08\x04\x10\x05\"4\n\rTokenLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\xcc\x01\n\rRequestOutput\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12\x32\n\x08logprobs\x18\x04 \x03(\x0b\x32 .stepwire.internal.TokenLogprobs\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12.\n\x05\x65rror\x18\x06 \x01(\x0b\x32\x1f.stepwire.internal.RequestError\"-\n\x0cRequestError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"~\n\x0eSessionRequest\x12\x32\n\x06submit\x18\x01 \x01(\x0b\x32 .stepwire.internal.SubmitRequestH\x00\x12\x30\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x1f.stepwire.internal.AbortRequestH\x00\x42\x06\n\x04kind\"Y\n\rSessionOutput\x12\x31\n\x07outputs\x18\x01 \x03(\x0b\x32 .stepwire.internal.RequestOutput\x12\x15\n\rshutting_down\x18\x02 \x01(\x08\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\x0f\n\rLimitsRequest\"\'\n\x0eLimitsResponse\x12\x15\n\rmax_model_len\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"\x90\x04\n\rExecutorStats\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\tconnected\x18\x02 \x01(\x08\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x06 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x07 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x08 \x01(\x02\x12\x1c\n\x14prefix_cache_queries\x18\t \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\n \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x0b \x01(\x04\x12\x11\n\tnum_steps\x18\x0c \x01(\x04\x12\x12\n\nwire_bytes\x18\r \x01(\x04\x12\x1a\n\x12wire_request_steps\x18\x0e \x01(\x04\x12\x15\n\rmax_model_len\x18\x0f \x01(\r\x12\x17\n\x0f\x66orward_seconds\x18\x10 \x01(\x01\x12\x10\n\x08\x64raining\x18\x11 \x01(\x08\x12\x18\n\x10num_migrated_out\x18\x12 \x01(\x04\x12\x12\n\nnum_routed\x18\x13 \x01(\x04\x12\x1d\n\x15num_recomputed_tokens\x18\x14 \x01(\x04\x12\x11\n\tkv_layout\x18\x15 \x01(\t\x12\x0c\n\x04role\x18\x16 \x01(\t\x12\x12\n\nlora_slots\x18\x17 \x03(\t\"\x9a\x03\n\rStatsResponse\x12\x33\n\texecutors\x18\x01 \x03(\x0b\x32 .stepwire.internal.ExecutorStats\x12\x14\n\x0cnum_requests\x18\x02 \x01(\r\x12 \n\x18num_waiting_for_executor\x18\x03 \x01(\r\x12\x16\n\x0enum_migrations\x18\x04 \x01(\x04\x12\x18\n\x10num_kv_transfers\x18\x05 \x01(\x04\x12 \n\x18num_kv_transfer_failures\x18\x06 \x01(\x04\x12\x1a\n\x12kv_transfer_blocks\x18\x07 \x01(\x04\x12\x19\n\x11kv_transfer_bytes\x18\x08 \x01(\x04\x12\x1b\n\x13kv_transfer_seconds\x18\t \x01(\x01\x12 \n\x18recompute_avoided_tokens\x18\n \x01(\x04\x12\x18\n\x10num_prefix_pulls\x18\x0b \x01(\x04\x12\x16\n\x0enum_rebalanced\x18\x0c \x01(\x04\x12 \n\x18kv_transfer_busy_seconds\x18\r \x01(\x01\x32\xcf\x04\n\tScheduler\x12N\n\x06Submit\x12 .stepwire.internal.SubmitRequest\x1a .stepwire.internal.RequestOutput0\x01\x12R\n\x07Session\x12!.stepwire.internal.SessionRequest\x1a .stepwire.internal.SessionOutput(\x01\x30\x01\x12M\n\x06Limits\x12 .stepwire.internal.LimitsRequest\x1a!.stepwire.internal.LimitsResponse\x12J\n\x05Stats\x12\x1f.stepwire.internal.StatsRequest\x1a .stepwire.internal.StatsResponse\x12S\n\x08\x41\x64\x61pters\x12\".stepwire.internal.AdaptersRequest\x1a#.stepwire.internal.AdaptersResponse\x12T\n\x0bLoadAdapter\x12%.stepwire.internal.LoadAdapterRequest\x1a\x1e.stepwire.internal.AdapterInfo\x12X\n\rUnloadAdapter\x12\'.stepwire.internal.UnloadAdapterRequest\x1a\x1e.stepwire.internal.AdapterInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!stepwire/internal/scheduler.proto\x12\x11stepwire.internal\x1a stepwire/internal/sampling.proto\"\x11\n\x0f\x41\x64\x61ptersRequest\"H\n\x0b\x41\x64\x61pterInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x0f\n\x07\x63reated\x18\x04 \x01(\x01\"D\n\x10\x41\x64\x61ptersResponse\x12\x30\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x1e.stepwire.internal.AdapterInfo\"0\n\x12LoadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"$\n\x14UnloadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\xb2\x02\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x31\n\x06params\x18\x03 \x01(\x0b\x32!.stepwire.internal.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x13\n\x0btraceparent\x18\x07 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x08 \x01(\t\x12\x0e\n\x06tenant\x18\t \x01(\t\x12\x15\n\rtenant_weight\x18\n \x01(\x02\x12\x36\n\rtenant_limits\x18\x0b \x01(\x0b\x32\x1f.stepwire.internal.TenantLimits\x12\x0f\n\x07resumed\x18\x0c \x01(\x08J\x04\x08\x04\x10\x05\"^\n\x0cTenantLimits\x12\x1b\n\x13requests_per_minute\x18\x01 \x01(\r\x12\x19\n\x11tokens_per_minute\x18\x02 \x01(\r\x12\x16\n\x0emax_concurrent\x18\x03 \x01(\r\"4\n\rTokenLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\xcc\x01\n\rRequestOutput\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12\x32\n\x08logprobs\x18\x04 \x03(\x0b\x32 .stepwire.internal.TokenLogprobs\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12.\n\x05\x65rror\x18\x06 \x01(\x0b\x32\x1f.stepwire.internal.RequestError\"c\n\x0cRequestError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x34\n\x0crate_limited\x18\x03 \x01(\x0b\x32\x1e.stepwire.internal.RateLimited\"\x83\x02\n\x0bRateLimited\x12\r\n\x05limit\x18\x01 \x01(\t\x12\x13\n\x0blimit_value\x18\x02 \x01(\r\x12\x11\n\tremaining\x18\x03 \x01(\r\x12\x1b\n\x13retry_after_seconds\x18\x04 \x01(\x01\x12\x16\n\x0erequests_limit\x18\x05 \x01(\r\x12\x1a\n\x12requests_remaining\x18\x06 \x01(\r\x12\x1e\n\x16requests_reset_seconds\x18\x07 \x01(\x01\x12\x14\n\x0ctokens_limit\x18\x08 \x01(\r\x12\x18\n\x10tokens_remaining\x18\t \x01(\r\x12\x1c\n\x14tokens_reset_seconds\x18\n \x01(\x01\"~\n\x0eSessionRequest\x12\x32\n\x06submit\x18\x01 \x01(\x0b\x32 .stepwire.internal.SubmitRequestH\x00\x12\x30\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x1f.stepwire.internal.AbortRequestH\x00\x42\x06\n\x04kind\"Y\n\rSessionOutput\x12\x31\n\x07outputs\x18\x01 \x03(\x0b\x32 .stepwire.internal.RequestOutput\x12\x15\n\rshutting_down\x18\x02 \x01(\x08\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\x0f\n\rLimitsRequest\"\'\n\x0eLimitsResponse\x12\x15\n\rmax_model_len\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"\x90\x04\n\rExecutorStats\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\tconnected\x18\x02 \x01(\x08\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x06 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x07 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x08 \x01(\x02\x12\x1c\n\x14prefix_cache_queries\x18\t \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\n \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x0b \x01(\x04\x12\x11\n\tnum_steps\x18\x0c \x01(\x04\x12\x12\n\nwire_bytes\x18\r \x01(\x04\x12\x1a\n\x12wire_request_steps\x18\x0e \x01(\x04\x12\x15\n\rmax_model_len\x18\x0f \x01(\r\x12\x17\n\x0f\x66orward_seconds\x18\x10 \x01(\x01\x12\x10\n\x08\x64raining\x18\x11 \x01(\x08\x12\x18\n\x10num_migrated_out\x18\x12 \x01(\x04\x12\x12\n\nnum_routed\x18\x13 \x01(\x04\x12\x1d\n\x15num_recomputed_tokens\x18\x14 \x01(\x04\x12\x11\n\tkv_layout\x18\x15 \x01(\t\x12\x0c\n\x04role\x18\x16 \x01(\t\x12\x12\n\nlora_slots\x18\x17 \x03(\t\"\x9a\x03\n\rStatsResponse\x12\x33\n\texecutors\x18\x01 \x03(\x0b\x32 .stepwire.internal.ExecutorStats\x12\x14\n\x0cnum_requests\x18\x02 \x01(\r\x12 \n\x18num_waiting_for_executor\x18\x03 \x01(\r\x12\x16\n\x0enum_migrations\x18\x04 \x01(\x04\x12\x18\n\x10num_kv_transfers\x18\x05 \x01(\x04\x12 \n\x18num_kv_transfer_failures\x18\x06 \x01(\x04\x12\x1a\n\x12kv_transfer_blocks\x18\x07 \x01(\x04\x12\x19\n\x11kv_transfer_bytes\x18\x08 \x01(\x04\x12\x1b\n\x13kv_transfer_seconds\x18\t \x01(\x01\x12 \n\x18recompute_avoided_tokens\x18\n \x01(\x04\x12\x18\n\x10num_prefix_pulls\x18\x0b \x01(\x04\x12\x16\n\x0enum_rebalanced\x18\x0c \x01(\x04\x12 \n\x18kv_transfer_busy_seconds\x18\r \x01(\x01\x32\xcf\x04\n\tScheduler\x12N\n\x06Submit\x12 .stepwire.internal.SubmitRequest\x1a .stepwire.internal.RequestOutput0\x01\x12R\n\x07Session\x12!.stepwire.internal.SessionRequest\x1a .stepwire.internal.SessionOutput(\x01\x30\x01\x12M\n\x06Limits\x12 .stepwire.internal.LimitsRequest\x1a!.stepwire.internal.LimitsResponse\x12J\n\x05Stats\x12\x1f.stepwire.internal.StatsRequest\x1a .stepwire.internal.StatsResponse\x12S\n\x08\x41\x64\x61pters\x12\".stepwire.internal.AdaptersRequest\x1a#.stepwire.internal.AdaptersResponse\x12T\n\x0bLoadAdapter\x12%.stepwire.internal.LoadAdapterRequest\x1a\x1e.stepwire.internal.AdapterInfo\x12X\n\rUnloadAdapter\x12\'.stepwire.internal.UnloadAdapterRequest\x1a\x1e.stepwire.internal.AdapterInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,29 +43,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_UNLOADADAPTERREQUEST']._serialized_start=303
   _globals['_UNLOADADAPTERREQUEST']._serialized_end=339
   _globals['_SUBMITREQUEST']._serialized_start=342
-  _globals['_SUBMITREQUEST']._serialized_end=575
-  _globals['_TOKENLOGPROBS']._serialized_start=577
-  _globals['_TOKENLOGPROBS']._serialized_end=629
-  _globals['_REQUESTOUTPUT']._serialized_start=632
-  _globals['_REQUESTOUTPUT']._serialized_end=836
-  _globals['_REQUESTERROR']._serialized_start=838
-  _globals['_REQUESTERROR']._serialized_end=883
-  _globals['_SESSIONREQUEST']._serialized_start=885
-  _globals['_SESSIONREQUEST']._serialized_end=1011
-  _globals['_SESSIONOUTPUT']._serialized_start=1013
-  _globals['_SESSIONOUTPUT']._serialized_end=1102
-  _globals['_ABORTREQUEST']._serialized_start=1104
-  _globals['_ABORTREQUEST']._serialized_end=1139
-  _globals['_LIMITSREQUEST']._serialized_start=1141
-  _globals['_LIMITSREQUEST']._serialized_end=1156
-  _globals['_LIMITSRESPONSE']._serialized_start=1158
-  _globals['_LIMITSRESPONSE']._serialized_end=1197
-  _globals['_STATSREQUEST']._serialized_start=1199
-  _globals['_STATSREQUEST']._serialized_end=1213
-  _globals['_EXECUTORSTATS']._serialized_start=1216
-  _globals['_EXECUTORSTATS']._serialized_end=1744
-  _globals['_STATSRESPONSE']._serialized_start=1747
-  _globals['_STATSRESPONSE']._serialized_end=2157
-  _globals['_SCHEDULER']._serialized_start=2160
-  _globals['_SCHEDULER']._serialized_end=2751
+  _globals['_SUBMITREQUEST']._serialized_end=648
+  _globals['_TENANTLIMITS']._serialized_start=650
+  _globals['_TENANTLIMITS']._serialized_end=744
+  _globals['_TOKENLOGPROBS']._serialized_start=746
+  _globals['_TOKENLOGPROBS']._serialized_end=798
+  _globals['_REQUESTOUTPUT']._serialized_start=801
+  _globals['_REQUESTOUTPUT']._serialized_end=1005
+  _globals['_REQUESTERROR']._serialized_start=1007
+  _globals['_REQUESTERROR']._serialized_end=1106
+  _globals['_RATELIMITED']._serialized_start=1109
+  _globals['_RATELIMITED']._serialized_end=1368
+  _globals['_SESSIONREQUEST']._serialized_start=1370
+  _globals['_SESSIONREQUEST']._serialized_end=1496
+  _globals['_SESSIONOUTPUT']._serialized_start=1498
+  _globals['_SESSIONOUTPUT']._serialized_end=1587
+  _globals['_ABORTREQUEST']._serialized_start=1589
+  _globals['_ABORTREQUEST']._serialized_end=1624
+  _globals['_LIMITSREQUEST']._serialized_start=1626
+  _globals['_LIMITSREQUEST']._serialized_end=1641
+  _globals['_LIMITSRESPONSE']._serialized_start=1643
+  _globals['_LIMITSRESPONSE']._serialized_end=1682
+  _globals['_STATSREQUEST']._serialized_start=1684
+  _globals['_STATSREQUEST']._serialized_end=1698
+  _globals['_EXECUTORSTATS']._serialized_start=1701
+  _globals['_EXECUTORSTATS']._serialized_end=2229
+  _globals['_STATSRESPONSE']._serialized_start=2232
+  _globals['_STATSRESPONSE']._serialized_end=2642
+  _globals['_SCHEDULER']._serialized_start=2645
+  _globals['_SCHEDULER']._serialized_end=3236
 # @@protoc_insertion_point(module_scope)

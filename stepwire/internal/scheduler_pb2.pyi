@@ -44,7 +44,7 @@ class UnloadAdapterRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "priority", "cache_salt", "traceparent", "adapter", "tenant", "tenant_weight")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "priority", "cache_salt", "traceparent", "adapter", "tenant", "tenant_weight", "tenant_limits", "resumed")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,8 @@ class SubmitRequest(_message.Message):
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     TENANT_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    TENANT_LIMITS_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _sampling_pb2.SamplingParams
@@ -63,7 +65,19 @@ class SubmitRequest(_message.Message):
     adapter: str
     tenant: str
     tenant_weight: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., traceparent: _Optional[str] = ..., adapter: _Optional[str] = ..., tenant: _Optional[str] = ..., tenant_weight: _Optional[float] = ...) -> None: ...
+    tenant_limits: TenantLimits
+    resumed: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., traceparent: _Optional[str] = ..., adapter: _Optional[str] = ..., tenant: _Optional[str] = ..., tenant_weight: _Optional[float] = ..., tenant_limits: _Optional[_Union[TenantLimits, _Mapping]] = ..., resumed: _Optional[bool] = ...) -> None: ...
+
+class TenantLimits(_message.Message):
+    __slots__ = ("requests_per_minute", "tokens_per_minute", "max_concurrent")
+    REQUESTS_PER_MINUTE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_MINUTE_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONCURRENT_FIELD_NUMBER: _ClassVar[int]
+    requests_per_minute: int
+    tokens_per_minute: int
+    max_concurrent: int
+    def __init__(self, requests_per_minute: _Optional[int] = ..., tokens_per_minute: _Optional[int] = ..., max_concurrent: _Optional[int] = ...) -> None: ...
 
 class TokenLogprobs(_message.Message):
     __slots__ = ("token_ids", "logprobs")
@@ -90,12 +104,38 @@ class RequestOutput(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., request_id: _Optional[str] = ..., error: _Optional[_Union[RequestError, _Mapping]] = ...) -> None: ...
 
 class RequestError(_message.Message):
-    __slots__ = ("code", "message")
+    __slots__ = ("code", "message", "rate_limited")
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RATE_LIMITED_FIELD_NUMBER: _ClassVar[int]
     code: int
     message: str
-    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    rate_limited: RateLimited
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., rate_limited: _Optional[_Union[RateLimited, _Mapping]] = ...) -> None: ...
+
+class RateLimited(_message.Message):
+    __slots__ = ("limit", "limit_value", "remaining", "retry_after_seconds", "requests_limit", "requests_remaining", "requests_reset_seconds", "tokens_limit", "tokens_remaining", "tokens_reset_seconds")
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_VALUE_FIELD_NUMBER: _ClassVar[int]
+    REMAINING_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_REMAINING_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_RESET_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_REMAINING_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_RESET_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    limit: str
+    limit_value: int
+    remaining: int
+    retry_after_seconds: float
+    requests_limit: int
+    requests_remaining: int
+    requests_reset_seconds: float
+    tokens_limit: int
+    tokens_remaining: int
+    tokens_reset_seconds: float
+    def __init__(self, limit: _Optional[str] = ..., limit_value: _Optional[int] = ..., remaining: _Optional[int] = ..., retry_after_seconds: _Optional[float] = ..., requests_limit: _Optional[int] = ..., requests_remaining: _Optional[int] = ..., requests_reset_seconds: _Optional[float] = ..., tokens_limit: _Optional[int] = ..., tokens_remaining: _Optional[int] = ..., tokens_reset_seconds: _Optional[float] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("submit", "abort")
