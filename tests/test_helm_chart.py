@@ -54,7 +54,8 @@ VALUE_SETS = {
     "plaintext-hostpath-otel-podmonitor": {
         "tls": {"enabled": False}, "model": {"source": "hostPath", "hostPath": {"path": "/data/models"}},
         "otel": {"endpoint": "http://otel-collector.observability.svc:4317", "resourceAttributes": "env=test"},
-        "metrics": {"podMonitor": {"enabled": True}}, "gateway": {"apiKeys": {"existingSecret": "keys"}},
+        "metrics": {"podMonitor": {"enabled": True}},
+        "gateway": {"apiKeys": {"existingSecret": "keys"}, "tenants": {"existingSecret": "team-tenants"}},
         "networkPolicy": {"metricsFrom": [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}]}},
 }
 
@@ -177,6 +178,18 @@ def test_the_chart_lints_clean_and_each_value_set_renders_what_it_asks_for(rende
         assert env["OTEL_RESOURCE_ATTRIBUTES"].endswith(",env=test")
     assert find(plain, "PodMonitor")["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
     assert not [o for o in plain if o["kind"] == "Secret"]          # the API keys come from an existing Secret
+
+
+def test_a_tenants_secret_is_mounted_into_every_gateway_and_named_by_its_flag(rendered):
+    gateway = find(rendered["plaintext-hostpath-otel-podmonitor"], "Deployment", "-gateway")
+    c = container(gateway)
+    assert flag(c["args"], "--tenants-file") == "/etc/stepwire/tenants/tenants.json"
+    mount = next(m for m in c["volumeMounts"] if m["name"] == "tenants")
+    assert mount == {"name": "tenants", "mountPath": "/etc/stepwire/tenants", "readOnly": True}
+    volume = next(v for v in gateway["spec"]["template"]["spec"]["volumes"] if v["name"] == "tenants")
+    assert volume["secret"]["secretName"] == "team-tenants"
+    default = container(find(rendered["default"], "Deployment", "-gateway"))
+    assert "--tenants-file" not in default["args"] and all(m["name"] != "tenants" for m in default["volumeMounts"])
 
 
 def test_lora_values_give_executors_slots_and_an_adapter_volume_and_the_scheduler_the_start_adapters(rendered):
