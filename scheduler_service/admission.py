@@ -68,6 +68,8 @@ def admit(fleet: Fleet, submit, max_waiting: int) -> str:
     except InvalidRequestError as e:
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
     except RateLimited as e:
+        m = fleet.lifecycles.metrics
+        m.tenant_rejections.labels(m.tenant_label(submit.tenant), e.info.limit).inc()
         raise Refused(e.code, e.message, e.info) from None
     fleet.lifecycles.admitted(req, submit.traceparent, link.address)
     fleet.routed(link, req)

@@ -68,6 +68,9 @@ class SchedulerMetrics:
                                      "first token, by tenant.", ["tenant"], buckets=LATENCY, registry=r)
         self.tenant_queue_time = Histogram("stepwire:tenant_request_queue_time_seconds", "Arrival to first "
                                            "scheduled, by tenant.", ["tenant"], buckets=LATENCY, registry=r)
+        self.tenant_rejections = Counter("stepwire:tenant_rate_limited", "Requests refused by one of their tenant's "
+                                         "limits, by tenant and limit (requests, tokens, concurrent).",
+                                         ["tenant", "limit"], registry=r)
         self._tenant_labels: set[str] = set()
         r.register(_Live(links))
 

@@ -199,3 +199,13 @@ def test_when_the_kv_runs_out_the_victim_is_from_the_tenant_furthest_ahead_not_t
             break
     # b runs three requests to a's one, so it is ahead; a0, admitted last, is what FCFS alone would set back.
     assert sched.running[-1].request_id == "a0" and preempted == ["b2"]
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 4), st.integers(1, 10), st.sampled_from([4, 8]))
+def test_backlogged_tenants_get_tokens_in_the_ratio_of_their_weights_whatever_they_offer(wa, wb, load, slots):
+    # Both keep more requests waiting than they can run; b offers `load` times a's.
+    tokens = run_backlogged({"a": 6 * slots, "b": 6 * slots * load}, {"a": float(wa), "b": float(wb)}, 80,
+                            max_num_seqs=slots, max_num_batched_tokens=8 * slots)
+    assert sum(tokens.values()) > 400
+    assert abs((tokens["a"] / tokens["b"]) / (wa / wb) - 1) < 0.25, (tokens, wa, wb)

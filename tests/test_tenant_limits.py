@@ -132,7 +132,7 @@ def two_gateways(tmp_path_factory):
                 Service("scheduler", flags={"--rate-limit-window-seconds": WINDOW}),
                 Service("gateway", "gateway-1", flags=dict(gateway)),
                 Service("gateway", "gateway-2", flags=dict(gateway, **{"--port": free_port()}))], tmp) as s:
-        yield s["gateway-1"], s["gateway-2"]
+        yield s["gateway-1"], s["gateway-2"], s["scheduler"].flags["--metrics-address"]
 
 
 def complete(gw, key: str, **body):
@@ -146,7 +146,7 @@ def wait_out_the_window():
 
 @pytest.mark.processes
 def test_requests_per_minute_hold_across_two_gateways_and_the_429_is_openai_s(two_gateways):
-    one, two = two_gateways
+    one, two, scheduler_metrics = two_gateways
     wait_out_the_window()
     assert [complete(gw, "sk-m").status_code for gw in (one, two, one)] == [200, 200, 200]
     for gw, stream in ((two, False), (one, True)):
@@ -159,12 +159,14 @@ def test_requests_per_minute_hold_across_two_gateways_and_the_429_is_openai_s(tw
         assert r.headers["x-ratelimit-limit-requests"] == "3"
         assert r.headers["x-ratelimit-remaining-requests"] == "0"
     assert complete(two, "sk-f").status_code == 200        # other tenants are not held up
+    metrics = httpx.get(f"http://{scheduler_metrics}/metrics", timeout=10).text
+    assert 'stepwire:tenant_rate_limited_total{limit="requests",tenant="metered"} 2.0' in metrics
 
 
 @pytest.mark.processes
 def test_the_openai_sdk_raises_rate_limit_error_and_its_retry_waits_as_told(two_gateways):
     openai = pytest.importorskip("openai")
-    one, two = two_gateways
+    one, two, scheduler_metrics = two_gateways
     wait_out_the_window()
     for gw in (one, two, two):
         assert complete(gw, "sk-m").status_code == 200
@@ -183,7 +185,7 @@ def test_grpc_gets_resource_exhausted_with_the_same_facts(two_gateways):
     from stepwire.v1 import generation_pb2 as g
     from stepwire.v1 import generation_pb2_grpc
 
-    one, two = two_gateways
+    one, two, scheduler_metrics = two_gateways
     wait_out_the_window()
     request = g.GenerateRequest(text="Hi", params=g.SamplingParameters(max_tokens=2))
     meta = [("authorization", "Bearer sk-m")]
@@ -199,7 +201,7 @@ def test_grpc_gets_resource_exhausted_with_the_same_facts(two_gateways):
 
 @pytest.mark.processes
 def test_a_request_that_could_never_fit_or_asks_above_its_priority_ceiling_is_a_400(two_gateways):
-    one, _ = two_gateways
+    one, _, _ = two_gateways
     r = complete(one, "sk-s", max_tokens=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
     assert "40 tokens per minute" in r.json()["error"]["message"]
