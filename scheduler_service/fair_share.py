@@ -3,16 +3,18 @@
 Each tenant has a virtual time: the tokens scheduled for its requests (prefill and decode alike), divided by its
 weight. The next request admitted is the head of the tenant, among those with requests waiting, whose virtual time
 is least; inside a tenant the policy's order holds (FCFS, or priority). A tenant that comes back after having no
-request here starts at the least virtual time of the tenants that have some, so an idle tenant banks no credit:
-it gets its share from then on, not a burst for the time it was away.
+request here starts just below the least virtual time of the tenants that have some, so an idle tenant banks no
+credit: it gets its share from then on, not a burst for the time it was away, and only ties go its way (its
+first request is next, not after the requests the busy tenants already have waiting).
 
 Virtual time runs only while two or more tenants have requests: alone, a tenant is charged nothing and owes
 nothing. With one tenant this is the policy's own queue, request for request (the vLLM-identical tests run
 through it).
 
-Not yet (issue 32): the order of running requests and the choice of preemption victims still follow the policy
-alone, and tenants reach the scheduler only through SubmitRequest's `tenant` and `tenant_weight` (the gateway
-does not map API keys to tenants yet).
+The slots and the KV follow the same measure: a tenant under its weighted share of full slots takes one back
+from the tenant furthest over it (`slot_victim`), and when the KV runs out the victim comes from the tenant
+furthest ahead in virtual time (`kv_victim`). Tenants reach the scheduler through SubmitRequest's `tenant` and
+`tenant_weight`, which the gateway sets from the caller's API key (gateway/tenants.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ from collections.abc import Iterable, Iterator
 
 from scheduler_service.request import Request
 from scheduler_service.request_queue import FCFSQueue, PriorityQueue, make_queue
+
+# How far below the busy tenants' least virtual time a returning tenant starts, in tokens: enough to win the tie,
+# too little to be a credit.
+RETURN_AHEAD = 1e-3
 
 
 class TenantClock:
@@ -34,7 +40,7 @@ class TenantClock:
         t = req.tenant
         if not self.live.get(t):
             busy = [self.vtime[u] for u, n in self.live.items() if n and u != t]
-            self.vtime[t] = max(self.vtime.get(t, 0.0), min(busy, default=0.0))
+            self.vtime[t] = max(self.vtime.get(t, 0.0), min(busy, default=0.0) - RETURN_AHEAD)
         self.live[t] = self.live.get(t, 0) + 1
 
     def leave(self, req: Request) -> None:
