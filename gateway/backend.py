@@ -312,6 +312,11 @@ def check_tenant(prompt_tokens: int, p: GenerationParams) -> None:
     if t.max_priority is not None and p.priority < t.max_priority:
         raise InvalidRequestError("priority", f"tenant {t.name!r} may ask priorities of {t.max_priority} and above "
                                   f"(lower is more urgent), got {p.priority}")
+    # Each of n completions is a request of its own at the scheduler.
+    for most, what in ((t.max_concurrent, "concurrent requests"), (t.requests_per_minute, "requests per minute")):
+        if most and p.n > most:
+            raise InvalidRequestError("n", f"n={p.n} completions exceed tenant {t.name!r}'s {most} {what}; it "
+                                      "could never be served")
     cost = (prompt_tokens + p.sampling.max_tokens) * p.n
     if t.tokens_per_minute and cost > t.tokens_per_minute:
         raise InvalidRequestError("max_tokens", f"the prompt's {prompt_tokens} tokens plus max_tokens="

@@ -159,10 +159,10 @@ class Scheduler:
         spec: dict[str, int] = {}
 
         # A tenant under its share of the slots takes one back from the tenant furthest over it (fair_share.py).
-        victim = slot_victim(running, self.waiting, self.clock, cfg.max_num_seqs)
-        if victim is not None:
-            running.remove(victim)
-            self._preempt(victim)
+        taken_back = slot_victim(running, self.waiting, self.clock, cfg.max_num_seqs)
+        if taken_back is not None:
+            running.remove(taken_back)
+            self._preempt(taken_back)
             self.fair_preemptions += 1
 
         # Running requests. num_computed_tokens advances as soon as a request is scheduled: nothing later
@@ -215,11 +215,10 @@ class Scheduler:
                     break
                 new_ids = allocate(req, n)
             if new_ids is None:
-                if by_priority:
-                    # It was the lowest-ranked request; higher-ranked ones after it may still fit, and
-                    # removing it already moved them up to index i.
-                    continue
-                break
+                # It was the victim itself. By priority it was the lowest-ranked; with tenants, the last of the
+                # tenant furthest ahead. Requests after it may still fit, and removing it moved them up to index
+                # i. In plain FCFS it was the last one, and the loop ends here as it did.
+                continue
             rid = req.request_id
             req.num_computed_tokens = computed + n
             if computed < req.num_computed_before:     # a later chunk of a prompt it computed once already
@@ -255,7 +254,7 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=cfg.max_num_batched_tokens - token_budget,
             finished_req_ids=self.finished_req_ids,
-            preempted_req_ids={r.request_id for r in preempted} | ({victim.request_id} if victim else set()),
+            preempted_req_ids={r.request_id for r in preempted} | ({taken_back.request_id} if taken_back else set()),
             spec_tokens=spec,
             lora_loads=lora_loads,
             lora_rows=lora_rows,

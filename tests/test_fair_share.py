@@ -209,3 +209,28 @@ def test_backlogged_tenants_get_tokens_in_the_ratio_of_their_weights_whatever_th
                             max_num_seqs=slots, max_num_batched_tokens=8 * slots)
     assert sum(tokens.values()) > 400
     assert abs((tokens["a"] / tokens["b"]) / (wa / wb) - 1) < 0.25, (tokens, wa, wb)
+
+
+def test_every_request_set_back_in_a_step_is_named_in_that_step_s_preempted_ids():
+    # Full slots and a tight KV pool at once: a slot taken back for a tenant and a memory-pressure victim can fall
+    # in one step, and the executor must hear of both; and the running requests that are left all get their step.
+    sched = make_scheduler(num_blocks=20, block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
+    for n in range(10):
+        sched.add_request(req(f"b{n}", 6 + n % 5, max_tokens=40, first=100 * n, tenant="b"))
+    both = 0
+    for k in range(400):
+        if k == 8:
+            for n in range(10, 14):
+                sched.add_request(req(f"a{n}", 6, max_tokens=40, first=100 * n, tenant="a"))
+        if not sched.requests:
+            break
+        before = {r.request_id for r in sched.running}
+        fair, total = sched.fair_preemptions, sched.num_preemptions
+        out, _ = step(sched)
+        set_back = {rid for rid in before - {r.request_id for r in sched.running} if rid in sched.requests}
+        assert set_back <= out.preempted_req_ids, (k, set_back, out.preempted_req_ids)
+        # And a victim taken from the middle of the running list leaves the requests after it their step.
+        if out.total_num_scheduled_tokens < 64:
+            assert {r.request_id for r in sched.running} <= out.num_scheduled_tokens.keys(), k
+        both += sched.fair_preemptions > fair and sched.num_preemptions - total > 1
+    assert both, "no step had both kinds of preemption: the case went untested"

@@ -206,6 +206,8 @@ def test_a_request_that_could_never_fit_or_asks_above_its_priority_ceiling_is_a_
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
     assert "40 tokens per minute" in r.json()["error"]["message"]
     assert complete(one, "sk-s", max_tokens=4).status_code == 200
+    r = complete(one, "sk-m", n=4, temperature=1.0)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
     r = complete(one, "sk-b", priority=-1)
     assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
     assert complete(one, "sk-b", priority=0).status_code == 200
