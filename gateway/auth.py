@@ -11,8 +11,6 @@ import hashlib
 import hmac
 import logging
 import os
-import time
-from pathlib import Path
 
 import grpc
 from fastapi.security.utils import get_authorization_scheme_param
@@ -20,12 +18,12 @@ from starlette.authentication import AuthCredentials, AuthenticationBackend, Aut
 from starlette.requests import HTTPConnection
 
 from gateway.tenants import DEFAULT, Tenant, TenantsError, TenantsFile
+from gateway.watched_file import WatchedFile
 from security.listen import is_loopback
 
 log = logging.getLogger("stepwire.gateway")
 
 ENV = "STEPWIRE_API_KEY"
-RECHECK_SECONDS = 1.0   # the key file is looked at no more often than this
 MISSING = ("You didn't provide an API key. You need to provide your API key in an Authorization header using "
            "Bearer auth (i.e. Authorization: Bearer YOUR_KEY).")
 INCORRECT = "Incorrect API key provided."
@@ -49,16 +47,14 @@ class ApiKeys:
     def __init__(self, key_file: str = "", env_value: str | None = None, tenants_file: str = ""):
         env_value = os.environ.get(ENV, "") if env_value is None else env_value
         self._env = [_digest(k) for k in parse_keys(env_value.replace(",", "\n"))]
-        self._path = Path(key_file) if key_file else None
-        self._file: list[bytes] = []
-        self._stamp = None
-        self._checked = time.monotonic()
-        if self._path is not None:
+        self._file = None
+        if key_file:
             try:
-                self._reload()
+                self._file = WatchedFile(key_file, lambda text: [_digest(k) for k in parse_keys(text)],
+                                         "API key file", changed=lambda keys: _keys_changed(key_file, keys))
             except OSError as e:
                 raise AuthSetupError(f"stepwire gateway: cannot read --api-key-file {key_file}: {e}") from None
-            if not self._file:
+            if not self._file.value:
                 raise AuthSetupError(f"stepwire gateway: --api-key-file {key_file} holds no key")
         self.tenants = None
         if tenants_file:
@@ -70,7 +66,7 @@ class ApiKeys:
     @property
     def enabled(self) -> bool:
         # A key file that later empties refuses everyone rather than opening the gateway.
-        return self._path is not None or bool(self._env) or self.tenants is not None
+        return self._file is not None or bool(self._env) or self.tenants is not None
 
     def check(self, presented: str | None) -> bool:
         return self.identify(presented) is not None
@@ -94,26 +90,13 @@ class ApiKeys:
         return found
 
     def _current(self) -> list[bytes]:
-        now = time.monotonic()
-        if self._path is not None and now - self._checked >= RECHECK_SECONDS:
-            self._checked = now
-            try:
-                self._reload()
-            except OSError as e:   # mid-rotation, or gone: keep the keys we have
-                log.warning("cannot re-read the API key file %s (%s); keeping the keys read before", self._path, e)
-        return self._file + self._env
+        return (self._file.current() if self._file is not None else []) + self._env
 
-    def _reload(self) -> None:
-        st = os.stat(self._path)   # follows the symlinks a Kubernetes Secret volume swaps on rotation
-        stamp = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
-        if stamp == self._stamp:
-            return
-        keys = parse_keys(self._path.read_text())
-        if self._stamp is not None:
-            log.info("API key file %s changed: %d keys", self._path, len(keys))
-            if not keys:
-                log.warning("API key file %s holds no key: every request is refused", self._path)
-        self._file, self._stamp = [_digest(k) for k in keys], stamp
+
+def _keys_changed(path: str, keys: list[bytes]) -> None:
+    log.info("API key file %s changed: %d keys", path, len(keys))
+    if not keys:
+        log.warning("API key file %s holds no key: every request is refused", path)
 
 
 def require_key_beyond_loopback(addresses: list[str], keys: ApiKeys, insecure: bool) -> None:

@@ -18,17 +18,15 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
-import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from gateway.watched_file import WatchedFile
+
 log = logging.getLogger("stepwire.gateway")
 
-RECHECK_SECONDS = 1.0
 TENANT_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 
 
@@ -98,34 +96,17 @@ def parse_tenants(text: str) -> dict[str, Tenant]:
 
 
 class TenantsFile:
-    """The tenants file as last read: (digest of a key, its tenant) pairs, re-read at most every
-    RECHECK_SECONDS when it changed. `digest` is how the caller compares keys (auth.py)."""
+    """The tenants file as last read: (digest of a key, its tenant) pairs. `digest` is how the caller compares
+    keys (auth.py)."""
 
     def __init__(self, path: str, digest):
-        self.path = Path(path)
-        self.digest = digest
-        self._stamp = None
-        self._checked = time.monotonic()
-        self.keys: list[tuple[bytes, Tenant]] = []
-        self._reload(first=True)
+        def parse(text: str) -> list[tuple[bytes, Tenant]]:
+            return [(digest(k), t) for k, t in parse_tenants(text).items()]
+
+        def changed(keys: list[tuple[bytes, Tenant]]) -> None:
+            log.info("tenants file %s changed: %d tenants, %d keys", path, len({t.name for _, t in keys}), len(keys))
+
+        self.file = WatchedFile(path, parse, "tenants file", (OSError, TenantsError), changed)
 
     def current(self) -> list[tuple[bytes, Tenant]]:
-        now = time.monotonic()
-        if now - self._checked >= RECHECK_SECONDS:
-            self._checked = now
-            try:
-                self._reload()
-            except (OSError, TenantsError) as e:   # mid-rotation, gone, or broken: keep what was read before
-                log.warning("cannot use the tenants file %s now (%s); keeping the tenants read before", self.path, e)
-        return self.keys
-
-    def _reload(self, first: bool = False) -> None:
-        st = os.stat(self.path)   # follows the symlinks a Kubernetes Secret volume swaps on rotation
-        stamp = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
-        if stamp == self._stamp:
-            return
-        by_key = parse_tenants(self.path.read_text())
-        if not first:
-            log.info("tenants file %s changed: %d tenants, %d keys", self.path,
-                     len({t.name for t in by_key.values()}), len(by_key))
-        self.keys, self._stamp = [(self.digest(k), t) for k, t in by_key.items()], stamp
+        return self.file.current()

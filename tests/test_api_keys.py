@@ -12,7 +12,7 @@ openai = pytest.importorskip("openai")
 
 from helpers import free_port, wait_until  # noqa: E402
 
-from gateway import auth  # noqa: E402
+from gateway import auth, watched_file  # noqa: E402
 from gateway.auth import ApiKeys, bearer, require_key_beyond_loopback  # noqa: E402
 from launcher.processes import Service, flag_dict  # noqa: E402
 
@@ -38,7 +38,7 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch):
     c = Clock()
-    monkeypatch.setattr(auth.time, "monotonic", c)
+    monkeypatch.setattr(watched_file.time, "monotonic", c)
     return c
 
 
@@ -85,8 +85,8 @@ def test_a_changed_key_file_is_read_again_but_no_more_than_once_a_second(tmp_pat
     f.write_text("old\n")
     keys = ApiKeys(str(f), "")
     reads = []
-    reload = keys._reload
-    monkeypatch.setattr(keys, "_reload", lambda: reads.append(clock.now) or reload())
+    reload = keys._file._reload
+    monkeypatch.setattr(keys._file, "_reload", lambda: reads.append(clock.now) or reload())
     f.write_text("new\n")
     clock.now += 0.5
     assert keys.check("old") and not keys.check("new")         # within the second: not looked at yet

@@ -14,7 +14,7 @@ httpx = pytest.importorskip("httpx")
 
 from helpers import wait_until  # noqa: E402
 
-from gateway import tenants as tenants_mod  # noqa: E402
+from gateway import watched_file  # noqa: E402
 from gateway.auth import ApiKeys, AuthSetupError  # noqa: E402
 from gateway.tenants import DEFAULT, Tenant, TenantsError, parse_tenants  # noqa: E402
 
@@ -67,7 +67,7 @@ def test_a_tenants_file_that_cannot_be_used_stops_the_gateway_at_start(tmp_path,
 
 def test_a_changed_tenants_file_is_read_again_and_a_broken_one_keeps_the_tenants_before(tmp_path, monkeypatch):
     now = [1000.0]
-    monkeypatch.setattr(tenants_mod.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(watched_file.time, "monotonic", lambda: now[0])
     path = tmp_path / "tenants.json"
     path.write_text(json.dumps(SPEC))
     keys = ApiKeys(env_value="", tenants_file=str(path))
