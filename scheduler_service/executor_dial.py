@@ -9,6 +9,7 @@ import time
 
 import grpc
 
+from scheduler_service.fair_share import FleetClock
 from scheduler_service.scheduler import Scheduler
 from scheduler_service.settings import SchedulerSettings
 from security import tls
@@ -44,7 +45,9 @@ async def describe(stub, address: str, retry_seconds: float) -> executor_pb2.Des
             await asyncio.sleep(retry_seconds)
 
 
-def core_for(settings: SchedulerSettings, d: executor_pb2.DescribeResponse) -> Scheduler:
-    """A core with a block pool of the executor's size, within what it can hold (SchedulerSettings.core_config)."""
+def core_for(settings: SchedulerSettings, d: executor_pb2.DescribeResponse,
+             tenants: FleetClock | None = None) -> Scheduler:
+    """A core with a block pool of the executor's size, within what it can hold (SchedulerSettings.core_config),
+    sharing the fleet's tenant virtual times (`tenants`)."""
     return Scheduler(settings.core_config(d.block_size, d.max_model_len, d.device, d.max_num_seqs,
-                                          d.max_num_batched_tokens), num_blocks=d.num_blocks)
+                                          d.max_num_batched_tokens), num_blocks=d.num_blocks, tenants=tenants)

@@ -25,6 +25,7 @@ from observability.log_limits import Every, held_note
 from scheduler_service import migration
 from scheduler_service.drain import Drain
 from scheduler_service.executor_dial import core_for, describe, dial
+from scheduler_service.fair_share import FleetClock
 from scheduler_service.lifecycle import Lifecycles
 from scheduler_service.request import Request
 from scheduler_service.scheduler import Scheduler
@@ -46,8 +47,10 @@ class ExecutorLink:
                  on_lost: Callable[[ExecutorLink], None] = lambda link: None,
                  on_drain: Callable[[ExecutorLink, bool], None] = lambda link, everything: None,
                  on_export: Callable[[ExecutorLink, object], None] = lambda link, which: None,
-                 on_bad_adapter: Callable[[ExecutorLink, str], None] = lambda link, key: None):
+                 on_bad_adapter: Callable[[ExecutorLink, str], None] = lambda link, key: None,
+                 tenants: FleetClock | None = None):
         self.address = address
+        self.tenants = tenants            # the fleet's tenant virtual times, shared by every link's core
         self.settings = settings
         self.lifecycles = lifecycles
         self.streams = {} if streams is None else streams   # the fleet's, shared by every link
@@ -191,7 +194,7 @@ class ExecutorLink:
     async def _connect(self, stub) -> None:
         d = await describe(stub, self.address, self.settings.retry_seconds)
         if self.core is None:       # the core outlives reconnects: its requests stay with the address
-            self.core = core_for(self.settings, d)
+            self.core = core_for(self.settings, d, self.tenants)
             self.eos_token_ids, self.vocab_size, self.kv_layout = tuple(d.eos_token_ids), d.vocab_size, d.kv_layout
             self.role = d.role or "mixed"
             # The executor names its model by directory; the gateway serves it under the directory's name too.

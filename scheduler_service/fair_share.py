@@ -3,13 +3,20 @@
 Each tenant has a virtual time: the tokens scheduled for its requests (prefill and decode alike), divided by its
 weight. The next request admitted is the head of the tenant, among those with requests waiting, whose virtual time
 is least; inside a tenant the policy's order holds (FCFS, or priority). A tenant that comes back after having no
-request here starts just below the least virtual time of the tenants that have some, so an idle tenant banks no
-credit: it gets its share from then on, not a burst for the time it was away, and only ties go its way (its
-first request is next, not after the requests the busy tenants already have waiting).
+request anywhere in the fleet starts just below the least virtual time of the tenants that have some, so an idle
+tenant banks no credit: it gets its share from then on, not a burst for the time it was away, and only ties go its
+way (its first request is next, not after the requests the busy tenants already have waiting).
 
 Virtual time runs only while two or more tenants have requests: alone, a tenant is charged nothing and owes
 nothing. With one tenant this is the policy's own queue, request for request (the vLLM-identical tests run
 through it).
+
+The virtual times are the fleet's (`FleetClock`, one per scheduler process), not each core's: a tenant is charged
+for its tokens on every executor, and every core admits by the same clock. So the shares hold for the fleet as a
+whole: a tenant whose requests all land on one executor (routing follows its cached prefix) is behind there while
+a tenant spread over the fleet is served elsewhere too, and it gets more of that executor. Slot shares stay per
+core (a core's slots by the weights of the tenants live on it); the virtual-time condition on taking a slot back
+keeps them from working against the fleet's clock.
 
 The slots and the KV follow the same measure: a tenant under its weighted share of full slots takes one back
 from the tenant furthest over it (`slot_victim`), and when the KV runs out the victim comes from the tenant
@@ -29,25 +36,45 @@ from scheduler_service.request_queue import FCFSQueue, PriorityQueue, make_queue
 RETURN_AHEAD = 1e-3
 
 
-class TenantClock:
-    """Virtual time per tenant, and how many of the core's requests each has (a tenant with none is idle)."""
+class FleetClock:
+    """Virtual time per tenant for a whole fleet, shared by every executor's core: tokens scheduled for a tenant
+    anywhere count against its share everywhere, so a tenant whose requests all land on one executor (its prefix
+    is cached there) gets more of that executor while the others have the rest of the fleet. `live` counts each
+    tenant's requests on all the cores together."""
 
     def __init__(self) -> None:
         self.vtime: dict[str, float] = {}
         self.live: dict[str, int] = {}
 
+
+class TenantClock:
+    """One core's view of its fleet's clock: the shared virtual times, and how many of this core's requests each
+    tenant has (a tenant with none here is idle here; one with none anywhere is idle)."""
+
+    def __init__(self, fleet: FleetClock | None = None) -> None:
+        self.fleet = FleetClock() if fleet is None else fleet
+        self.vtime = self.fleet.vtime
+        self.live: dict[str, int] = {}
+
     def arrive(self, req: Request) -> None:
-        t = req.tenant
-        if not self.live.get(t):
-            busy = [self.vtime[u] for u, n in self.live.items() if n and u != t]
+        t, everywhere = req.tenant, self.fleet.live
+        if not everywhere.get(t):
+            busy = [self.vtime[u] for u, n in everywhere.items() if n and u != t]
             self.vtime[t] = max(self.vtime.get(t, 0.0), min(busy, default=0.0) - RETURN_AHEAD)
+        everywhere[t] = everywhere.get(t, 0) + 1
         self.live[t] = self.live.get(t, 0) + 1
 
     def leave(self, req: Request) -> None:
         t = req.tenant
-        self.live[t] -= 1
-        if not self.live[t]:
-            del self.live[t]
+        for live in (self.live, self.fleet.live):
+            live[t] -= 1
+            if not live[t]:
+                del live[t]
+
+    @property
+    def running(self) -> bool:
+        """Virtual time runs only while two or more tenants have requests somewhere in the fleet."""
+        return len(self.fleet.live) > 1
 
     def charge(self, req: Request, tokens: int) -> None:
         self.vtime[req.tenant] += tokens / req.weight

@@ -18,6 +18,7 @@ import grpc
 
 from scheduler_service.adapter_registry import AdapterRegistry, parse_modules
 from scheduler_service.executor_link import ExecutorLink
+from scheduler_service.fair_share import FleetClock
 from scheduler_service.kv_moves import KVMoves
 from scheduler_service.lifecycle import Lifecycles
 from scheduler_service.request import Request
@@ -43,6 +44,8 @@ class Fleet:
         self.lifecycles = lifecycles
         # Tenants' limits, for every gateway at once; a request's count ends with its life.
         self.limits = lifecycles.limits = TenantLimits(settings.rate_limit_window_seconds)
+        # Tenants' virtual times, one for every executor's core: the shares hold across the fleet (fair_share.py).
+        self.tenants = FleetClock()
         self.on_change = on_change
         self.links: dict[str, ExecutorLink] = {}
         self.streams: dict[str, object] = {}         # request id -> its stream; shared by every link
@@ -79,7 +82,8 @@ class Fleet:
         """A new member: its link connects, sizes a block pool from Describe and starts taking requests."""
         link = ExecutorLink(address, self.settings, streams=self.streams, lifecycles=self.lifecycles,
                             on_change=self._changed, on_lost=self.evacuate, on_drain=self.drain_queue,
-                            on_export=self.kv_moves.export_running, on_bad_adapter=self.drop_adapter)
+                            on_export=self.kv_moves.export_running, on_bad_adapter=self.drop_adapter,
+                            tenants=self.tenants)
         self.links[address] = link
         link.start().add_done_callback(lambda _: self._ended(link))
         log.info("executor %s joined the fleet", address)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from scheduler_service.adapter_slots import AdapterSlots
 from scheduler_service.config import SchedulerConfig
-from scheduler_service.fair_share import FairQueue, TenantClock, kv_victim, slot_victim
+from scheduler_service.fair_share import FairQueue, FleetClock, TenantClock, kv_victim, slot_victim
 from scheduler_service.kv_cache.manager import KVCacheManager
 from scheduler_service.output import (
     CachedRequestData,
@@ -42,14 +42,15 @@ def _preemption_rank(request: Request) -> tuple[int, float]:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, num_blocks: int):
+    def __init__(self, config: SchedulerConfig, num_blocks: int, tenants: FleetClock | None = None):
         self.config = config
         self.kv = KVCacheManager(num_blocks, config.block_size, config.max_model_len,
                                  config.enable_prefix_caching)
         # Unfinished requests only: waiting, running or preempted.
         self.requests: dict[str, Request] = {}
-        # Tenants share each step's tokens by weight (fair_share.py); with one tenant, the policy's queue as is.
-        self.clock = TenantClock()
+        # Tenants share each step's tokens by weight (fair_share.py), by virtual times shared with the fleet's other
+        # cores (`tenants`); with one tenant, the policy's queue as is.
+        self.clock = TenantClock(tenants)
         self.waiting = FairQueue(config.policy, self.clock)
         self.running: list[Request] = []
         # Ended since the last schedule(); the next output tells the executors to drop them.
@@ -243,7 +244,7 @@ class Scheduler:
             token_budget = admit_waiting(cfg, kv, self.waiting, running, token_budget, threshold, new_reqs, cached,
                                          num_scheduled, self.adapters)
         lora_loads, lora_rows = self.adapters.take()
-        if len(self.clock.live) > 1:
+        if self.clock.running:
             requests, charge = self.requests, self.clock.charge
             for rid, n in num_scheduled.items():
                 charge(requests[rid], n)

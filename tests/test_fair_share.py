@@ -10,8 +10,10 @@ from helpers import make_scheduler, req, step
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler_service.fair_share import FairQueue, TenantClock
+from scheduler_service.config import SchedulerConfig
+from scheduler_service.fair_share import FairQueue, FleetClock, TenantClock
 from scheduler_service.request_queue import make_queue
+from scheduler_service.scheduler import Scheduler
 
 
 @settings(max_examples=80, deadline=None)
@@ -234,3 +236,77 @@ def test_every_request_set_back_in_a_step_is_named_in_that_step_s_preempted_ids(
             assert {r.request_id for r in sched.running} <= out.num_scheduled_tokens.keys(), k
         both += sched.fair_preemptions > fair and sched.num_preemptions - total > 1
     assert both, "no step had both kinds of preemption: the case went untested"
+
+
+def fleet_tokens(shared: bool, steps: int = 80) -> Counter:
+    """Two executors' cores; tenant a's requests all go to the first (say its prefix is cached there), b's to
+    both; both stay backlogged. Tokens scheduled per tenant over the fleet."""
+    clock = FleetClock() if shared else None
+    cores = [Scheduler(SchedulerConfig(max_model_len=20000, max_num_seqs=8, max_num_batched_tokens=64),
+                       num_blocks=1000, tenants=clock if shared else FleetClock()) for _ in range(2)]
+    n = 0
+    for i in range(400):
+        cores[0].add_request(req(f"a{n}", 24, max_tokens=8, first=100 * n, tenant="a"))
+        n += 1
+        cores[i % 2].add_request(req(f"b{n}", 24, max_tokens=8, first=100 * n, tenant="b"))
+        n += 1
+    tokens = Counter()
+    for _ in range(steps):
+        for core in cores:
+            out, _ = step(core)
+            for rid, k in out.num_scheduled_tokens.items():
+                tokens[rid[0]] += k
+    assert {r.tenant for r in cores[0].waiting} == {"a", "b"} and cores[1].waiting, "a tenant ran out of work"
+    return tokens
+
+
+def test_shares_hold_across_the_fleet_when_a_tenant_s_requests_all_land_on_one_executor():
+    # With the fleet's clock, a (on one executor) gets as many tokens as b (on two): nearly all of its executor.
+    tokens = fleet_tokens(shared=True)
+    assert 0.8 < tokens["a"] / tokens["b"] < 1.2, tokens
+    # Each core on its own clock would give a half of one executor, a third of b's tokens.
+    alone = fleet_tokens(shared=False)
+    assert alone["a"] / alone["b"] < 0.45, alone
+
+
+def test_a_fleet_s_tenant_counts_are_the_sum_of_its_cores_and_empty_when_every_request_ended():
+    from scheduler_service.migration import adopt, take_all
+    clock = FleetClock()
+    src, dst = (Scheduler(SchedulerConfig(max_model_len=20000), num_blocks=1000, tenants=clock) for _ in range(2))
+    for i in range(6):
+        (src if i < 4 else dst).add_request(req(f"r{i}", 8, max_tokens=2, first=20 * i, tenant="ab"[i % 2]))
+    assert clock.live == {"a": 3, "b": 3} and src.clock.live == {"a": 2, "b": 2}
+    step(src)
+    adopt(dst, take_all(src))
+    assert clock.live == dst.clock.live == {"a": 3, "b": 3} and src.clock.live == {}
+    while dst.requests:
+        step(dst)
+    assert clock.live == {} and set(clock.vtime) == {"a", "b"}
+
+
+def test_every_executor_s_core_in_a_scheduler_runs_on_the_fleet_s_one_clock():
+    import asyncio
+
+    from scheduler_service.fleet import Fleet
+    from scheduler_service.lifecycle import Lifecycles
+    from scheduler_service.metrics import SchedulerMetrics
+    from scheduler_service.settings import SchedulerSettings
+    from stepwire.contract.settings import load
+    from stepwire.internal import executor_pb2
+
+    class Describes:
+        async def Describe(self, request, timeout=None):
+            return executor_pb2.DescribeResponse(num_blocks=64, block_size=16, max_model_len=1024, model="m")
+
+    async def connect_two():
+        fleet = Fleet(load(SchedulerSettings, []), Lifecycles(SchedulerMetrics(lambda: []), "m"))
+        links = [fleet.add(f"127.0.0.1:{port}") for port in (1, 2)]
+        for link in links:
+            link.task.cancel()
+            await link._connect(Describes())
+        return fleet, links
+
+    fleet, (one, two) = asyncio.run(connect_two())
+    one.core.add_request(req("r1", 8, tenant="a"))
+    two.core.add_request(req("r2", 8, tenant="b", first=50))
+    assert fleet.tenants.live == {"a": 1, "b": 1} and one.core.clock.running and two.core.clock.running
