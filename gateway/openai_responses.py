@@ -44,8 +44,13 @@ async def respond(backend: Backend, raw: Request, req, prompt: list[int], p: Gen
         if p.tenant.limited:
             # A tenant's limit refuses at the scheduler: that must be a 429 the client's SDK can act on, not an
             # event inside a 200 stream, so the response starts only once the first delta (or refusal) is in.
+            # A client that hangs up before it (say, while its request waits in the queue) ends the request.
+            first = asyncio.ensure_future(anext(deltas))
+            if not await _kept(first, raw):
+                obs.end(499, usage, error="client disconnected")
+                return JSONResponse({}, status_code=499)
             try:
-                deltas = _then(await anext(deltas), deltas)
+                deltas = _then(first.result(), deltas)
             except SchedulerError as e:
                 response = rpc_error(e)
                 obs.end(response.status_code, error=e.details())
@@ -58,13 +63,9 @@ async def respond(backend: Backend, raw: Request, req, prompt: list[int], p: Gen
     gen = backend.generate(prompt, p, usage, obs)
     task = asyncio.ensure_future(_collect(gen, texts, finish, lps))
     # A client that hangs up on a non-streaming call still frees its blocks: watch for it.
-    while not task.done():
-        await asyncio.wait([task], timeout=0.25)
-        if not task.done() and await raw.is_disconnected():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            obs.end(499, usage, finish, error="client disconnected")
-            return JSONResponse({}, status_code=499)
+    if not await _kept(task, raw):
+        obs.end(499, usage, finish, error="client disconnected")
+        return JSONResponse({}, status_code=499)
     try:
         task.result()
     except SchedulerError as e:
@@ -94,6 +95,17 @@ async def _collect(gen, texts, finish, lps) -> None:
         lps[c.index] += c.logprobs or []
         if c.finish_reason is not None:
             finish[c.index] = c.finish_reason
+
+
+async def _kept(task: asyncio.Future, raw: Request) -> bool:
+    """Wait for `task`; False (and `task` cancelled, which aborts its requests) if the client hung up first."""
+    while not task.done():
+        await asyncio.wait([task], timeout=0.25)
+        if not task.done() and await raw.is_disconnected():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            return False
+    return True
 
 
 async def _then(first, rest):

@@ -150,17 +150,10 @@ def slot_victim(running: list[Request], waiting: FairQueue, clock: TenantClock, 
     that wait at a step or two, and stops once every tenant holds its share. A share is the slots times the
     tenant's weight over the weights of the tenants with live requests. The victim's tenant must also be ahead
     in virtual time, so that it is not the next one admitted again (no slot changes hands back and forth)."""
-    live = clock.live
-    if len(live) < 2 or len(running) < max_num_seqs or not waiting:
+    if len(clock.live) < 2 or len(running) < max_num_seqs or not waiting:
         return None
     head = waiting.peek()
-    weight = {t: q.peek().weight for t, q in waiting.queues.items() if q}
-    held: dict[str, int] = {}
-    for r in running:
-        held[r.tenant] = held.get(r.tenant, 0) + 1
-        weight[r.tenant] = r.weight
-    total = sum(weight.get(t, 1.0) for t in live)
-    share = {t: max_num_seqs * weight.get(t, 1.0) / total for t in live}
+    held, weight, share = shares(running, waiting, clock, max_num_seqs)
     if held.get(head.tenant, 0) + 1 > share[head.tenant]:
         return None
     over = max(held, key=lambda t: held[t] / weight[t])
@@ -171,6 +164,31 @@ def slot_victim(running: list[Request], waiting: FairQueue, clock: TenantClock, 
         if r.tenant == over and not r.spec_in_flight:
             return r
     return None
+
+
+def shares(running: list[Request], waiting: FairQueue, clock: TenantClock, max_num_seqs: int):
+    """(slots held, weights, slot shares) per tenant live on this core: a share is the slots times the tenant's
+    weight over the weights of the tenants with live requests here."""
+    weight = {t: q.peek().weight for t, q in waiting.queues.items() if q}
+    held: dict[str, int] = {}
+    for r in running:
+        held[r.tenant] = held.get(r.tenant, 0) + 1
+        weight[r.tenant] = r.weight
+    total = sum(weight.get(t, 1.0) for t in clock.live)
+    return held, weight, {t: max_num_seqs * weight.get(t, 1.0) / total for t in clock.live}
+
+
+def light_tenants(running: list[Request], waiting: FairQueue, clock: TenantClock, max_num_seqs: int) -> set | None:
+    """The tenants holding at most half their share of the slots, with several tenants live; else None.
+
+    A step that admits a light tenant's request admits no other tenant's after it (`admit_waiting`): on a CPU a
+    step's time grows with its tokens, and a flooding tenant's new prompts in the same step would make the light
+    tenant's first token wait for their prefill too. The flooding tenant loses a step of admission, once per
+    light request; its running requests keep their step."""
+    if len(clock.live) < 2 or not waiting:
+        return None
+    held, _, share = shares(running, waiting, clock, max_num_seqs)
+    return {t for t in clock.live if held.get(t, 0) + 1 <= share[t] / 2}
 
 
 def kv_victim(running: list[Request], start: int, clock: TenantClock) -> int:

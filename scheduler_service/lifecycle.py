@@ -134,7 +134,7 @@ class Lifecycles:
     def finished(self, rid: str, reason: str, cached_tokens: int = 0, spec: tuple | None = None) -> None:
         life = self.lives.pop(rid, None)
         if self.limits is not None:
-            self.limits.ended(rid)
+            self.limits.ended(rid, None if life is None else life.num_prompt_tokens + life.output_tokens)
         if life is None:
             return
         now = time.monotonic()

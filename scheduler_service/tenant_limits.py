@@ -7,7 +7,9 @@ afresh. Its gateways resubmit what they held, marked `resumed`: those count towa
 towards the per-minute limits.
 
 The per-minute limits are sliding windows of `window` seconds (60 in service). A request costs one request and
-its prompt plus max_tokens in tokens, counted when it is admitted, as OpenAI counts them. Concurrency counts the
+its prompt plus max_tokens in tokens, counted when it is admitted, as OpenAI counts them; when it ends, its charge
+comes down to the tokens it used (prompt plus output), so a request that stops early (an EOS, a stop string, a
+client gone) leaves the rest of its max_tokens to the tenant's next requests. Concurrency counts the
 requests admitted and not yet ended (Lifecycles calls `ended`). A refusal says which limit refused it, what is left
 of both per-minute limits, and when the request would fit: the gateway answers 429 with Retry-After and OpenAI's
 x-ratelimit-* headers from it.
@@ -40,7 +42,7 @@ class RateLimited(Exception):
 @dataclass
 class _Usage:
     requests: deque = field(default_factory=deque)           # admission times in the window
-    tokens: deque = field(default_factory=deque)             # (admission time, tokens)
+    tokens: deque = field(default_factory=deque)             # [admission time, tokens]: lowered when it ends
     token_sum: int = 0
     live: set = field(default_factory=set)                   # request ids admitted, not ended
 
@@ -50,6 +52,7 @@ class TenantLimits:
         self.window, self.clock = window, clock
         self.usage: dict[str, _Usage] = {}
         self.tenant_of: dict[str, str] = {}                   # live request id -> its tenant
+        self.charge_of: dict[str, list] = {}                  # live request id -> its entry in `tokens`
 
     def admit(self, tenant: str, limits: scheduler_pb2.TenantLimits, rid: str, tokens: int, resumed: bool) -> None:
         """Count a request against its tenant's limits, or raise RateLimited and count nothing."""
@@ -72,16 +75,23 @@ class TenantLimits:
             if rpm:
                 u.requests.append(now)
             if tpm:
-                u.tokens.append((now, tokens))
+                u.tokens.append(entry := [now, tokens])
                 u.token_sum += tokens
+                self.charge_of[rid] = entry
         u.live.add(rid)
         self.tenant_of[rid] = tenant
 
-    def ended(self, rid: str) -> None:
+    def ended(self, rid: str, used_tokens: int | None = None) -> None:
+        """`rid` ended having used `used_tokens` (prompt plus output; None: unknown, the charge stands)."""
         tenant = self.tenant_of.pop(rid, None)
+        entry = self.charge_of.pop(rid, None)
         if tenant is not None:
             u = self.usage[tenant]
             u.live.discard(rid)
+            if entry is not None and used_tokens is not None and used_tokens < entry[1]:
+                # Still in the window (an expired entry was zeroed): give back what it did not use.
+                u.token_sum -= entry[1] - used_tokens
+                entry[1] = used_tokens
             if not (u.live or u.requests or u.tokens):
                 del self.usage[tenant]
 
@@ -90,7 +100,9 @@ class TenantLimits:
         while u.requests and u.requests[0] <= edge:
             u.requests.popleft()
         while u.tokens and u.tokens[0][0] <= edge:
-            u.token_sum -= u.tokens.popleft()[1]
+            entry = u.tokens.popleft()
+            u.token_sum -= entry[1]
+            entry[1] = 0
 
     def _tokens_wait(self, u: _Usage, tokens: int, tpm: int, now: float) -> float:
         """Seconds until enough of the window's tokens have expired for `tokens` more to fit."""

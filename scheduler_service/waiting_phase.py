@@ -20,17 +20,22 @@ _RUNNING = RequestStatus.RUNNING
 
 def admit_waiting(config: SchedulerConfig, kv: KVCacheManager, waiting, running: list[Request], token_budget: int,
                   threshold: int, new_reqs: list[NewRequestData], cached: CachedRequestData,
-                  num_scheduled: dict[str, int], adapters: AdapterSlots | None = None) -> int:
+                  num_scheduled: dict[str, int], adapters: AdapterSlots | None = None,
+                  light: set[str] | None = None) -> int:
     """Move what fits into `token_budget` from `waiting` (a request_queue) to `running`, appending to this
     step's output; returns the budget left.
 
     A request whose LoRA adapter finds no slot (all hold adapters that running requests use) is passed over,
     and so is every later one with an adapter: they keep their places, and the slots free up as the running
-    requests end, so an adapter waited for is not starved by others arriving after it."""
+    requests end, so an adapter waited for is not starved by others arriving after it.
+
+    `light` (fair_share.light_tenants): once a request of one of these tenants is admitted, admission stops at
+    the first request of a tenant not among them, so that the light tenant's first token waits for no other
+    tenant's new prompt."""
     skipped: list[Request] = []
     try:
         return _admit(config, kv, waiting, running, token_budget, threshold, new_reqs, cached, num_scheduled,
-                      adapters, skipped)
+                      adapters, skipped, light)
     finally:
         put_back = getattr(waiting, "prepend", waiting.add)
         for req in reversed(skipped):
@@ -38,14 +43,20 @@ def admit_waiting(config: SchedulerConfig, kv: KVCacheManager, waiting, running:
 
 
 def _admit(config, kv, waiting, running, token_budget, threshold, new_reqs, cached, num_scheduled, adapters,
-           skipped) -> int:
+           skipped, light) -> int:
     allocate = kv.allocate_slots
     max_num_seqs = config.max_num_seqs
     chunked = config.enable_chunked_prefill
+    protecting = False
     while waiting and token_budget > 0 and len(running) < max_num_seqs:
         req = waiting.peek()
         if req.spec_in_flight:
             break   # preempted while verifying proposals: it resumes once it knows which it kept
+        if light is not None:
+            if req.tenant in light:
+                protecting = True
+            elif protecting:
+                break
         slot = -1
         if req.lora is not None:
             if skipped or adapters is None or (slot := adapters.slot_for(*req.lora, lambda: _in_use(running))) is None:

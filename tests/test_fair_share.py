@@ -310,3 +310,30 @@ def test_every_executor_s_core_in_a_scheduler_runs_on_the_fleet_s_one_clock():
     one.core.add_request(req("r1", 8, tenant="a"))
     two.core.add_request(req("r2", 8, tenant="b", first=50))
     assert fleet.tenants.live == {"a": 1, "b": 1} and one.core.clock.running and two.core.clock.running
+
+
+def test_a_light_tenant_s_prompt_shares_its_step_with_no_new_prompt_of_a_flooding_tenant():
+    sched = make_scheduler(max_num_seqs=16, max_num_batched_tokens=512)
+    for i in range(10):
+        sched.add_request(req(f"b{i}", 40, max_tokens=50, first=100 * i, tenant="b"))
+    step(sched)
+    sched.add_request(req("a0", 40, max_tokens=50, first=5000, tenant="a"))
+    for i in range(10, 13):
+        sched.add_request(req(f"b{i}", 40, max_tokens=50, first=100 * i, tenant="b"))
+    out, _ = step(sched)
+    # a's prompt, and b's running decodes beside it: none of b's new prompts (there was room for them).
+    assert set(out.num_scheduled_tokens) == {"a0"} | {f"b{i}" for i in range(10)}
+    out, _ = step(sched)
+    assert {"b10", "b11", "b12"} <= set(out.num_scheduled_tokens)    # they wait one step, not longer
+
+
+def test_tenants_near_their_share_admit_side_by_side():
+    sched = make_scheduler(max_num_seqs=16, max_num_batched_tokens=512)
+    for i in range(14):
+        sched.add_request(req(f"{'ab'[i % 2]}{i}", 40, max_tokens=50, first=100 * i, tenant="ab"[i % 2]))
+    step(sched)
+    sched.add_request(req("a14", 40, max_tokens=50, first=1400, tenant="a"))
+    sched.add_request(req("b15", 40, max_tokens=50, first=1500, tenant="b"))
+    out, _ = step(sched)
+    # Seven running each, a share of eight: neither is light, so neither new prompt is held back.
+    assert {"a14", "b15"} <= set(out.num_scheduled_tokens)

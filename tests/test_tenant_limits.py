@@ -62,6 +62,27 @@ def test_tokens_per_minute_count_prompt_plus_max_tokens_and_wait_for_enough_to_e
     t.admit("a", limits(tpm=100), "r2", 50, False)
 
 
+def test_a_request_that_ends_early_gives_back_the_tokens_it_did_not_use():
+    clock = Clock()
+    t = TenantLimits(60.0, clock)
+    t.admit("a", limits(tpm=100), "r0", 90, False)              # a 10-token prompt asking for 80 more
+    with pytest.raises(RateLimited):
+        t.admit("a", limits(tpm=100), "r1", 40, False)
+    t.ended("r0", 25)                                           # it stopped after 15
+    t.admit("a", limits(tpm=100), "r1", 40, False)              # 25 + 40 fit now
+    with pytest.raises(RateLimited) as e:
+        t.admit("a", limits(tpm=100), "r2", 40, False)
+    assert e.value.info.tokens_remaining == 35
+    clock.now += 61                                             # both leave the window, r1 still running
+    t.admit("a", limits(tpm=100), "r2", 100, False)
+    t.ended("r1", 5)                                            # its charge left with the window: nothing back
+    with pytest.raises(RateLimited):
+        t.admit("a", limits(tpm=100), "r3", 1, False)
+    t.ended("r2", None)                                         # usage unknown: the charge stands
+    with pytest.raises(RateLimited):
+        t.admit("a", limits(tpm=100), "r3", 1, False)
+
+
 def test_concurrency_counts_requests_until_they_end_and_a_refusal_counts_nothing():
     t = TenantLimits(60.0, Clock())
     t.admit("a", limits(rpm=10, most=2), "r0", 1, False)
