@@ -98,13 +98,15 @@ def test_concurrency_counts_requests_until_they_end_and_a_refusal_counts_nothing
     t.ended("unknown")                              # ended twice, or never admitted: nothing happens
 
 
-def test_a_resumed_request_counts_towards_concurrency_but_not_again_per_minute():
+def test_a_resumed_request_counts_towards_concurrency_but_is_never_refused():
     t = TenantLimits(60.0, Clock())
     t.admit("a", limits(rpm=1, most=2), "r0", 5, False)
     t.admit("a", limits(rpm=1, most=2), "r0~1", 5, True)      # its gateway resubmits it after a restart
-    with pytest.raises(RateLimited):
-        t.admit("a", limits(rpm=1, most=2), "r1~1", 5, True)  # two running already
-    assert len(t.usage["a"].requests) == 1
+    t.admit("a", limits(rpm=1, most=2), "r1~1", 5, True)      # two running already: its client has tokens of it
+    assert len(t.usage["a"].requests) == 1 and len(t.usage["a"].live) == 3
+    with pytest.raises(RateLimited) as e:                      # a new one waits until they are under the limit
+        t.admit("a", limits(rpm=10, most=2), "r2", 5, False)
+    assert e.value.info.limit == "concurrent"
 
 
 def test_no_limits_cost_nothing_and_keep_no_state():
