@@ -1,13 +1,5 @@
-"""The executor as a gRPC service: Describe, and a bidirectional Step stream of diffs and results.
-
-The executor keeps only a cache of the scheduler's state, so anything it cannot place is answered with
-`resync` and changes nothing: a step from an older epoch, a handle it does not hold, any field that does not
-fit (`step_checks.py`, `step_blocks.py`). A step from a newer epoch drops the cache first. An error while
-running a step the checks let through is logged and answered with `resync` too: the stream goes on.
-
-It serves one Step stream at a time. A new stream drops the cache and ends the older stream at its next
-message, and epochs live and die with their stream: whatever a peer sends on one stream, the next one
-starts clean, so no message can make the executor refuse its scheduler.
+"""The executor as a process: its gRPC server (the servicer is service.py), health, metrics, the model load,
+and the way it ends.
 
 SIGTERM starts a drain: health goes NOT_SERVING, every reply says `draining`, and the process exits once
 the scheduler has closed its stream (its requests finished or moved) or the drain period is over.
@@ -23,38 +15,27 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from opentelemetry.trace import SpanKind
 
-from executor_service.collectives import RankFailure
 from executor_service.drain import drain
-from executor_service.kv_transfer import BlockMover, StepProgress
-from executor_service.lora_adapter import AdapterError
-from executor_service.metrics import ExecutorMetrics
+from executor_service.kv_transfer import BlockMover
 from executor_service.runner import ModelRunner
 from executor_service.runner_config import threads_per_rank
+from executor_service.service import ExecutorService
 from executor_service.settings import ExecutorSettings
-from executor_service.step import BadStep
-from executor_service.step_checks import Limits, check_step
-from executor_service.wire import decode_step, encode_result
 from observability import tracing
 from observability.health_port import HealthServicer, serve_health
-from observability.log_limits import Every, held_note
 from observability.metrics_server import serve_metrics
 from observability.shutdown import serve_until_sigterm
 from security import peer_roles
 from security.identity import EXECUTOR, SCHEDULER
 from security.listen import add_port, describe
 from security.strict_decode import DecodeErrorsAreInvalidArgument
-from stepwire.contract.metadata import STEP_EPOCH
 from stepwire.contract.settings import load
 from stepwire.internal import executor_pb2, executor_pb2_grpc
 
@@ -66,217 +47,6 @@ SERVICE = executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name
 ROLES = {f"/{SERVICE}/Describe": frozenset({SCHEDULER}), f"/{SERVICE}/Step": frozenset({SCHEDULER}),
          f"/{SERVICE}/PullBlocks": frozenset({SCHEDULER}), f"/{SERVICE}/ReadBlocks": frozenset({EXECUTOR}),
          f"/{SERVICE}/CheckAdapter": frozenset({SCHEDULER})}
-
-
-@dataclass
-class _Stream:
-    """What one Step stream has established: its epoch, once its first step arrived."""
-
-    epoch: int | None = None
-
-
-class ExecutorService(executor_pb2_grpc.ExecutorServicer):
-    def __init__(self, worker: ThreadPoolExecutor, runner: ModelRunner | None = None):
-        self.runner = runner                # None while the weights load: calls get UNAVAILABLE (and sets limits)
-        self.instance_id = uuid.uuid4().hex
-        self.draining = False
-        self.failure: str | None = None          # why this executor cannot go on (a tensor-parallel rank is lost)
-        self.failed = asyncio.Event()
-        self._newest: object | None = None      # the stream being served; older ones are ended
-        self.streams_open = 0
-        self.streams_closed = asyncio.Event()   # set whenever no stream is open
-        self.streams_closed.set()
-        # One step at a time, whatever the number of streams: the batch and the KV cache are shared.
-        self._lock = asyncio.Lock()
-        # All torch work, loading included, on one thread: steps run on a different thread from the one
-        # that loaded the model measured ~35% slower on CPU (memory arenas and thread pools are per thread).
-        self._worker = worker
-        self.metrics = ExecutorMetrics(self)
-        self.resync_log = Every()
-        self.progress = StepProgress()         # the last step run, which a pull into reserved blocks waits for
-        self.mover: BlockMover | None = None    # set once the KV cache exists
-        self.role = "mixed"                     # what Describe tells the scheduler (--role)
-
-    @property
-    def runner(self) -> ModelRunner | None:
-        return self._runner
-
-    @runner.setter
-    def runner(self, runner: ModelRunner | None) -> None:
-        self._runner = runner
-        self.limits = None if runner is None else Limits.of(runner)   # what check_step holds every step to
-
-    def fail(self, why: str) -> None:
-        """The executor cannot serve any more: serve() stops the server at once and exits (event loop only)."""
-        if self.failure is None:
-            log.error("%s; stopping the executor so that the scheduler moves its requests", why)
-            self.failure = why
-        self.failed.set()
-
-    async def _ready(self, context) -> None:
-        if self.failure is not None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"executor is stopping: {self.failure}")
-        if self.runner is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "executor is loading its model")
-        if self.draining:
-            # The stream already open goes on until the scheduler closes it; nothing new starts here.
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "executor is draining")
-
-    async def Describe(self, request, context):
-        await self._ready(context)
-        d = self.runner.describe()
-        return executor_pb2.DescribeResponse(
-            model=d["model"], architecture=d["architecture"], vocab_size=d["vocab_size"],
-            max_model_len=d["max_model_len"], block_size=d["block_size"], num_blocks=d["num_blocks"],
-            dtype=d["dtype"], device=d["device"], eos_token_ids=d["eos_token_ids"], instance_id=self.instance_id,
-            tensor_parallel_size=d["tensor_parallel_size"], max_num_seqs=d["max_num_seqs"],
-            max_num_batched_tokens=d["max_num_batched_tokens"], kv_layout=d["kv_layout"], role=self.role,
-            max_loras=d.get("max_loras", 0), max_lora_rank=d.get("max_lora_rank", 0),
-            max_cpu_loras=d.get("max_cpu_loras", 0))
-
-    async def CheckAdapter(self, request, context):
-        await self._ready(context)
-        lora = self.runner.lora
-        if lora is None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this executor serves no LoRA adapters "
-                                "(start it with --max-loras)")
-        try:
-            # Off the event loop and off the step thread: reading a file must not hold up steps or streams.
-            adapter = await asyncio.to_thread(lora.read, request.name, request.path)
-        except AdapterError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        return executor_pb2.CheckAdapterResponse(rank=adapter.rank, target_modules=sorted(adapter.targets))
-
-    async def PullBlocks(self, request, context):
-        await self._ready(context)             # a draining executor takes no blocks, as it takes no requests
-        return await self.mover.pull(request, context)
-
-    async def ReadBlocks(self, request, context):
-        # A draining executor still hands its blocks over: that is how its requests leave without a recompute.
-        if self.failure is not None or self.mover is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "executor is not serving")
-        async for chunk in self.mover.read(request, context):
-            yield chunk
-
-    async def Step(self, request_iterator, context):
-        await self._ready(context)
-        stream = _Stream()
-        self._newest = stream
-        self.streams_open += 1
-        self.streams_closed.clear()
-        try:
-            async with self._lock:
-                # KV pulls into blocks the previous scheduler stream reserved stop before anything of this one.
-                await self.progress.begin(_epoch_of(context))
-                await self._on_worker(context, self.runner.reset_batch)
-            async for msg in request_iterator:
-                async with self._lock:
-                    if self._newest is not stream:
-                        await context.abort(grpc.StatusCode.ABORTED, "a newer Step stream replaced this one")
-                    if self.progress.epoch is None or msg.epoch > self.progress.epoch:
-                        await self.progress.begin(msg.epoch)
-                    reply = await self._on_worker(context, self._step, msg, stream)
-                    await self.progress.ran(msg.epoch, msg.step)
-                reply.draining = self.draining
-                yield reply
-        finally:
-            self.streams_open -= 1
-            if not self.streams_open:
-                self.streams_closed.set()
-
-    async def _on_worker(self, context, fn, *args):
-        """`fn(*args)` on the torch thread. A lost tensor-parallel rank ends the stream, and the executor."""
-        if self.failure is not None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"executor is stopping: {self.failure}")
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
-        except RankFailure as e:
-            self.fail(str(e))
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"executor is stopping: {e}")
-
-    def _step(self, msg: executor_pb2.StepRequest, stream: _Stream) -> executor_pb2.StepResponse:
-        try:
-            return self._traced_step(msg, stream)
-        except RankFailure:
-            raise
-        except Exception as e:
-            ranks = self.runner.ranks
-            if ranks is not None and ranks.mid_step:
-                # The other ranks took this diff and may wait for this one inside the forward: a reset
-                # cannot bring them back in line.
-                raise RankFailure(f"rank 0 failed mid-step ({type(e).__name__}: {str(e)[:200]}); the ranks are "
-                                  "out of step") from e
-            # The checks should leave nothing that fails here; if something does, the stream must outlive it.
-            # The step may have been half applied, so the batch goes; the scheduler's resync recomputes every
-            # request and forgets its prefix cache, so no KV this step half wrote is read again.
-            log.exception("step %d: unexpected error; batch reset, asking for a resync", msg.step)
-            self.runner.reset_batch()
-            return self._resync(msg, f"internal error ({type(e).__name__}: {str(e)[:200]}); batch reset")
-
-    def _traced_step(self, msg: executor_pb2.StepRequest, stream: _Stream) -> executor_pb2.StepResponse:
-        tracer = tracing.tracer()
-        if tracer is None or not msg.traceparent:
-            return self._run_step(msg, stream)
-        # A child of the scheduler's step span, in this process: the trace crosses the Step stream here.
-        with tracer.start_as_current_span("executor.step", context=tracing.from_traceparent(msg.traceparent),
-                                          kind=SpanKind.SERVER, attributes={
-                                              "stepwire.step": msg.step, "stepwire.epoch": msg.epoch,
-                                              "stepwire.executor.instance": self.instance_id,
-                                              "stepwire.tensor_parallel_size": self.runner.comm.size}) as span:
-            reply = self._run_step(msg, stream)
-            if reply.HasField("resync"):
-                span.set_attribute("stepwire.resync", reply.resync.reason)
-            elif self.runner.spec.last[0]:
-                proposed, accepted = self.runner.spec.last
-                span.set_attributes({"stepwire.spec.proposed_tokens": proposed,
-                                     "stepwire.spec.accepted_tokens": accepted,
-                                     "stepwire.spec.acceptance_rate": accepted / proposed})
-            return reply
-
-    def _run_step(self, msg: executor_pb2.StepRequest, stream: _Stream) -> executor_pb2.StepResponse:
-        if stream.epoch is not None and msg.epoch < stream.epoch:
-            return self._resync(msg, f"epoch {msg.epoch} is older than {stream.epoch}")
-        if stream.epoch is not None and msg.epoch > stream.epoch:
-            self.runner.reset_batch()
-        stream.epoch = msg.epoch
-        try:
-            step = decode_step(msg)
-            # Checked before the step touches the batch or the KV cache: a refused step changes nothing.
-            check_step(step, self.runner.batch, self.limits)
-            if step.lora_loads or step.lora_rows:
-                if self.runner.lora is None:
-                    raise BadStep("the step names LoRA adapters; this executor serves none")
-                self.runner.lora.check_step(step, self.runner.batch)
-                self.runner.lora.fetch(step)
-        except BadStep as e:
-            return self._resync(msg, str(e), getattr(e, "key", ""))
-        t0 = time.perf_counter()
-        result = self.runner.execute(step, msg)
-        reply = encode_result(result, len(step.handles), msg.epoch, msg.step)
-        reply.forward_seconds = time.perf_counter() - t0
-        self.metrics.observe_step(reply.forward_seconds, step.total_tokens, self.runner.phase_seconds)
-        return reply
-
-    def holds_nothing(self) -> bool:
-        """No request here, parked ones included, and no step running: a drain has nothing to hand over."""
-        runner = self.runner
-        return (runner is not None and not self._lock.locked() and not runner.batch.states
-                and not runner.batch.parked)
-
-    def _resync(self, msg, reason: str, failed_adapter: str = "") -> executor_pb2.StepResponse:
-        self.metrics.resyncs.inc()
-        held = self.resync_log.ready()
-        if held is not None:
-            log.warning("step %d refused (%s): nothing applied; the scheduler is asked to resync and recomputes this "
-                        "executor's requests%s", msg.step, reason, held_note(held))
-        return executor_pb2.StepResponse(epoch=msg.epoch, step=msg.step,
-                                         resync=executor_pb2.Resync(reason=reason, failed_adapter=failed_adapter))
-
-
-def _epoch_of(context) -> int | None:
-    """The epoch a scheduler names in the Step stream's metadata (absent or malformed: unknown until a step)."""
-    value = dict(context.invocation_metadata() or ()).get(STEP_EPOCH, "")
-    return int(value) if value.isdigit() and len(value) <= 20 else None
 
 
 async def serve(settings: ExecutorSettings) -> int:

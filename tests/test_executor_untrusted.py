@@ -414,7 +414,7 @@ def test_a_failing_step_is_answered_with_resync_and_an_empty_batch(tmp_path, cap
     resync, the batch reset, and the next step (a newer epoch, as the scheduler sends) runs normally."""
     from executor_service.runner import ModelRunner
     from executor_service.runner_config import RunnerConfig
-    from executor_service.server import ExecutorService, _Stream
+    from executor_service.service import ExecutorService, _Stream
 
     model = write_tiny_llama(tmp_path / "llama")
     runner = ModelRunner(RunnerConfig(str(model), block_size=BLOCK, max_num_seqs=MAX_SEQS,
