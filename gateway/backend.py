@@ -14,8 +14,9 @@ import grpc
 
 from gateway.adapter_names import AdapterNames, ModelNotFound
 from gateway.detokenizer import IncrementalDetokenizer
-from gateway.generation import MAX_N, Chunk, GenerationParams, Usage
+from gateway.generation import Chunk, GenerationParams, Usage
 from gateway.journal import Entry, Journal
+from gateway.request_checks import check_params, check_request
 from gateway.session import SchedulerError, SchedulerSession, SessionLost, output_error
 from gateway.stops import StopMatcher
 from gateway.telemetry import GatewayMetrics, Observation
@@ -23,12 +24,9 @@ from gateway.tokenizer import ChatTemplateError, ModelTokenizer
 from stepwire.contract import (
     InvalidRequestError,
     check_chat,
-    check_priority,
     check_prompt,
-    check_stop,
 )
 from stepwire.contract.limits import UINT64_MAX
-from stepwire.contract.sampling import MAX_LOGPROBS
 from stepwire.internal import scheduler_pb2, scheduler_pb2_grpc
 
 # Tokenizing and rendering chat templates run here, off the event loop: one large prompt must not stall
@@ -138,44 +136,12 @@ class Backend:
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
     def check(self, prompt_ids: list[int], p: GenerationParams) -> None:
-        """Validate before anything reaches the scheduler; raises InvalidRequestError naming the field.
-        Every number is checked against the width of the proto field it travels in, so nothing can fail
-        later, inside a conversion, where no one would answer the client. Resolves max_tokens."""
-        limit = self.max_model_len
-        # The length first: it costs nothing, and a list of a million ids need not be walked to refuse it.
-        if limit and len(prompt_ids) >= limit:
-            raise InvalidRequestError("prompt", f"this model's maximum context length is {limit} tokens; the "
-                                                f"prompt has {len(prompt_ids)}")
-        check_prompt(prompt_ids, self.tokenizer.vocab_size)
-        if p.max_tokens is None:
-            p.sampling.max_tokens = max(limit - len(prompt_ids), 1) if limit else 256
-        else:
-            p.sampling.max_tokens = p.max_tokens
-            if limit and len(prompt_ids) + p.max_tokens > limit:
-                raise InvalidRequestError("max_tokens", f"this model's maximum context length is {limit} tokens; "
-                                                        f"{len(prompt_ids)} in the prompt plus max_tokens="
-                                                        f"{p.max_tokens} exceed it")
-        p.sampling.validate()
-        self.check_params(p)
-        check_tenant(len(prompt_ids), p)
+        """Validate before anything reaches the scheduler (request_checks.py); resolves max_tokens."""
+        check_request(prompt_ids, p, self.max_model_len, self.tokenizer.vocab_size)
 
     def check_params(self, p: GenerationParams) -> None:
-        """What can be checked without the prompt: the front ends call it before tokenizing, so a request
-        that will be refused anyway costs no tokenizer time."""
-        if not 1 <= p.n <= MAX_N:
-            raise InvalidRequestError("n", f"must be in [1, {MAX_N}], got {p.n}")
-        lp = p.sampling.logprobs
-        if lp is not None and not 0 <= lp <= MAX_LOGPROBS:
-            raise InvalidRequestError("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {lp}")
-        if p.n > 1 and p.sampling.temperature == 0:
-            raise InvalidRequestError("n", "n > 1 needs sampling (temperature > 0): greedy copies are identical")
-        check_priority(p.priority)
-        check_stop(p.stop)
-        if p.cache_salt is not None:
-            try:
-                p.cache_salt.encode()
-            except UnicodeEncodeError:
-                raise InvalidRequestError("cache_salt", "not valid Unicode (it holds a lone surrogate)") from None
+        """What can be checked without the prompt: the front ends call it before tokenizing."""
+        check_params(p)
 
     async def generate(self, prompt_ids: list[int], p: GenerationParams, usage: Usage,
                        obs: Observation | None = None) -> AsyncIterator[Chunk]:
@@ -303,25 +269,6 @@ class Backend:
         except TimeoutError:
             raise SchedulerError(grpc.StatusCode.UNAVAILABLE,
                                  SCHEDULER_GONE.format(self.scheduler_wait_seconds)) from None
-
-
-def check_tenant(prompt_tokens: int, p: GenerationParams) -> None:
-    """What the caller's tenant allows, that the gateway can tell alone: its priority ceiling, and that the
-    request fits its tokens per minute at all (one that never could would otherwise get 429s for ever)."""
-    t = p.tenant
-    if t.max_priority is not None and p.priority < t.max_priority:
-        raise InvalidRequestError("priority", f"tenant {t.name!r} may ask priorities of {t.max_priority} and above "
-                                  f"(lower is more urgent), got {p.priority}")
-    # Each of n completions is a request of its own at the scheduler.
-    for most, what in ((t.max_concurrent, "concurrent requests"), (t.requests_per_minute, "requests per minute")):
-        if most and p.n > most:
-            raise InvalidRequestError("n", f"n={p.n} completions exceed tenant {t.name!r}'s {most} {what}; it "
-                                      "could never be served")
-    cost = (prompt_tokens + p.sampling.max_tokens) * p.n
-    if t.tokens_per_minute and cost > t.tokens_per_minute:
-        raise InvalidRequestError("max_tokens", f"the prompt's {prompt_tokens} tokens plus max_tokens="
-                                  f"{p.sampling.max_tokens} (times n={p.n}) exceed tenant {t.name!r}'s "
-                                  f"{t.tokens_per_minute} tokens per minute; it could never be served")
 
 
 def _lp(out) -> list | None:
