@@ -54,9 +54,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def fixed_kernel(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
+def fixed_kernel(weight: torch.Tensor, bias: torch.Tensor | None,
+                 triton: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
     """x -> x @ weight.T + bias by one kernel chosen from the dtype and device alone, never the row count
-    (`linear` switches to a GEMV for one row, which adds in another order). The layers' inputs are 2-D."""
+    (`linear` switches to a GEMV for one row, which adds in another order). The layers' inputs are 2-D.
+    `triton`: deterministic mode's own GEMM (invariant_triton.py), as on CUDA, where no library GEMM is."""
+    if triton:
+        from executor_service.invariant_triton import matmul
+        return lambda x: matmul(x, weight, bias)
     if _onednn_takes(weight.dtype, weight.device):
         return lambda x: _onednn(x, weight, bias)
     return lambda x: F.linear(x, weight, bias)
@@ -65,8 +70,8 @@ def fixed_kernel(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[t
 class Linear(nn.Linear):
     row_plan: RowPlan | None = None     # deterministic mode: set_row_plan, once the weights are loaded
 
-    def set_row_plan(self, plan: RowPlan) -> None:
-        self.row_plan, self._fixed = plan, fixed_kernel(self.weight, self.bias)
+    def set_row_plan(self, plan: RowPlan, triton: bool = False) -> None:
+        self.row_plan, self._fixed = plan, fixed_kernel(self.weight, self.bias, triton)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.row_plan is not None:

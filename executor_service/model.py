@@ -25,8 +25,12 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
+        self.triton = False     # deterministic mode on CUDA: one program per row (invariant_triton.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.triton:
+            from executor_service.invariant_triton import rms_norm
+            return rms_norm(x, self.weight, self.eps)
         # Normalise in float32 whatever the weights' dtype: bfloat16 variance is too coarse.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -136,11 +140,14 @@ class LlamaModel(nn.Module):
         x *= mine.unsqueeze(-1).to(x.dtype)
         return self.comm.all_reduce(x)
 
-    def make_deterministic(self, block_size: int, max_sampled_rows: int) -> dict:
+    def make_deterministic(self, block_size: int, max_sampled_rows: int, triton: bool = False,
+                           max_rows: int = MAX_ROWS) -> dict:
         """Batch-invariant kernels for every layer, each checked on this machine once per kind (the layers of
         a kind share its plan). Each kind must also give the bits of the single-rank layer on one thread, so
         executors of any thread count and tensor-parallel degree agree. Raises DeterminismUnavailable where
-        this cannot be made so. Returns the plans by layer kind, for the log: a tiled fallback costs."""
+        this cannot be made so. Returns the plans by layer kind, for the log: a tiled fallback costs.
+        `triton`: the GEMMs and norms are invariant_triton's kernels, and attention is the Triton kernel's.
+        `max_rows`: the most rows a layer is called with (a step's token budget); larger calls are split."""
         cfg, plans = self.config, {}
         g, like = torch.Generator().manual_seed(0), self.lm_head.weight   # every layer's dtype and device
 
@@ -160,16 +167,22 @@ class LlamaModel(nn.Module):
                  for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")} | {"lm_head": [self.lm_head]}
         for name, (full_shape, rows) in self.part.full_rows(cfg).items():
             w = kinds[name][0].weight
-            mine, whole = _slice_and_whole(rnd, w.shape[0], full_shape, rows, kinds[name][0].bias is not None)
+            mine, whole = _slice_and_whole(rnd, w.shape[0], full_shape, rows, kinds[name][0].bias is not None,
+                                           triton)
             # The LM head only ever sees the step's sampled rows: a batch's worth is all it needs checked.
-            most = max(2, min(MAX_ROWS, max_sampled_rows)) if name == "lm_head" else MAX_ROWS
+            most = max(2, min(MAX_ROWS, max_rows, max_sampled_rows)) if name == "lm_head" else \
+                max(2, min(MAX_ROWS, max_rows))
             plans[name] = plan_rows(mine, lambda m, k=w.shape[1]: probe(m, k), f"{name} {w.shape[1]} -> "
                                     f"{w.shape[0]}", max_rows=most, reference=whole)
             for lin in kinds[name]:
-                lin.set_row_plan(plans[name])
+                lin.set_row_plan(plans[name], triton)
         unplanned = [n for n, m in self.named_modules() if isinstance(m, Linear) and m.row_plan is None]
         if unplanned:   # e.g. a row-parallel layer of a model not split for this mode: it would sum across ranks
             raise DeterminismUnavailable(f"no batch-invariant plan for {unplanned[:3]}")
+        if triton:
+            for norm in (m for m in self.modules() if isinstance(m, RMSNorm)):
+                norm.triton = True
+            return {"linear": plans, "attention": "the Triton kernel, one query-block shape", "norm": "Triton"}
         attention = plan_attention(cfg.head_dim, block_size, self.lm_head.weight.device)
         for layer in self.layers:
             layer.attn.plan = attention
@@ -180,17 +193,19 @@ class LlamaModel(nn.Module):
         return self.comm.gather_vocab(self.lm_head(hidden).float(), self.config.vocab_size)
 
 
-def _slice_and_whole(rnd, rows_held: int, full_shape: tuple[int, int], rows: list[int], bias: bool):
+def _slice_and_whole(rnd, rows_held: int, full_shape: tuple[int, int], rows: list[int], bias: bool,
+                     triton: bool = False):
     """For deterministic mode's check: a random single-rank layer's kernel (`whole`, cut to `rows`), and this
     rank's kernel on its slice of the same numbers (`mine`, rows_held rows: the LM head's last slice is padded
     with zero rows, whose columns it drops here)."""
     full_w, full_b = rnd(*full_shape), (rnd(full_shape[0]) if bias else None)
-    whole_k = fixed_kernel(full_w, full_b)
+    whole_k = fixed_kernel(full_w, full_b, triton)
     if len(rows) == full_shape[0] == rows_held:   # one rank: its layer is the whole one (no copy of it)
         return whole_k, whole_k
     mine_w = full_w.new_zeros(rows_held, full_shape[1])
     mine_w[:len(rows)] = full_w[rows]
-    mine_k = fixed_kernel(mine_w, None if full_b is None else F.pad(full_b[rows], (0, rows_held - len(rows))))
+    mine_k = fixed_kernel(mine_w, None if full_b is None else F.pad(full_b[rows], (0, rows_held - len(rows))),
+                          triton)
     idx = torch.tensor(rows, device=full_w.device)
     return (lambda x: mine_k(x)[:, :len(rows)]), (lambda x: whole_k(x)[:, idx])
 

@@ -94,11 +94,11 @@ class ModelRunner:
         if self.device.type == "cpu":
             keep_freed_memory()
         self.dtype = DTYPES[cfg.dtype]
-        self.attention = "torch" if cfg.deterministic else attention_backend(cfg.attention_backend, self.device)
+        self.attention = attention_backend(cfg.attention_backend, self.device, cfg.deterministic)
         if self.attention == "triton":
             from executor_service.triton_attention import paged_metadata
             group = self.model_config.num_heads // self.model_config.num_kv_heads
-            self._paged_metadata = partial(paged_metadata, group=group)
+            self._paged_metadata = partial(paged_metadata, group=group, fixed=cfg.deterministic)
         # SDPA's own choice on CUDA included cuDNN, which plans each new shape (~40 ms at first sight of it).
         self._sdpa = (lambda: sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                                            SDPBackend.MATH])) if self.device.type == "cuda" else nullcontext
@@ -109,8 +109,8 @@ class ModelRunner:
                                        or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_model_len))
         self.model = load_model(cfg.model, self.max_model_len, self.device, self.dtype, self.comm, cfg.deterministic)
         if cfg.deterministic:
-            log.info("deterministic mode: kernel plans %s", self.model.make_deterministic(cfg.block_size,
-                                                                                           cfg.max_num_seqs))
+            log.info("deterministic mode: kernel plans %s", self.model.make_deterministic(
+                cfg.block_size, cfg.max_num_seqs, self.attention == "triton", self.max_num_batched_tokens))
         part = self.model.part
         # Every rank sizes its cache by the rank with the most KV heads, so all hold the same blocks: one pool.
         self.num_blocks = num_blocks_for_budget(self.model_config, part.max_kv_heads, cfg.kv_cache_memory,
@@ -121,7 +121,7 @@ class ModelRunner:
         # kernels wrote them: a batch-invariant executor continuing KV written by another would not be.
         self.kv_layout = layout(self.model_config, part.num_kv_heads, cfg.block_size, self.dtype, size, cfg.model)
         if self.kv_layout and cfg.deterministic:
-            self.kv_layout += ":deterministic"
+            self.kv_layout += ":deterministic" + (":triton" if self.attention == "triton" else "")
         self.batch = self._new_batch()
         self.lora = LoraManager(cfg, self.model_config, self.device, self.dtype) if cfg.max_loras else None
         self.draft = None
@@ -131,7 +131,8 @@ class ModelRunner:
                                     cfg.block_size, self.device, self.dtype)
         self.graphs = None
         # Not with tensor parallelism yet: capturing the collectives inside the graphs is untested.
-        if cfg.cuda_graphs and self.attention == "triton" and size == 1:
+        # Nor in deterministic mode: the graphs are captured for decode-only query blocks (block_q 1).
+        if cfg.cuda_graphs and self.attention == "triton" and size == 1 and not cfg.deterministic:
             from executor_service.cuda_graphs import DecodeGraphs
             self.graphs = DecodeGraphs(self.model, self.kv_caches, cfg.max_num_seqs, self.batch.block_table.shape[1],
                                        self.device)

@@ -24,18 +24,18 @@ def default_dtype(device: str) -> str:
     return "float32"
 
 
-def check_deterministic(cfg: RunnerConfig) -> None:
-    """Deterministic mode's limits, said at start-up rather than broken quietly later."""
-    if not cfg.deterministic:
-        return
-    if cfg.attention_backend == "triton":
-        raise ValueError("--deterministic uses its own attention; --attention-backend triton cannot be combined "
-                         "with it (leave it at auto)")
+def check_deterministic_backend(attention: str, device: torch.device) -> None:
+    """Deterministic mode's kernels: on the CPU the library GEMM under start-up checked row counts and torch
+    attention (batch_invariant.py), or Triton's (the interpreter, for tests); on CUDA only Triton's
+    (invariant_triton.py): cuBLAS and torch's CUDA reductions choose their order from the whole batch."""
+    if device.type == "cuda" and attention != "triton":
+        raise ValueError("--deterministic on CUDA needs Triton (its GEMM, norm and attention kernels); "
+                         f"attention backend {attention!r} is not batch-invariant there (install triton, and leave "
+                         "--attention-backend at auto)")
 
 
 def check_combinations(cfg: RunnerConfig) -> None:
     """Features that do not compose yet, refused at start-up rather than served wrongly."""
-    check_deterministic(cfg)
     if cfg.speculative_method != "none" and cfg.tensor_parallel_size > 1:
         raise ValueError("speculative decoding with tensor parallelism is not supported yet: the ranks would "
                          "need the verified tokens of every row (leave --speculative-method at none)")
@@ -48,9 +48,16 @@ def check_combinations(cfg: RunnerConfig) -> None:
         raise ValueError(f"--max-cpu-loras {cfg.max_cpu_loras} is below --max-loras {cfg.max_loras}")
 
 
-def attention_backend(choice: str, device: torch.device) -> str:
+def attention_backend(choice: str, device: torch.device, deterministic: bool = False) -> str:
     """"torch" (gather, then SDPA) or "triton" (paged in place). auto: triton on CUDA when it is installed.
     Chosen once at start-up, so no step ever waits on a backend's per-shape planning."""
+    backend = _attention_backend(choice, device)
+    if deterministic:
+        check_deterministic_backend(backend, device)
+    return backend
+
+
+def _attention_backend(choice: str, device: torch.device) -> str:
     # Only looked up, not imported: importing triton costs start-up time that a CPU executor never uses.
     have_triton = importlib.util.find_spec("triton") is not None
     if choice == "auto":

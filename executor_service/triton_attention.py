@@ -58,9 +58,12 @@ def query_blocks(num_scheduled: np.ndarray, query_start: np.ndarray, block_q: in
             np.minimum(block_q, num_scheduled[req] - within).astype(np.int32))
 
 
-def block_q_for(num_scheduled: np.ndarray, group: int) -> int:
-    """1 for a pure decode step; else as many tokens as fill PREFILL_ROWS rows with their heads."""
-    if num_scheduled.max(initial=0) <= 1:
+def block_q_for(num_scheduled: np.ndarray, group: int, fixed: bool = False) -> int:
+    """1 for a pure decode step; else as many tokens as fill PREFILL_ROWS rows with their heads. `fixed`
+    (deterministic mode): always the latter, so that every step runs one compiled kernel, one product shape: a
+    decode's row is then computed as the same token's row inside a prompt's block is (the tiles of keys past a
+    row's position add exact zeros)."""
+    if num_scheduled.max(initial=0) <= 1 and not fixed:
         return 1
     return max(1, PREFILL_ROWS // triton.next_power_of_2(group))
 
@@ -78,11 +81,13 @@ def paged_only(slot_mapping: torch.Tensor, paged: PagedMetadata) -> AttentionMet
                              decode_seq_lens=empty, decode_mask=empty, chunks=[], paged=paged)
 
 
-def paged_metadata(inputs, block_table: np.ndarray, block_size: int, to, group: int = 1) -> AttentionMetadata:
+def paged_metadata(inputs, block_table: np.ndarray, block_size: int, to, group: int = 1,
+                   fixed: bool = False) -> AttentionMetadata:
     """A step's attention metadata for the kernel, from the persistent batch's block table; `to` moves a numpy
-    array to the device; `group` is the query heads per KV head, which sets a prefill block's tokens."""
+    array to the device; `group` is the query heads per KV head, which sets a prefill block's tokens; `fixed`:
+    one query-block shape for every step (deterministic mode)."""
     req_of_token = np.repeat(np.arange(len(inputs.rows), dtype=np.int32), inputs.num_scheduled)
-    block_q = block_q_for(inputs.num_scheduled, group)
+    block_q = block_q_for(inputs.num_scheduled, group, fixed)
     starts, lens = query_blocks(inputs.num_scheduled, inputs.query_start, block_q)
     return paged_only(to(inputs.slot_mapping), PagedMetadata(
         block_table=to(step_block_table(inputs, block_table, block_size)), token_rows=to(req_of_token),
