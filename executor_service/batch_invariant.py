@@ -199,10 +199,12 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_pos: tor
     b, kvh, r, d = q.shape
     c = plan.chunk
     n = keys.shape[2] // c
-    k = keys.float().unflatten(2, (n, c))                                    # [B, KVH, n, C, D]
-    v = values.float().unflatten(2, (n, c))
+    # One copy each, to float32 and into the layout the products read: the gathered blocks are a strided view,
+    # and a transposed or strided operand would be copied again inside every product.
+    kt = keys.unflatten(2, (n, c)).transpose(-1, -2).to(torch.float32, memory_format=torch.contiguous_format)
+    v = values.unflatten(2, (n, c)).to(torch.float32, memory_format=torch.contiguous_format)   # [B, KVH, n, C, D]
     qf = q.float().unsqueeze(2).expand(b, kvh, n, r, d)
-    s = by_rows(lambda qq: torch.matmul(qq, k.transpose(-1, -2)), qf, plan.scores) * scale   # [B, KVH, n, R, C]
+    s = by_rows(lambda qq: torch.matmul(qq, kt), qf, plan.scores) * scale    # [B, KVH, n, R, C]
     key_pos = torch.arange(n * c, device=q.device).view(1, 1, n, 1, c)
     s = s.masked_fill(key_pos > q_pos.view(b, 1, 1, r, 1), float("-inf"))
     m = s.amax(-1)                                                           # [B, KVH, n, R]; -inf: no key
