@@ -21,12 +21,11 @@ import itertools
 import logging
 import os
 import time
-from dataclasses import dataclass, field
 
 import grpc
-from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
 from observability import tracing
+from scheduler_service.kv_move_records import Move, MoveCounts, move_span, record
 from scheduler_service.request import Request
 from scheduler_service.routing import Choice, by_adapter, by_role, pick
 from stepwire.contract.metadata import PULL_ENDED
@@ -35,35 +34,6 @@ from stepwire.internal import executor_pb2
 log = logging.getLogger("stepwire.scheduler")
 MARGIN_SECONDS = 5.0              # our wait beyond the target's own deadline
 _ids = itertools.count()
-
-
-@dataclass(eq=False)
-class Move:
-    req: Request
-    source: object                 # ExecutorLink
-    target: object
-    pin: list                      # the source's blocks, pinned under `pin_key`
-    source_epoch: int
-    target_epoch: int
-    num_tokens: int                # tokens of KV it has at the target once the pull is done
-    transfer_id: str
-    kind: str                      # leave | handoff | rebalance | prefix
-    pin_key: str
-    source_after_step: int         # the source's last step sent when its blocks were pinned
-    aborted: bool = False
-    started: float = field(default_factory=time.monotonic)
-
-
-@dataclass
-class MoveCounts:
-    transfers: int = 0
-    failures: int = 0
-    blocks: int = 0
-    bytes: int = 0
-    seconds: float = 0.0           # summed over transfers, as the target executors timed their copies
-    busy_seconds: float = 0.0      # wall time with at least one transfer under way: what aggregate rates divide by
-    tokens: int = 0                # moved with their KV or pulled: not recomputed
-    prefix_pulls: int = 0          # of `transfers`, those of a prefix
 
 
 class KVMoves:
@@ -176,7 +146,7 @@ class KVMoves:
     async def _run(self, mv: Move, source_blocks: list[int], target_blocks: list[int]) -> None:
         reply, why, span, ended = None, "", None, True
         try:
-            span = self._span(mv, len(source_blocks))
+            span = move_span(self.fleet.lifecycles, mv, len(source_blocks))
             async with self._slots:
                 stub = mv.target.stub
                 if mv.aborted or stub is None:
@@ -235,7 +205,7 @@ class KVMoves:
             else:
                 # The target did not say it stopped writing: hold its blocks past the longest it may go on.
                 target.core.kv.quarantine(req, self.settings.kv_transfer_seconds + MARGIN_SECONDS)
-        self._record(mv, ok, reply, why, num_blocks, span)
+        record(self.counts, self.metrics, mv, ok, reply, why, num_blocks, span)
         if mv.aborted:
             return
         if ok:
@@ -253,50 +223,6 @@ class KVMoves:
                 source.count_migrated_out(1)
             self.fleet.lifecycles.preempted([rid])
             self.fleet.place([req], exclude=source, decoding=req.num_output_tokens > 0)
-
-    def _record(self, mv: Move, ok: bool, reply, why: str, num_blocks: int, span) -> None:
-        c, m = self.counts, self.metrics
-        outcome = "done" if ok else ("aborted" if mv.aborted else "failed")
-        m.kv_transfers.labels(outcome).inc()
-        if ok:
-            c.transfers += 1
-            c.blocks += num_blocks
-            c.bytes += reply.bytes
-            c.seconds += reply.seconds
-            c.tokens += mv.num_tokens
-            c.prefix_pulls += mv.kind == "prefix"
-            m.kv_transfer_blocks.inc(num_blocks)
-            m.kv_transfer_bytes.inc(reply.bytes)
-            m.kv_transfer_seconds.observe(reply.seconds)
-            m.recompute_avoided.inc(mv.num_tokens)
-            if mv.kind == "prefix":
-                m.prefix_pulls.inc()
-        elif not mv.aborted:
-            c.failures += 1
-            log.warning("KV transfer of request %s from %s to %s failed (%s): %s", mv.req.request_id,
-                        mv.source.address, mv.target.address, why,
-                        "computing its prefix instead" if mv.kind == "prefix" else "recomputing it")
-        if span is not None:
-            span.set_attribute("stepwire.kv.outcome", outcome)
-            if reply is not None:
-                span.set_attributes({"stepwire.kv.bytes": reply.bytes, "stepwire.kv.pull_seconds": reply.seconds})
-            if not ok and why:
-                span.set_status(Status(StatusCode.ERROR, why))
-            span.end()
-
-    def _span(self, mv: Move, num_blocks: int):
-        tracer = tracing.tracer()
-        if tracer is None:
-            return None
-        req_span = self.fleet.lifecycles.span_of(mv.req.request_id)
-        links = [Link(req_span.get_span_context())] if req_span is not None else []
-        if req_span is not None:
-            req_span.add_event("kv_transfer", {"stepwire.kv.source": mv.source.address,
-                                               "stepwire.kv.target": mv.target.address})
-        return tracer.start_span("scheduler.kv_transfer", kind=SpanKind.CLIENT, links=links, attributes={
-            "stepwire.request.id": mv.req.request_id, "stepwire.kv.transfer_id": mv.transfer_id,
-            "stepwire.kv.source": mv.source.address, "stepwire.kv.target": mv.target.address,
-            "stepwire.kv.blocks": num_blocks, "stepwire.kv.tokens": mv.num_tokens, "stepwire.kv.kind": mv.kind})
 
     # ------------------------------------------------------------------ the fleet's view
 
