@@ -99,12 +99,16 @@ async def _collect(gen, texts, finish, lps) -> None:
 
 async def _kept(task: asyncio.Future, raw: Request) -> bool:
     """Wait for `task`; False (and `task` cancelled, which aborts its requests) if the client hung up first."""
-    while not task.done():
-        await asyncio.wait([task], timeout=0.25)
-        if not task.done() and await raw.is_disconnected():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            return False
+    try:
+        while not task.done():
+            await asyncio.wait([task], timeout=0.25)
+            if not task.done() and await raw.is_disconnected():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                return False
+    except BaseException:
+        task.cancel()      # the handler itself was cancelled (a server stopping): its requests end with it
+        raise
     return True
 
 

@@ -87,6 +87,9 @@ class FairQueue:
         self.policy, self.clock = policy, clock
         self.queues: dict[str, FCFSQueue | PriorityQueue] = {}
         self._n = 0
+        # Set for one admission pass (`admit_waiting`): tenants with requests waiting here and none running here,
+        # served before the virtual-time order until each has one running (`starved_tenants`).
+        self.first: set[str] | None = None
 
     def _queue(self, tenant: str):
         q = self.queues.get(tenant)
@@ -106,9 +109,11 @@ class FairQueue:
         if len(self.queues) == 1:
             return next(iter(self.queues.values()))
         vt = self.clock.vtime
+        queues = [q for q in self.queues.values() if q]
+        if self.first:
+            queues = [q for q in queues if q.peek().tenant in self.first] or queues
         # Ties (equal virtual times) go to the tenant whose head arrived first.
-        return min((q for q in self.queues.values() if q),
-                   key=lambda q: (vt.get(q.peek().tenant, 0.0), q.peek().arrival_time))
+        return min(queues, key=lambda q: (vt.get(q.peek().tenant, 0.0), q.peek().arrival_time))
 
     def peek(self) -> Request:
         return self._next().peek()
@@ -117,6 +122,8 @@ class FairQueue:
         q = self._next()
         req = q.pop()
         self._n -= 1
+        if self.first:
+            self.first.discard(req.tenant)
         if not q and len(self.queues) > 1:
             del self.queues[req.tenant]
         return req
@@ -176,6 +183,22 @@ def shares(running: list[Request], waiting: FairQueue, clock: TenantClock, max_n
         weight[r.tenant] = r.weight
     total = sum(weight.get(t, 1.0) for t in clock.live)
     return held, weight, {t: max_num_seqs * weight.get(t, 1.0) / total for t in clock.live}
+
+
+def starved_tenants(running: list[Request], waiting: FairQueue, clock: TenantClock,
+                    max_num_seqs: int) -> set[str] | None:
+    """Tenants with requests waiting on this core, none running on it and a share of its slots of at least one,
+    with several tenants live; else None.
+
+    The virtual times are the fleet's: a tenant served on other executors can stay ahead of a tenant that is
+    behind here for as long as both have work, and by virtual time alone its requests queued here would wait
+    all that time. Each such tenant is admitted first until it has one request running here: a floor of one
+    slot per tenant per executor, which bounds that wait and costs the fleet's shares one slot. Not below a share
+    of one slot (a small weight among few slots), where the floor would give the tenant more than its weight."""
+    if len(clock.live) < 2 or not waiting:
+        return None
+    held, _, share = shares(running, waiting, clock, max_num_seqs)
+    return {t for t, q in waiting.queues.items() if q and not held.get(t) and share.get(t, 0.0) >= 1} or None
 
 
 def light_tenants(running: list[Request], waiting: FairQueue, clock: TenantClock, max_num_seqs: int) -> set | None:

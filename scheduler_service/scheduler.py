@@ -15,7 +15,15 @@ from __future__ import annotations
 
 from scheduler_service.adapter_slots import AdapterSlots
 from scheduler_service.config import SchedulerConfig
-from scheduler_service.fair_share import FairQueue, FleetClock, TenantClock, kv_victim, light_tenants, slot_victim
+from scheduler_service.fair_share import (
+    FairQueue,
+    FleetClock,
+    TenantClock,
+    kv_victim,
+    light_tenants,
+    slot_victim,
+    starved_tenants,
+)
 from scheduler_service.kv_cache.manager import KVCacheManager
 from scheduler_service.output import (
     CachedRequestData,
@@ -241,6 +249,7 @@ class Scheduler:
 
         # Waiting requests, only if nothing was preempted: admitting while evicting would just thrash.
         if not preempted:
+            self.waiting.first = starved_tenants(running, self.waiting, self.clock, cfg.max_num_seqs)
             token_budget = admit_waiting(cfg, kv, self.waiting, running, token_budget, threshold, new_reqs, cached,
                                          num_scheduled, self.adapters,
                                          light_tenants(running, self.waiting, self.clock, cfg.max_num_seqs))

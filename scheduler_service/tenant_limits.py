@@ -4,7 +4,7 @@ Gateways are stateless and many. Each one stamps a request with its tenant's lim
 replica reads the same Secret), and the scheduler, the one service that sees every request, counts them. So a
 limit holds across replicas, and restarting a gateway forgets nothing. Restarting the scheduler starts the windows
 afresh. Its gateways resubmit what they held, marked `resumed`: those count towards concurrency, not again
-towards the per-minute limits, and no limit refuses them (their clients already have tokens of them).
+towards the per-minute limits, and no limit refuses them (they were admitted once already).
 
 The per-minute limits are sliding windows of `window` seconds (60 in service). A request costs one request and
 its prompt plus max_tokens in tokens, counted when it is admitted, as OpenAI counts them; when it ends, its charge
@@ -62,8 +62,8 @@ class TenantLimits:
         now = self.clock()
         u = self.usage.setdefault(tenant, _Usage())
         self._expire(u, now)
-        # A resumed request was admitted once already and its client has tokens of it: refusing it now would turn
-        # a restart clients must not notice into an error. It counts, and the next new request waits for it.
+        # A resumed request was admitted once already (its client may have tokens of it): refusing it now would
+        # turn a restart clients must not notice into an error. It counts, and the next new request waits for it.
         if most and not resumed and len(u.live) >= most:
             self._refuse(u, limits, now, "concurrent", most, 0, CONCURRENT_RETRY_SECONDS,
                          f"{len(u.live)} of its {most} concurrent requests are running")

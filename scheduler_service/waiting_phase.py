@@ -37,6 +37,8 @@ def admit_waiting(config: SchedulerConfig, kv: KVCacheManager, waiting, running:
         return _admit(config, kv, waiting, running, token_budget, threshold, new_reqs, cached, num_scheduled,
                       adapters, skipped, light)
     finally:
+        if getattr(waiting, "first", None) is not None:
+            waiting.first = None           # starved_tenants' order holds for this pass only
         put_back = getattr(waiting, "prepend", waiting.add)
         for req in reversed(skipped):
             put_back(req)
@@ -52,11 +54,8 @@ def _admit(config, kv, waiting, running, token_budget, threshold, new_reqs, cach
         req = waiting.peek()
         if req.spec_in_flight:
             break   # preempted while verifying proposals: it resumes once it knows which it kept
-        if light is not None:
-            if req.tenant in light:
-                protecting = True
-            elif protecting:
-                break
+        if protecting and req.tenant not in light:
+            break
         slot = -1
         if req.lora is not None:
             if skipped or adapters is None or (slot := adapters.slot_for(*req.lora, lambda: _in_use(running))) is None:
@@ -96,6 +95,7 @@ def _admit(config, kv, waiting, running, token_budget, threshold, new_reqs, cach
             req.num_output_placeholders += 1
         num_scheduled[rid] = n
         token_budget -= n
+        protecting = protecting or (light is not None and req.tenant in light)
     return token_budget
 
 
