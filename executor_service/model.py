@@ -170,8 +170,7 @@ class LlamaModel(nn.Module):
             mine, whole = _slice_and_whole(rnd, w.shape[0], full_shape, rows, kinds[name][0].bias is not None,
                                            triton)
             # The LM head only ever sees the step's sampled rows: a batch's worth is all it needs checked.
-            most = max(2, min(MAX_ROWS, max_rows, max_sampled_rows)) if name == "lm_head" else \
-                max(2, min(MAX_ROWS, max_rows))
+            most = max(2, min(MAX_ROWS, max_rows, max_sampled_rows if name == "lm_head" else MAX_ROWS))
             plans[name] = plan_rows(mine, lambda m, k=w.shape[1]: probe(m, k), f"{name} {w.shape[1]} -> "
                                     f"{w.shape[0]}", max_rows=most, reference=whole)
             for lin in kinds[name]:

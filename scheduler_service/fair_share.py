@@ -88,7 +88,7 @@ class FairQueue:
         self.queues: dict[str, FCFSQueue | PriorityQueue] = {}
         self._n = 0
         # Set for one admission pass (`admit_waiting`): tenants with requests waiting here and none running here,
-        # served before the virtual-time order until each has one running (`starved_tenants`).
+        # served before the virtual-time order until each has one running (`admission_tenants`).
         self.first: set[str] | None = None
 
     def _queue(self, tenant: str):
@@ -185,33 +185,27 @@ def shares(running: list[Request], waiting: FairQueue, clock: TenantClock, max_n
     return held, weight, {t: max_num_seqs * weight.get(t, 1.0) / total for t in clock.live}
 
 
-def starved_tenants(running: list[Request], waiting: FairQueue, clock: TenantClock,
-                    max_num_seqs: int) -> set[str] | None:
-    """Tenants with requests waiting on this core, none running on it and a share of its slots of at least one,
-    with several tenants live; else None.
+def admission_tenants(running: list[Request], waiting: FairQueue, clock: TenantClock,
+                      max_num_seqs: int) -> tuple[set[str] | None, set[str] | None]:
+    """(first, light) for one pass of `admit_waiting`, from one count of the slots, with several tenants live;
+    else (None, None).
 
-    The virtual times are the fleet's: a tenant served on other executors can stay ahead of a tenant that is
-    behind here for as long as both have work, and by virtual time alone its requests queued here would wait
-    all that time. Each such tenant is admitted first until it has one request running here: a floor of one
-    slot per tenant per executor, which bounds that wait and costs the fleet's shares one slot. Not below a share
-    of one slot (a small weight among few slots), where the floor would give the tenant more than its weight."""
+    `first`: tenants with requests waiting on this core, none running on it and a share of its slots of at least
+    one. The virtual times are the fleet's: a tenant served on other executors can stay ahead of a tenant that is
+    behind here for as long as both have work, and by virtual time alone its requests queued here would wait all
+    that time. Each such tenant is admitted first until it has one request running here: a floor of one slot per
+    tenant per executor, which bounds that wait and costs the fleet's shares one slot. Not below a share of one
+    slot (a small weight among few slots), where the floor would give the tenant more than its weight.
+
+    `light`: the tenants holding at most half their share of the slots. A step that admits a light tenant's
+    request admits no other tenant's after it: on a CPU a step's time grows with its tokens, and a flooding
+    tenant's new prompts in the same step would make the light tenant's first token wait for their prefill too.
+    The flooding tenant loses a step of admission, once per light request; its running requests keep their step."""
     if len(clock.live) < 2 or not waiting:
-        return None
+        return None, None
     held, _, share = shares(running, waiting, clock, max_num_seqs)
-    return {t for t, q in waiting.queues.items() if q and not held.get(t) and share.get(t, 0.0) >= 1} or None
-
-
-def light_tenants(running: list[Request], waiting: FairQueue, clock: TenantClock, max_num_seqs: int) -> set | None:
-    """The tenants holding at most half their share of the slots, with several tenants live; else None.
-
-    A step that admits a light tenant's request admits no other tenant's after it (`admit_waiting`): on a CPU a
-    step's time grows with its tokens, and a flooding tenant's new prompts in the same step would make the light
-    tenant's first token wait for their prefill too. The flooding tenant loses a step of admission, once per
-    light request; its running requests keep their step."""
-    if len(clock.live) < 2 or not waiting:
-        return None
-    held, _, share = shares(running, waiting, clock, max_num_seqs)
-    return {t for t in clock.live if held.get(t, 0) + 1 <= share[t] / 2}
+    first = {t for t, q in waiting.queues.items() if q and not held.get(t) and share.get(t, 0.0) >= 1}
+    return first or None, {t for t in clock.live if held.get(t, 0) + 1 <= share[t] / 2}
 
 
 def kv_victim(running: list[Request], start: int, clock: TenantClock) -> int:

@@ -19,10 +19,9 @@ from scheduler_service.fair_share import (
     FairQueue,
     FleetClock,
     TenantClock,
+    admission_tenants,
     kv_victim,
-    light_tenants,
     slot_victim,
-    starved_tenants,
 )
 from scheduler_service.kv_cache.manager import KVCacheManager
 from scheduler_service.output import (
@@ -249,10 +248,9 @@ class Scheduler:
 
         # Waiting requests, only if nothing was preempted: admitting while evicting would just thrash.
         if not preempted:
-            self.waiting.first = starved_tenants(running, self.waiting, self.clock, cfg.max_num_seqs)
             token_budget = admit_waiting(cfg, kv, self.waiting, running, token_budget, threshold, new_reqs, cached,
                                          num_scheduled, self.adapters,
-                                         light_tenants(running, self.waiting, self.clock, cfg.max_num_seqs))
+                                         *admission_tenants(running, self.waiting, self.clock, cfg.max_num_seqs))
         lora_loads, lora_rows = self.adapters.take()
         if self.clock.running:
             requests, charge = self.requests, self.clock.charge

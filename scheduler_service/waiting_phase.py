@@ -21,7 +21,7 @@ _RUNNING = RequestStatus.RUNNING
 def admit_waiting(config: SchedulerConfig, kv: KVCacheManager, waiting, running: list[Request], token_budget: int,
                   threshold: int, new_reqs: list[NewRequestData], cached: CachedRequestData,
                   num_scheduled: dict[str, int], adapters: AdapterSlots | None = None,
-                  light: set[str] | None = None) -> int:
+                  first: set[str] | None = None, light: set[str] | None = None) -> int:
     """Move what fits into `token_budget` from `waiting` (a request_queue) to `running`, appending to this
     step's output; returns the budget left.
 
@@ -29,16 +29,19 @@ def admit_waiting(config: SchedulerConfig, kv: KVCacheManager, waiting, running:
     and so is every later one with an adapter: they keep their places, and the slots free up as the running
     requests end, so an adapter waited for is not starved by others arriving after it.
 
-    `light` (fair_share.light_tenants): once a request of one of these tenants is admitted, admission stops at
-    the first request of a tenant not among them, so that the light tenant's first token waits for no other
-    tenant's new prompt."""
+    `first` and `light` (fair_share.admission_tenants, for a FairQueue): the tenants served before the
+    virtual-time order in this pass, until each has a request admitted; and the tenants once one of whose
+    requests is admitted, admission stops at the first request of a tenant not among them, so that the light
+    tenant's first token waits for no other tenant's prompt."""
     skipped: list[Request] = []
+    if first:
+        waiting.first = first
     try:
         return _admit(config, kv, waiting, running, token_budget, threshold, new_reqs, cached, num_scheduled,
                       adapters, skipped, light)
     finally:
-        if getattr(waiting, "first", None) is not None:
-            waiting.first = None           # starved_tenants' order holds for this pass only
+        if first:
+            waiting.first = None           # for this pass only
         put_back = getattr(waiting, "prepend", waiting.add)
         for req in reversed(skipped):
             put_back(req)

@@ -253,7 +253,7 @@ def fleet_tokens(shared: bool, steps: int = 80) -> Counter:
 
 def test_shares_hold_across_the_fleet_when_a_tenant_s_requests_all_land_on_one_executor():
     # With the fleet's clock, a (on one executor) gets nearly as many tokens as b (on two): all of its executor
-    # but the one slot b keeps there (starved_tenants).
+    # but the one slot b keeps there (admission_tenants).
     tokens = fleet_tokens(shared=True)
     assert 0.7 < tokens["a"] / tokens["b"] < 1.2, tokens
     # Each core on its own clock would give a half of one executor, a third of b's tokens.
