@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
+import socket
 from functools import partial
 from pathlib import Path
 
@@ -63,7 +64,7 @@ def renewer(s: GatewaySettings, backend: Backend):
 
 
 async def follow_scheduler(backend: Backend, health_servicer, metrics: GatewayMetrics, address: str,
-                           renew=None) -> None:
+                           renew=None, ever_ready: asyncio.Event | None = None) -> None:
     """Mirror the scheduler's readiness (its health Watch stream) into ours, for ever: the gateway is
     ready exactly while the scheduler is reachable and has an executor."""
     serving = health_pb2.HealthCheckResponse.SERVING
@@ -77,6 +78,8 @@ async def follow_scheduler(backend: Backend, health_servicer, metrics: GatewayMe
             # Back after a loss (a restart, perhaps): the adapters loaded at run time first, then held requests.
             await backend.adapters.restore(backend.stub)
         backend.ready = ok
+        if ok and ever_ready is not None:
+            ever_ready.set()
         metrics.scheduler_ready.set(float(ok))
         for name in ("", SERVICE):
             await health_servicer.set(name, serving if ok else health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -107,8 +110,10 @@ async def serve(s: GatewaySettings, model_name: str, api_keys: ApiKeys) -> None:
     # that carry none. A message that does not decode is INVALID_ARGUMENT, and the body limit bounds a
     # message as it bounds an HTTP body.
     interceptors = [GrpcKeys(api_keys, frozenset({health.SERVICE_NAME}))] if api_keys.enabled else []
+    # grpc sets SO_REUSEPORT unless told not to: a second gateway on a taken port would then start silently.
     server = grpc.aio.server(interceptors=[*interceptors, DecodeErrorsAreInvalidArgument()],
-                             options=[("grpc.max_receive_message_length", s.max_body_bytes)])
+                             options=[("grpc.max_receive_message_length", s.max_body_bytes),
+                                      ("grpc.so_reuseport", int(s.reuse_port))])
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationService(backend, metrics, api_keys), server)
     health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -120,9 +125,16 @@ async def serve(s: GatewaySettings, model_name: str, api_keys: ApiKeys) -> None:
         server.add_insecure_port(s.grpc_address)
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    await server.start()
+    ever_ready = asyncio.Event()
     follower = asyncio.create_task(follow_scheduler(backend, health_servicer, metrics, s.scheduler,
-                                                    renewer(s, backend)))
+                                                    renewer(s, backend), ever_ready))
+    if s.reuse_port:
+        # Ports shared with other gateway processes: the kernel would hand this one connections it can only
+        # answer "not ready", while a ready one stands beside it. So it listens once it has been ready.
+        log.info("waiting for the scheduler at %s before sharing ports %d and %s", s.scheduler, s.port,
+                 s.grpc_address)
+        await ever_ready.wait()
+    await server.start()
     log.info("gateway for %s on http%s://%s:%d (metrics at /metrics) and gRPC %s, %s; not ready until the "
              "scheduler at %s (%s) is", model_name, "s" if s.public_tls_cert else "", s.host, s.port, s.grpc_address,
              "API keys required" if api_keys.enabled else "no API key required", s.scheduler,
@@ -142,11 +154,26 @@ async def serve(s: GatewaySettings, model_name: str, api_keys: ApiKeys) -> None:
     warn_if_over_descriptor_limit(s.max_connections * len(http))
     try:
         # On a signal each server stops and hands the signal on to the one that set its handler before it.
-        await asyncio.gather(*(uvicorn.Server(config).serve() for config in http))
+        await asyncio.gather(*(uvicorn.Server(config).serve(sockets=listening(config, s.reuse_port))
+                               for config in http))
     finally:
         follower.cancel()
         await server.stop(grace=2)
         tracing.shutdown()
+
+
+def listening(config: uvicorn.Config, reuse_port: bool) -> list[socket.socket] | None:
+    """The HTTP port's socket, bound with SO_REUSEPORT where gateway processes share it (uvicorn has no such
+    option); None lets uvicorn bind as usual. Each process has its own accept queue, so one that dies or
+    stalls takes only its own connections with it."""
+    if not reuse_port:
+        return None
+    family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((config.host, config.port))
+    return [sock]
 
 
 def warn_if_over_descriptor_limit(connections: int) -> None:

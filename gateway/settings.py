@@ -51,6 +51,9 @@ class GatewaySettings(TLSSettings):
     public_tls_cert: str = Field("", description="certificate (PEM) for clients, on the HTTP and gRPC ports; "
                                  "empty: plaintext to clients (TLS ends at an ingress, say)")
     public_tls_key: str = Field("", description="its private key (PEM)")
+    reuse_port: bool = Field(False, description="share --port and --grpc-address with other gateway processes on "
+                             "this host (SO_REUSEPORT): the kernel spreads new connections between them. Off, a port "
+                             "already taken is an error. `stepwire serve --gateway-workers` sets it")
 
     @model_validator(mode="after")
     def _public_pair(self):

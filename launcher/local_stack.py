@@ -47,6 +47,9 @@ class ServeSettings(ServiceSettings):
     grpc_port: int = Field(50050, description="gRPC port of the gateway (stepwire.v1)")
     scheduler_port: int = Field(50051)
     executors: int = Field(1, ge=1, description="local executors; they take ports from --executor-port up")
+    gateway_workers: int = Field(1, ge=1, le=64, description="gateway processes sharing --port and --grpc-port "
+                                 "(SO_REUSEPORT): one process streams at most about 10-15k tokens a second; "
+                                 "each serves its own /metrics")
     prefill_executors: int = Field(0, ge=0, description="of --executors, how many prefill (--role prefill; the "
                                    "first ones); the others then decode (--role decode). 0: every executor mixed")
     executor_port: int = Field(50061, description="port of the first executor")
@@ -136,9 +139,10 @@ def children(a: ServeSettings, certs: Path | None = None) -> tuple[list[Child], 
         child("scheduler", "scheduler", {"--executors": ",".join(addresses), "--address": sc,
                                          "--metrics-address": f"127.0.0.1:{a.scheduler_metrics_port}",
                                          "--lora-modules": a.lora_modules or None}),
-        child("gateway", "gateway", {"--model": a.model, "--scheduler": sc, "--port": a.port,
-                                     "--grpc-address": f"127.0.0.1:{a.grpc_port}",
-                                     "--tenants-file": a.tenants_file or None}),
+        *(child("gateway", "gateway" if a.gateway_workers == 1 else f"gateway-{i}", {
+            "--model": a.model, "--scheduler": sc, "--port": a.port, "--grpc-address": f"127.0.0.1:{a.grpc_port}",
+            "--tenants-file": a.tenants_file or None, "--reuse-port": a.gateway_workers > 1})
+          for i in range(a.gateway_workers)),
     ]
     return executors, stack
 

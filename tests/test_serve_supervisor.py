@@ -159,3 +159,36 @@ def _up(url: str) -> bool:
         return httpx.get(url + "/health", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def _gateways(serve: subprocess.Popen) -> list[int]:
+    return [p for p in descendants(serve.pid) if alive(p)
+            and MODULE["gateway"].encode() in Path(f"/proc/{p}/cmdline").read_bytes()]
+
+
+def test_gateway_workers_share_the_port_and_one_killed_leaves_it_answering_every_request(tmp_path):
+    serve, url, key = _serve(tmp_path, "--gateway-workers", "2", api_key="sk-supervised")
+    try:
+        gateways = _gateways(serve)
+        assert len(gateways) == 2
+        first = _complete(url, key)
+        # Each request on a new connection: the kernel spreads them over both workers.
+        assert [_complete(url, key) for _ in range(6)] == [first] * 6
+        os.kill(gateways[0], signal.SIGKILL)
+        wait_until(lambda: not alive(gateways[0]), 10, "the gateway worker to die")
+        # The other worker takes every new connection, and the one serve starts again joins the port only
+        # once it is ready: no request meets a refused connection or a "not ready".
+        log = tmp_path / "serve.log"
+        listening = lambda: log.read_text().count("stepwire.gateway INFO gateway for")   # noqa: E731
+        assert listening() == 2
+        answers = []
+        while listening() < 3:
+            answers.append(_complete(url, key))
+            assert len(answers) < 5000, "serve did not start the gateway worker again"
+        answers += [_complete(url, key) for _ in range(10)]
+        assert set(answers) == {first} and len(_gateways(serve)) == 2
+        assert "gateway-0 exited with -9; starting it again" in (tmp_path / "serve.log").read_text()
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        code = serve.wait(timeout=90)
+    assert code == 0
