@@ -131,11 +131,14 @@ class ModelRunner:
                                     cfg.block_size, self.device, self.dtype)
         self.graphs = None
         # Not with tensor parallelism yet: capturing the collectives inside the graphs is untested.
-        # Nor in deterministic mode: the graphs are captured for decode-only query blocks (block_q 1).
+        # Nor in deterministic mode, whose steps all take one query-block shape that no graph was captured for.
         if cfg.cuda_graphs and self.attention == "triton" and size == 1 and not cfg.deterministic:
-            from executor_service.cuda_graphs import DecodeGraphs
-            self.graphs = DecodeGraphs(self.model, self.kv_caches, cfg.max_num_seqs, self.batch.block_table.shape[1],
-                                       self.device)
+            from executor_service.cuda_graphs import StepGraphs
+            from executor_service.triton_attention import prefill_block_q
+            group = self.model_config.num_heads // self.model_config.num_kv_heads
+            self.graphs = StepGraphs(self.model, self.kv_caches, cfg.max_num_seqs, self.batch.block_table.shape[1],
+                                     self.device, min(cfg.cuda_graph_max_tokens, self.max_num_batched_tokens),
+                                     prefill_block_q(group))
             self.graphs.capture()
         self.sampler = Sampler()
         # Rank 0 samples, so it alone enforces grammars; the matchers appear with the first constrained row.
@@ -286,7 +289,7 @@ class ModelRunner:
         to = lambda a: torch.from_numpy(a).to(dev, non_blocking=True)  # noqa: E731
         hidden = None
         lora = self.lora.plan(inputs) if self.lora is not None else None
-        if self.graphs is not None and lora is None and len(inputs.input_ids) == len(inputs.rows):   # pure decode
+        if self.graphs is not None and lora is None:
             hidden = self.graphs.run(inputs, self.batch.block_table, self.cfg.block_size)
         if hidden is None:
             if self.attention == "triton":

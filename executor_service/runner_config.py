@@ -82,7 +82,8 @@ class RunnerConfig:
     # Most tokens one step may compute: it bounds a step's activations whatever a step message says.
     max_num_batched_tokens: int | None = None   # None: DEFAULT_MAX_NUM_BATCHED_TOKENS, or the context if longer
     attention_backend: str = "auto"          # auto, torch or triton: see attention_backend()
-    cuda_graphs: bool = True                 # decode steps as graphs (cuda_graphs.py), with triton attention
+    cuda_graphs: bool = True                 # steps as graphs (cuda_graphs.py), with triton attention
+    cuda_graph_max_tokens: int = 512         # mixed steps (prompts beside decodes) up to this many tokens too
     tensor_parallel_size: int = 1            # ranks, one process each, that split every layer (partition.py)
     tensor_parallel_timeout_seconds: float = 60.0   # longest wait in a collective, or for a rank to start
     deterministic: bool = False              # batch-invariant kernels (batch_invariant.py): same tokens in any batch

@@ -67,6 +67,7 @@ async def serve(settings: ExecutorSettings) -> int:
     worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
     service = ExecutorService(worker)
     service.role = settings.role
+    service.pipeline = settings.step_pipeline
     executor_pb2_grpc.add_ExecutorServicer_to_server(service, server)
     serve_metrics(settings.metrics_address, service.metrics.registry, "executor")
     port = add_port(server, settings.address, tls, settings.insecure, "the executor")

@@ -35,6 +35,9 @@ class ExecutorSettings(RoleSettings):
     drain_seconds: float = Field(25.0, ge=0, description="after SIGTERM, how long to wait for the scheduler to "
                                  "finish or move this executor's requests (keep it under Kubernetes' "
                                  "terminationGracePeriodSeconds)")
+    step_pipeline: int = Field(2, ge=1, le=4, description="steps queued on the torch thread at once: with 2 the "
+                               "next step starts the moment one ends, while the reply is written; 1: each waits "
+                               "for the last reply to be written and the next step read")
 
     # RunnerConfig's knobs.
     model: str = Field("models/SmolLM2-135M-Instruct", description="Hugging Face model directory (safetensors)")
@@ -45,8 +48,12 @@ class ExecutorSettings(RoleSettings):
     attention_backend: Literal["auto", "torch", "triton"] = Field(
         "auto", description="attention kernels: torch (gather the blocks, then SDPA), triton (read the blocks in "
         "place); auto: triton on CUDA when it is installed, else torch")
-    cuda_graphs: bool = Field(True, description="replay decode steps as CUDA graphs captured at start-up for a "
-                              "ladder of batch sizes (with the triton attention backend; prefill runs eagerly)")
+    cuda_graphs: bool = Field(True, description="replay steps as CUDA graphs captured at start-up (with the triton "
+                              "attention backend): decode steps for a ladder of batch sizes, steps with prompt "
+                              "tokens up to --cuda-graph-max-tokens; longer steps run eagerly")
+    cuda_graph_max_tokens: int = Field(512, ge=0, le=8192, description="the longest step with prompt tokens "
+                                       "replayed as a graph (0: decode steps only); each size of its ladder is one "
+                                       "more graph to capture at start-up")
     kv_cache_memory: int = Field(1 << 30, ge=1, description="bytes for the KV cache of all layers, on each rank "
                                  "(each holds its own KV heads of every block)")
     block_size: int = Field(16, ge=1, description="tokens per KV block")

@@ -65,6 +65,11 @@ def block_q_for(num_scheduled: np.ndarray, group: int, fixed: bool = False) -> i
     row's position add exact zeros)."""
     if num_scheduled.max(initial=0) <= 1 and not fixed:
         return 1
+    return prefill_block_q(group)
+
+
+def prefill_block_q(group: int) -> int:
+    """The tokens of a query block in a step with prompt or verify tokens: as many as fill PREFILL_ROWS rows."""
     return max(1, PREFILL_ROWS // triton.next_power_of_2(group))
 
 
