@@ -10,8 +10,9 @@ For each model (random-weight checkpoints that ../shared/gpu/device_setup.sh bui
 - `stepwire serve` (split) against the in-process engine at each `--concurrency`, closed-loop streaming.
 
 Prints `RESULT gpu step_floor_ratio=<decode step wall / HBM floor> offline_ratio=<offline tok/s / transformers'
-best> split_ratio=<split / in-process, the worse concurrency>` per model, after the profile of the decode step
-(kernel time, kernels and host launches per step, the kernels that dominate, where the host's time goes).
+best> split_ratio=<split / in-process, the worse concurrency, the best of --split>` per model, after
+the profile of the decode step (kernel time, kernels and host launches per step, the kernels that dominate, where
+the host's time goes) and each split run's CPU per streamed token in each service.
 
 On the GPU machine: `source .gpu/device_setup.sh; python bench/gpu.py`. A CPU dry run of the script itself
 (tiny models from `mkmodels.py DIR --tiny`): `bench/gpu.py --models-dir DIR --device cpu --dtype float32
@@ -25,7 +26,9 @@ import argparse
 import asyncio
 import multiprocessing
 import os
+import shutil
 import statistics
+import subprocess
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -40,6 +43,7 @@ import torch  # noqa: E402
 
 from executor_service.runner_config import RunnerConfig  # noqa: E402
 from launcher.engine import LLMEngine  # noqa: E402
+from launcher.processes import MODULE  # noqa: E402
 from scheduler_service import SchedulerConfig  # noqa: E402
 from stepwire.contract import SamplingParams  # noqa: E402
 
@@ -201,46 +205,114 @@ def _client_share(url: str, name: str, texts: list[str], tokens: int, concurrenc
     return t0, t0 + r["seconds"], round(r["tok_s"] * r["seconds"])
 
 
-def http_load(pool, url: str, name: str, texts: list[str], tokens: int, concurrency: int) -> float:
-    """Closed-loop streaming from the pool's processes, the streams split between them: tok/s over the whole
-    run. One Python client parses ~30k SSE events a second, less than one GPU's split stack can send."""
+def http_load(pool, url: str, name: str, texts: list[str], tokens: int, concurrency: int) -> tuple[float, int]:
+    """Closed-loop streaming from the pool's processes, the streams split between them: (seconds, tokens) over
+    the whole run. One Python client parses ~30k SSE events a second, less than one GPU's split stack sends."""
     k = pool._max_workers
     shares = [pool.submit(_client_share, url, name, texts[i::k], tokens, max(1, concurrency // k)) for i in range(k)]
     got = [f.result() for f in shares]
-    return sum(n for _, _, n in got) / (max(e for _, e, _ in got) - min(s for s, _, _ in got))
+    return max(e for _, e, _ in got) - min(s for s, _, _ in got), sum(n for _, _, n in got)
 
 
-def split_ratio(model: Path, engine: LLMEngine, concurrency: int, args) -> float:
-    """`stepwire serve` against the in-process engine: closed-loop streaming, same prompts and lengths."""
+def service_cpu(root: int) -> dict[str, float]:
+    """CPU seconds (user + system, all threads) each kind of service under `root` has spent so far."""
+    parent, cmdline = {}, {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline[int(stat.parent.name)] = (stat.parent / "cmdline").read_bytes()
+        except (OSError, ValueError):
+            continue
+        parent[int(stat.parent.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
+    spent: dict[str, float] = {}
+    for pid, (ppid, cpu) in parent.items():
+        up = ppid
+        while up not in (root, 0, 1) and up in parent:
+            up = parent[up][0]
+        if up != root:
+            continue
+        kind = next((k for k, m in MODULE.items() if m.encode() in cmdline[pid]), None)
+        if kind is not None:
+            spent[kind] = spent.get(kind, 0.0) + cpu
+    return spent
+
+
+def py_spy(root: int, args, tag: str) -> list[subprocess.Popen]:
+    """With --py-spy SECONDS: sample the scheduler, one gateway and the executor for that long (on-CPU stacks,
+    collapsed) into --out, to name what their time per token goes to."""
+    spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
+    if not args.py_spy or not args.out or not spy:
+        return []
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    found = {}
+    for cmd in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            text = cmd.read_bytes()
+        except OSError:
+            continue
+        for kind in ("scheduler", "gateway", "executor"):
+            if MODULE[kind].encode() in text and kind not in found and int(cmd.parent.name) != root:
+                found[kind] = cmd.parent.name
+    return [subprocess.Popen([spy, "record", "-p", pid, "-d", str(args.py_spy), "-r", "200", "--nonblocking",
+                              "-f", "raw", "-o", str(Path(args.out) / f"pyspy-{kind}-{tag}.txt")],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for kind, pid in found.items()]
+
+
+def split_runs(model: Path, engine: LLMEngine, concurrencies: list[int], workers: int, graph_tokens: int,
+               pipeline: int, args) -> dict[int, float]:
+    """`stepwire serve` with `workers` gateway processes, mixed-step CUDA graphs up to `graph_tokens` and
+    `pipeline` steps queued in the executor against the in-process engine, closed-loop streaming, same prompts
+    and lengths: {concurrency: split / in-process}.
+    Prints each service's CPU per streamed token and the cores it kept busy, which names the process that caps
+    the split stack, and the executor's steps: their rate, and the time inside each."""
     from offline_throughput import prompt_texts
-    from serving import inproc_run, start_stack
+    from serving import executor_stats, inproc_run, start_stack
 
     from gateway.tokenizer import ModelTokenizer
 
-    texts = prompt_texts(2 * concurrency)
-    tok = ModelTokenizer(model)
-    ids = [tok.encode_chat([{"role": "user", "content": t}]) for t in texts]
-    env = os.environ | {"STEPWIRE_EXECUTOR_DEVICE": args.device, "STEPWIRE_EXECUTOR_MAX_NUM_SEQS": str(concurrency),
+    top = max(concurrencies)
+    env = os.environ | {"STEPWIRE_EXECUTOR_DEVICE": args.device, "STEPWIRE_EXECUTOR_MAX_NUM_SEQS": str(top),
                         "STEPWIRE_EXECUTOR_ATTENTION_BACKEND": args.attention_backend,
                         "STEPWIRE_EXECUTOR_CUDA_GRAPHS": str(not args.no_cuda_graphs).lower(),
-                        "STEPWIRE_SCHEDULER_MAX_NUM_SEQS": str(concurrency)}
+                        "STEPWIRE_EXECUTOR_CUDA_GRAPH_MAX_TOKENS": str(graph_tokens),
+                        "STEPWIRE_EXECUTOR_STEP_PIPELINE": str(pipeline),
+                        "STEPWIRE_SCHEDULER_MAX_NUM_SEQS": str(top)}
     if args.dtype:
         env["STEPWIRE_EXECUTOR_DTYPE"] = args.dtype
-    proc, url, _ = start_stack(env=env, model=model, extra=("--kv-cache-memory", str(args.kv_cache_memory)))
-    procs = max(1, min(args.client_procs, concurrency // 16))
+    proc, url, sc = start_stack(env=env, model=model, extra=("--kv-cache-memory", str(args.kv_cache_memory),
+                                                           "--gateway-workers", str(workers)))
+    tok = ModelTokenizer(model)
+    ratios = {}
     try:
-        name = model.name
-        with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            http_load(pool, url, name, texts[:concurrency], args.serve_tokens, concurrency)         # warm-up
-            split = http_load(pool, url, name, texts, args.serve_tokens, concurrency)
+        for concurrency in concurrencies:
+            texts = prompt_texts(args.serve_rounds * concurrency)
+            procs = max(1, min(args.client_procs, concurrency // 16))
+            with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) as pool:
+                http_load(pool, url, model.name, texts[:concurrency], args.serve_tokens, concurrency)  # warm-up
+                spies = py_spy(proc.pid, args, f"{model.name}-w{workers}-g{graph_tokens}-p{pipeline}-c{concurrency}") \
+                    if concurrency == top else []
+                before, steps0 = service_cpu(proc.pid), executor_stats(sc)
+                seconds, tokens = http_load(pool, url, model.name, texts, args.serve_tokens, concurrency)
+                after, steps1 = service_cpu(proc.pid), executor_stats(sc)
+                for spy in spies:
+                    spy.wait()
+            ids = [tok.encode_chat([{"role": "user", "content": t}]) for t in texts]
+            inproc_run(engine, ids[:concurrency], args.serve_tokens, concurrency)                   # warm-up
+            inproc = inproc_run(engine, ids, args.serve_tokens, concurrency)
+            ratios[concurrency] = tokens / seconds / inproc["tok_s"]
+            cpu = ", ".join(f"{k} {(after[k] - before.get(k, 0)) / tokens * 1e6:.0f} us/token "
+                            f"({(after[k] - before.get(k, 0)) / seconds:.2f} cores)" for k in sorted(after))
+            n = steps1["steps"] - steps0["steps"]
+            inside = (steps1["forward"] - steps0["forward"]) / max(n, 1)
+            print(f"  gateway workers {workers}, graphs to {graph_tokens} tokens, pipeline {pipeline}, concurrency "
+                  f"{concurrency}: split "
+                  f"{tokens / seconds:,.0f} tok/s ({procs} client processes), in-process {inproc['tok_s']:,.0f} "
+                  f"tok/s ({inproc['steps'] / inproc['seconds']:,.0f} steps/s), ratio {ratios[concurrency]:.2f}; "
+                  f"executor {n / seconds:,.0f} steps/s, {inside * 1e3:.2f} ms inside a step; CPU {cpu}", flush=True)
     finally:
         proc.terminate()
         proc.wait(timeout=60)
-    inproc_run(engine, ids[:concurrency], args.serve_tokens, concurrency)                           # warm-up
-    inproc = inproc_run(engine, ids, args.serve_tokens, concurrency)
-    print(f"  concurrency {concurrency}: split {split:,.0f} tok/s ({procs} client processes), in-process "
-          f"{inproc['tok_s']:,.0f} tok/s", flush=True)
-    return split / inproc["tok_s"]
+    return ratios
 
 
 def main() -> None:
@@ -260,15 +332,25 @@ def main() -> None:
     ap.add_argument("--decode-steps", type=int, default=20)
     ap.add_argument("--concurrency", default="64,256")
     ap.add_argument("--serve-tokens", type=int, default=64)
+    ap.add_argument("--serve-rounds", type=int, default=2, help="closed-loop requests per stream in the measured run")
+    ap.add_argument("--py-spy", type=int, default=0, help="seconds of py-spy on the scheduler and a gateway during "
+                    "the largest concurrency's run, into --out (0: none)")
+    ap.add_argument("--split", default="1:512:2,4:512:2", help="split stacks to measure, as gateway processes:mixed-"
+                    "step CUDA graphs' most tokens:executor step pipeline, comma-separated; the RESULT line takes the "
+                    "best")
     ap.add_argument("--client-procs", type=int, default=4, help="load-generator processes (one per 16 streams at most)")
     ap.add_argument("--kv-cache-memory", type=int, default=16 << 30)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for the profiler's full table")
-    ap.add_argument("--hbm-gbps", type=float, default=3000.0, help="the floor's memory bandwidth (H100 SXM: ~3,000 "
-                                                                   "achievable of 3,350 nominal)")
+    ap.add_argument("--hbm-gbps", type=float, default=None, help="the floor's memory bandwidth; default by the GPU's "
+                    "name, about 90%% of nominal: H100 SXM 3,000 (of 3,350), H200 4,300 (of 4,800)")
     args = ap.parse_args()
     if args.device.startswith("cuda"):
-        print(torch.cuda.get_device_name(), flush=True)
+        gpu_name = torch.cuda.get_device_name()
+        if args.hbm_gbps is None:
+            args.hbm_gbps = 4300.0 if "H200" in gpu_name else 3000.0
+        print(f"{gpu_name}; the floor at {args.hbm_gbps:,.0f} GB/s", flush=True)
+    args.hbm_gbps = args.hbm_gbps or 3000.0
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     for name in args.models.split(","):
         model = Path(args.models_dir) / name
@@ -295,12 +377,17 @@ def main() -> None:
                   ", ".join(f"{k} {v:.0f}" for k, v in prof["launches"].items()), flush=True)
             for key, count, ms in prof["top"]:
                 print(f"    {ms:7.3f} ms  x{count:<5.0f} {key}", flush=True)
-        ratios = {c: split_ratio(model, engine, c, args) for c in concurrencies}
-        # The issue's keys: split_ratio is the worse of the concurrencies (each is printed above).
+        by_workers = {(w, g, p): split_runs(model, engine, concurrencies, w, g, p, args)
+                      for w, g, p in (map(int, cfg.split(":")) for cfg in args.split.split(","))}
+        # The issue's keys: split_ratio is the worse of the concurrencies (each is printed above), for the
+        # number of gateway processes that does best.
+        (workers, graph_tokens, pipeline), ratios = max(by_workers.items(), key=lambda kv: min(kv[1].values()))
         print(f"RESULT gpu step_floor_ratio={step['wall'] / step['floor']:.2f} offline_ratio={ours / hf:.2f} "
               f"split_ratio={min(ratios.values()):.2f}", flush=True)
         gpu_ratio = "n/a" if prof is None else f"{prof['gpu'] / step['floor']:.2f}"
-        print(f"  ({name}; split " + ", ".join(f"c{c} {r:.2f}" for c, r in ratios.items()) +
+        print(f"  ({name}; split with {workers} gateway process(es), graphs to {graph_tokens} tokens, pipeline "
+              f"{pipeline}: " +
+              ", ".join(f"c{c} {r:.2f}" for c, r in ratios.items()) +
               f"; transformers' best batch: {hf_batch}; decode step GPU time / floor: {gpu_ratio})", flush=True)
         del engine
         if args.device.startswith("cuda"):
