@@ -29,7 +29,7 @@ import logging
 import numpy as np
 import torch
 
-from executor_service.triton_attention import PagedMetadata, paged_only, query_blocks, step_block_table
+from executor_service.triton_attention import PagedMetadata, paged_only, prefill_block_q, query_blocks, step_block_table
 
 log = logging.getLogger("stepwire.executor")
 
@@ -85,6 +85,15 @@ class StepGraphs:
             ("input_ids", torch.int64), ("positions", torch.int64), ("slot_mapping", torch.int64),
             ("kv_lens", torch.int32), ("token_rows", torch.int32), ("qblock_start", torch.int32),
             ("qblock_len", torch.int32))}
+
+    @classmethod
+    def for_runner(cls, runner) -> StepGraphs:
+        """Graphs for a runner's model, cache and batch: mixed steps up to its --cuda-graph-max-tokens (at most
+        the tokens a step may have), with the query block its eager path uses for prompt tokens."""
+        cfg, mc = runner.cfg, runner.model_config
+        return cls(runner.model, runner.kv_caches, cfg.max_num_seqs, runner.batch.block_table.shape[1], runner.device,
+                   min(cfg.cuda_graph_max_tokens, runner.max_num_batched_tokens),
+                   prefill_block_q(mc.num_heads // mc.num_kv_heads))
 
     def query_block_bound(self, tokens: int) -> int:
         """Query blocks a mixed step of `tokens` tokens can have: one per request at most beyond a full

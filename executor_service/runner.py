@@ -134,11 +134,7 @@ class ModelRunner:
         # Nor in deterministic mode, whose steps all take one query-block shape that no graph was captured for.
         if cfg.cuda_graphs and self.attention == "triton" and size == 1 and not cfg.deterministic:
             from executor_service.cuda_graphs import StepGraphs
-            from executor_service.triton_attention import prefill_block_q
-            group = self.model_config.num_heads // self.model_config.num_kv_heads
-            self.graphs = StepGraphs(self.model, self.kv_caches, cfg.max_num_seqs, self.batch.block_table.shape[1],
-                                     self.device, min(cfg.cuda_graph_max_tokens, self.max_num_batched_tokens),
-                                     prefill_block_q(group))
+            self.graphs = StepGraphs.for_runner(self)
             self.graphs.capture()
         self.sampler = Sampler()
         # Rank 0 samples, so it alone enforces grammars; the matchers appear with the first constrained row.

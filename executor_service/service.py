@@ -30,6 +30,7 @@ from executor_service.metrics import ExecutorMetrics
 from executor_service.runner import ModelRunner
 from executor_service.step import BadStep
 from executor_service.step_checks import Limits, check_step
+from executor_service.step_queue import Abort, read_steps
 from executor_service.wire import decode_step, encode_result
 from observability import tracing
 from observability.log_limits import Every, held_note
@@ -44,14 +45,6 @@ class _Stream:
     """What one Step stream has established: its epoch, once its first step arrived."""
 
     epoch: int | None = None
-
-
-@dataclass
-class _Abort:
-    """The end of a Step stream with a status, from its reading side."""
-
-    code: grpc.StatusCode
-    message: str
 
 
 class ExecutorService(executor_pb2_grpc.ExecutorServicer):
@@ -153,11 +146,12 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
                 await self.progress.begin(_epoch_of(context))
                 await self._on_worker(context, self.runner.reset_batch)
             room = asyncio.Semaphore(self.pipeline)
-            reader = asyncio.create_task(self._submit(request_iterator, stream, submitted, room))
+            reader = asyncio.create_task(read_steps(request_iterator, lambda msg: self._queue_step(msg, stream),
+                                                    submitted, room))
             while (item := await submitted.get()) is not None:
                 if isinstance(item, BaseException):
                     raise item              # as if read here: an abort of the strict decoder keeps its status
-                if isinstance(item, _Abort):
+                if isinstance(item, Abort):
                     await context.abort(item.code, item.message)
                 msg, running = item
                 reply = await self._result(context, running)
@@ -172,35 +166,17 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
             if not self.streams_open:
                 self.streams_closed.set()
 
-    async def _submit(self, request_iterator, stream: _Stream, submitted: asyncio.Queue,
-                      room: asyncio.Semaphore) -> None:
-        """Read the stream's steps and queue each on the torch thread as it arrives, up to `pipeline` at once:
-        the thread starts the next step the moment the last ends, while the event loop writes the last reply
-        (on an H200 that hop cost 0.7-1 ms of a 3-4 ms step when the thread waited for it). The answers
-        go out in order through `submitted`; None ends the stream, an _Abort ends it with a status, and an
-        exception from the reading is raised again on the handler's side."""
-        try:
-            async for msg in request_iterator:
-                await room.acquire()
-                async with self._lock:
-                    if self._newest is not stream:
-                        submitted.put_nowait(_Abort(grpc.StatusCode.ABORTED, "a newer Step stream replaced this one"))
-                        return
-                    if self.progress.epoch is None or msg.epoch > self.progress.epoch:
-                        await self.progress.begin(msg.epoch)
-                    if self.failure is not None:
-                        submitted.put_nowait(_Abort(grpc.StatusCode.UNAVAILABLE,
-                                                    f"executor is stopping: {self.failure}"))
-                        return
-                    self._queued += 1
-                    running = asyncio.get_running_loop().run_in_executor(self._worker, self._counted_step, msg,
-                                                                         stream)
-                submitted.put_nowait((msg, running))
-            submitted.put_nowait(None)
-        except BaseException as e:   # noqa: BLE001 -- handed to the handler, which ends the stream with it
-            submitted.put_nowait(e)
-            if isinstance(e, asyncio.CancelledError):
-                raise
+    async def _queue_step(self, msg: executor_pb2.StepRequest, stream: _Stream):
+        """Hand one step to the torch thread: (msg, its running reply), or an Abort that ends the stream."""
+        async with self._lock:
+            if self._newest is not stream:
+                return Abort(grpc.StatusCode.ABORTED, "a newer Step stream replaced this one")
+            if self.progress.epoch is None or msg.epoch > self.progress.epoch:
+                await self.progress.begin(msg.epoch)
+            if self.failure is not None:
+                return Abort(grpc.StatusCode.UNAVAILABLE, f"executor is stopping: {self.failure}")
+            self._queued += 1
+            return msg, asyncio.get_running_loop().run_in_executor(self._worker, self._counted_step, msg, stream)
 
     def _counted_step(self, msg: executor_pb2.StepRequest, stream: _Stream) -> executor_pb2.StepResponse:
         try:
