@@ -11,7 +11,10 @@ Two families of graphs share the buffers and one memory pool:
   count up to `max_tokens`: query blocks of the prefill size, as the eager path cuts them. Under a steady
   stream of arrivals nearly every step has a prompt in it, and these ran eagerly: at batch 256 on an H200
   the split stack's steps took 7.9 ms where the in-process engine's pure decodes took 4.7.
-Longer steps, LoRA steps and batches above the ladder run eagerly; so does deterministic mode.
+Longer steps, LoRA steps and batches above the ladder run eagerly. Deterministic mode computes every step,
+decodes included, with the prefill query block (triton_attention.block_q_for), so it captures the token-count
+ladder alone and replays it for every step; its kernels give a row the same bits in a call of any size, so
+padding changes no bit of a real row.
 
 Padding must not write anywhere that matters: padded tokens have slot 0, in block 0, the null block that no
 request's table uses, and see one position; padded query blocks have no tokens, so the kernel stores nothing
@@ -58,14 +61,14 @@ def token_ladder(max_tokens: int) -> list[int]:
 
 class StepGraphs:
     def __init__(self, model, kv_caches, max_num_seqs: int, max_blocks: int, device: torch.device,
-                 max_tokens: int = 0, block_q: int = 1):
+                 max_tokens: int = 0, block_q: int = 1, decode: bool = True):
         self.model = model
         self.kv_caches = kv_caches
-        self.sizes = batch_ladder(max_num_seqs)
+        self.sizes = batch_ladder(max_num_seqs) if decode else []     # no decode family: every step is "mixed"
         self.token_sizes = token_ladder(max_tokens)
         self.block_q = block_q                  # the query block of mixed steps: the eager path's prefill block
         self.max_num_seqs = max_num_seqs
-        n = max(self.sizes[-1], self.token_sizes[-1] if self.token_sizes else 0)
+        n = max(self.sizes[-1:] + self.token_sizes[-1:] + [1])
         self.device = device
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
@@ -89,11 +92,12 @@ class StepGraphs:
     @classmethod
     def for_runner(cls, runner) -> StepGraphs:
         """Graphs for a runner's model, cache and batch: mixed steps up to its --cuda-graph-max-tokens (at most
-        the tokens a step may have), with the query block its eager path uses for prompt tokens."""
+        the tokens a step may have), with the query block its eager path uses for prompt tokens; in
+        deterministic mode those alone, for every step."""
         cfg, mc = runner.cfg, runner.model_config
         return cls(runner.model, runner.kv_caches, cfg.max_num_seqs, runner.batch.block_table.shape[1], runner.device,
                    min(cfg.cuda_graph_max_tokens, runner.max_num_batched_tokens),
-                   prefill_block_q(mc.num_heads // mc.num_kv_heads))
+                   prefill_block_q(mc.num_heads // mc.num_kv_heads), decode=not cfg.deterministic)
 
     def query_block_bound(self, tokens: int) -> int:
         """Query blocks a mixed step of `tokens` tokens can have: one per request at most beyond a full
@@ -148,7 +152,7 @@ class StepGraphs:
     def shape_for(self, inputs) -> tuple[str, int] | None:
         """The graph a step replays: ("decode", padded batch) or ("mixed", padded tokens); None: eager."""
         t = len(inputs.input_ids)
-        if t == len(inputs.rows):
+        if t == len(inputs.rows) and self.sizes:
             size = self.size_for(t)
             if size is not None:
                 return "decode", size

@@ -131,11 +131,14 @@ class ModelRunner:
                                     cfg.block_size, self.device, self.dtype)
         self.graphs = None
         # Not with tensor parallelism yet: capturing the collectives inside the graphs is untested.
-        # Nor in deterministic mode, whose steps all take one query-block shape that no graph was captured for.
-        if cfg.cuda_graphs and self.attention == "triton" and size == 1 and not cfg.deterministic:
+        if cfg.cuda_graphs and self.attention == "triton" and size == 1:
             from executor_service.cuda_graphs import StepGraphs
             self.graphs = StepGraphs.for_runner(self)
-            self.graphs.capture()
+            try:
+                self.graphs.capture()
+            except RuntimeError as e:   # a kernel that cannot be captured (one that waits on the host, say)
+                log.warning("CUDA graphs could not be captured (%s); every step runs eagerly", e)
+                self.graphs = None
         self.sampler = Sampler()
         # Rank 0 samples, so it alone enforces grammars; the matchers appear with the first constrained row.
         self.structured = StructuredRows(cfg.model, self.model_config.vocab_size, self.model_config.eos_token_ids,

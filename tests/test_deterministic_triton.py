@@ -77,6 +77,8 @@ def test_a_decode_s_attention_row_is_the_same_token_s_row_inside_a_prompt_s_bloc
 
 
 def test_a_model_on_the_triton_kernels_gives_a_request_the_same_bits_alone_and_among_neighbours(tmp_path):
+    """Through the CUDA-graph buffers, as on a GPU (every step padded to the token ladder), and they change no
+    bit of what the eager path gives."""
     from test_deterministic import _fresh, _run
     from tiny_model import write_tiny_llama
 
@@ -84,15 +86,29 @@ def test_a_model_on_the_triton_kernels_gives_a_request_the_same_bits_alone_and_a
     from launcher.engine import LLMEngine
     from stepwire.contract import SamplingParams
 
-    engine = LLMEngine(RunnerConfig(str(write_tiny_llama(tmp_path / "m")), dtype="float32", deterministic=True,
-                                    attention_backend="triton", kv_cache_memory=4 << 20, max_num_seqs=64,
-                                    max_model_len=256, max_num_batched_tokens=64, device=DEVICE))
+    def make(graphs: bool) -> LLMEngine:
+        return LLMEngine(RunnerConfig(str(model), dtype="float32", deterministic=True, attention_backend="triton",
+                                      kv_cache_memory=4 << 20, max_num_seqs=64, max_model_len=256,
+                                      max_num_batched_tokens=64, device=DEVICE, cuda_graphs=graphs))
+
+    model = write_tiny_llama(tmp_path / "m")
+    engine = make(graphs=True)
     assert engine.runner.attention == "triton" and engine.runner.kv_layout.endswith(":deterministic:triton")
+    graphs = engine.runner.graphs
+    assert graphs is not None and graphs.sizes == [] and graphs.token_sizes[-1] == 64
+    shapes = []
+    run = graphs.run
+    graphs.run = lambda inputs, *a: (shapes.append(graphs.shape_for(inputs)), run(inputs, *a))[1]
     rng = np.random.default_rng(3)
     prompt = rng.integers(3, 97, 40).tolist()
     targets = [(prompt, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)),
                (prompt[:20] + [42, 43], SamplingParams(max_tokens=5, temperature=0.8, seed=11, ignore_eos=True))]
     alone_tokens, alone_logits = _run(_fresh(engine, 64), targets, [], rng)
+    assert shapes and all(shape is not None and shape[0] == "mixed" for shape in shapes), shapes
+    eager_tokens, eager_logits = _run(_fresh(make(graphs=False), 64), targets, [], np.random.default_rng(3))
+    assert eager_tokens == alone_tokens
+    for got, ref in zip(eager_logits, alone_logits, strict=True):
+        assert len(got) == len(ref) and all(map(torch.equal, got, ref))
     for n, budget, warm in ((1, 64, None), (9, 23, prompt[:32]), (30, 64, None)):
         neighbours = [rng.integers(3, 97, int(rng.integers(2, 24))).tolist() for _ in range(n)]
         tokens, logits = _run(_fresh(engine, budget), targets, neighbours, rng, warm)
