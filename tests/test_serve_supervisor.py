@@ -2,6 +2,7 @@
 of them up, the gateway included."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -187,7 +188,7 @@ def test_gateway_workers_share_the_port_and_one_killed_leaves_it_answering_every
             assert len(answers) < 5000, "serve did not start the gateway worker again"
         answers += [_complete(url, key) for _ in range(10)]
         assert set(answers) == {first} and len(_gateways(serve)) == 2
-        assert "gateway-0 exited with -9; starting it again" in (tmp_path / "serve.log").read_text()
+        assert re.search(r"gateway-[01] exited with -9; starting it again", log.read_text())
     finally:
         serve.send_signal(signal.SIGTERM)
         code = serve.wait(timeout=90)
