@@ -12,7 +12,8 @@ For each model (random-weight checkpoints that ../shared/gpu/device_setup.sh bui
 Prints `RESULT gpu step_floor_ratio=<decode step wall / HBM floor> offline_ratio=<offline tok/s / transformers'
 best> split_ratio=<split / in-process, the worse concurrency, the best of --split>` per model, after
 the profile of the decode step (kernel time, kernels and host launches per step, the kernels that dominate, where
-the host's time goes) and each split run's CPU per streamed token in each service.
+the host's time goes) and, for each split run, each service's CPU per streamed token and the requests' times
+to their first token against the in-process engine's.
 
 On the GPU machine: `source .gpu/device_setup.sh; python bench/gpu.py`. A CPU dry run of the script itself
 (tiny models from `mkmodels.py DIR --tiny`): `bench/gpu.py --models-dir DIR --device cpu --dtype float32
@@ -196,22 +197,25 @@ def decode_step(engine: LLMEngine, prompts, batch: int, args, name: str) -> dict
             "kv": kv_per_token * context, "batch": len(s.running) or batch}
 
 
-def _client_share(url: str, name: str, texts: list[str], tokens: int, concurrency: int) -> tuple[float, float, int]:
-    """One load-generator process's share: (start, end, tokens) on the wall clock."""
+def _client_share(url: str, name: str, texts: list[str], tokens: int, concurrency: int):
+    """One load-generator process's share: (start, end, tokens, first-token times) on the wall clock."""
     from serving import http_run
 
     t0 = time.time()
     r = asyncio.run(http_run(url, name, texts, tokens, concurrency))
-    return t0, t0 + r["seconds"], round(r["tok_s"] * r["seconds"])
+    return t0, t0 + r["seconds"], round(r["tok_s"] * r["seconds"]), r["ttft"]
 
 
-def http_load(pool, url: str, name: str, texts: list[str], tokens: int, concurrency: int) -> tuple[float, int]:
-    """Closed-loop streaming from the pool's processes, the streams split between them: (seconds, tokens) over
-    the whole run. One Python client parses ~30k SSE events a second, less than one GPU's split stack sends."""
+def http_load(pool, url: str, name: str, texts: list[str], tokens: int,
+              concurrency: int) -> tuple[float, int, list[float]]:
+    """Closed-loop streaming from the pool's processes, the streams split between them: (seconds, tokens, each
+    request's time to its first token) over the whole run. One Python client parses ~30k SSE events a second,
+    less than one GPU's split stack sends."""
     k = pool._max_workers
     shares = [pool.submit(_client_share, url, name, texts[i::k], tokens, max(1, concurrency // k)) for i in range(k)]
     got = [f.result() for f in shares]
-    return max(e for _, e, _ in got) - min(s for s, _, _ in got), sum(n for _, _, n in got)
+    return (max(g[1] for g in got) - min(g[0] for g in got), sum(g[2] for g in got),
+            [t for g in got for t in g[3]])
 
 
 def service_cpu(root: int) -> dict[str, float]:
@@ -266,7 +270,7 @@ def split_runs(model: Path, engine: LLMEngine, concurrencies: list[int], workers
     Prints each service's CPU per streamed token and the cores it kept busy, which names the process that caps
     the split stack, and the executor's steps: their rate, and the time inside each."""
     from offline_throughput import prompt_texts
-    from serving import executor_stats, inproc_run, start_stack
+    from serving import executor_stats, inproc_run, pct, start_stack
 
     from gateway.tokenizer import ModelTokenizer
 
@@ -292,7 +296,7 @@ def split_runs(model: Path, engine: LLMEngine, concurrencies: list[int], workers
                 spies = py_spy(proc.pid, args, f"{model.name}-w{workers}-g{graph_tokens}-p{pipeline}-c{concurrency}") \
                     if concurrency == top else []
                 before, steps0 = service_cpu(proc.pid), executor_stats(sc)
-                seconds, tokens = http_load(pool, url, model.name, texts, args.serve_tokens, concurrency)
+                seconds, tokens, ttft = http_load(pool, url, model.name, texts, args.serve_tokens, concurrency)
                 after, steps1 = service_cpu(proc.pid), executor_stats(sc)
                 for spy in spies:
                     spy.wait()
@@ -308,7 +312,9 @@ def split_runs(model: Path, engine: LLMEngine, concurrencies: list[int], workers
                   f"{concurrency}: split "
                   f"{tokens / seconds:,.0f} tok/s ({procs} client processes), in-process {inproc['tok_s']:,.0f} "
                   f"tok/s ({inproc['steps'] / inproc['seconds']:,.0f} steps/s), ratio {ratios[concurrency]:.2f}; "
-                  f"executor {n / seconds:,.0f} steps/s, {inside * 1e3:.2f} ms inside a step; CPU {cpu}", flush=True)
+                  f"executor {n / seconds:,.0f} steps/s, {inside * 1e3:.2f} ms inside a step; first token p50/p99 "
+                  f"{pct(ttft, .5) * 1e3:.0f}/{pct(ttft, .99) * 1e3:.0f} ms (in-process "
+                  f"{pct(inproc['ttft'], .5) * 1e3:.0f}/{pct(inproc['ttft'], .99) * 1e3:.0f}); CPU {cpu}", flush=True)
     finally:
         proc.terminate()
         proc.wait(timeout=60)
