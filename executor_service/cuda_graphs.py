@@ -32,7 +32,7 @@ import logging
 import numpy as np
 import torch
 
-from executor_service.triton_attention import PagedMetadata, paged_only, prefill_block_q, query_blocks, step_block_table
+from executor_service.triton_attention import PagedMetadata, paged_only, prefill_block_q, step_block_table, token_arrays
 
 log = logging.getLogger("stepwire.executor")
 
@@ -179,11 +179,10 @@ class StepGraphs:
         if kind == "decode":
             self._stage("kv_lens", inputs.seq_lens, 1, size)
         else:
-            req_of_token = np.repeat(np.arange(len(inputs.rows), dtype=np.int32), inputs.num_scheduled)
-            starts, lens = query_blocks(inputs.num_scheduled, inputs.query_start, self.block_q)
+            token_rows, kv_lens, starts, lens = token_arrays(inputs, self.block_q)
             p = self.query_block_bound(size)
-            self._stage("kv_lens", (inputs.positions + 1).astype(np.int32), 1, size)
-            self._stage("token_rows", req_of_token, 0, size)
+            self._stage("kv_lens", kv_lens, 1, size)
+            self._stage("token_rows", token_rows, 0, size)
             self._stage("qblock_start", starts, 0, p)
             self._stage("qblock_len", lens, 0, p)       # padded blocks have no tokens: nothing is stored
         rows = torch.from_numpy(step_block_table(inputs, block_table, block_size))

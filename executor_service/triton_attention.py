@@ -91,13 +91,20 @@ def paged_metadata(inputs, block_table: np.ndarray, block_size: int, to, group: 
     """A step's attention metadata for the kernel, from the persistent batch's block table; `to` moves a numpy
     array to the device; `group` is the query heads per KV head, which sets a prefill block's tokens; `fixed`:
     one query-block shape for every step (deterministic mode)."""
-    req_of_token = np.repeat(np.arange(len(inputs.rows), dtype=np.int32), inputs.num_scheduled)
     block_q = block_q_for(inputs.num_scheduled, group, fixed)
-    starts, lens = query_blocks(inputs.num_scheduled, inputs.query_start, block_q)
+    token_rows, kv_lens, starts, lens = token_arrays(inputs, block_q)
     return paged_only(to(inputs.slot_mapping), PagedMetadata(
-        block_table=to(step_block_table(inputs, block_table, block_size)), token_rows=to(req_of_token),
-        token_kv_lens=to((inputs.positions + 1).astype(np.int32)), qblock_start=to(starts), qblock_len=to(lens),
-        block_q=block_q))
+        block_table=to(step_block_table(inputs, block_table, block_size)), token_rows=to(token_rows),
+        token_kv_lens=to(kv_lens), qblock_start=to(starts), qblock_len=to(lens), block_q=block_q))
+
+
+def token_arrays(inputs, block_q: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The kernel's per-token and per-block arrays on the host (int32): each token's row in the step's block
+    table, the positions it sees, and the query blocks' first tokens and lengths. The eager path and the CUDA
+    graphs' buffers (cuda_graphs.py) both take them from here, so a step's blocks are cut one way."""
+    token_rows = np.repeat(np.arange(len(inputs.rows), dtype=np.int32), inputs.num_scheduled)
+    starts, lens = query_blocks(inputs.num_scheduled, inputs.query_start, block_q)
+    return token_rows, (inputs.positions + 1).astype(np.int32), starts, lens
 
 
 @triton.jit
