@@ -218,8 +218,8 @@ def http_load(pool, url: str, name: str, texts: list[str], tokens: int,
             [t for g in got for t in g[3]])
 
 
-def service_cpu(root: int) -> dict[str, float]:
-    """CPU seconds (user + system, all threads) each kind of service under `root` has spent so far."""
+def services(root: int) -> dict[int, tuple[str, float]]:
+    """The services under `root`: pid -> (kind, CPU seconds it has spent so far, user + system, all threads)."""
     parent, cmdline = {}, {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -228,16 +228,22 @@ def service_cpu(root: int) -> dict[str, float]:
         except (OSError, ValueError):
             continue
         parent[int(stat.parent.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
-    spent: dict[str, float] = {}
+    found = {}
     for pid, (ppid, cpu) in parent.items():
         up = ppid
         while up not in (root, 0, 1) and up in parent:
             up = parent[up][0]
-        if up != root:
-            continue
         kind = next((k for k, m in MODULE.items() if m.encode() in cmdline[pid]), None)
-        if kind is not None:
-            spent[kind] = spent.get(kind, 0.0) + cpu
+        if up == root and kind is not None:
+            found[pid] = (kind, cpu)
+    return found
+
+
+def service_cpu(root: int) -> dict[str, float]:
+    """CPU seconds each kind of service under `root` has spent so far."""
+    spent: dict[str, float] = {}
+    for kind, cpu in services(root).values():
+        spent[kind] = spent.get(kind, 0.0) + cpu
     return spent
 
 
@@ -248,16 +254,10 @@ def py_spy(root: int, args, tag: str) -> list[subprocess.Popen]:
     if not args.py_spy or not args.out or not spy:
         return []
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    found = {}
-    for cmd in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            text = cmd.read_bytes()
-        except OSError:
-            continue
-        for kind in ("scheduler", "gateway", "executor"):
-            if MODULE[kind].encode() in text and kind not in found and int(cmd.parent.name) != root:
-                found[kind] = cmd.parent.name
-    return [subprocess.Popen([spy, "record", "-p", pid, "-d", str(args.py_spy), "-r", "200", "--nonblocking",
+    found: dict[str, int] = {}
+    for pid, (kind, _) in services(root).items():
+        found.setdefault(kind, pid)
+    return [subprocess.Popen([spy, "record", "-p", str(pid), "-d", str(args.py_spy), "-r", "200", "--nonblocking",
                               "-f", "raw", "-o", str(Path(args.out) / f"pyspy-{kind}-{tag}.txt")],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for kind, pid in found.items()]
 
