@@ -108,7 +108,10 @@ class LlamaModel(nn.Module):
         self.config = cfg
         self.comm = comm = comm or Collectives()
         self.part = part = part or Partition.of(cfg, comm.rank, comm.size)
-        self.embed_tokens = nn.Embedding(part.vocab_rows, cfg.hidden_size)
+        # Built with its (meta-device) weight given: nn.Embedding's own random init on the meta device goes
+        # through torch._refs, whose first use imports torch._dynamo, 1.4 s of every executor's start.
+        self.embed_tokens = nn.Embedding(part.vocab_rows, cfg.hidden_size,
+                                         _weight=torch.empty(part.vocab_rows, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, part, comm) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, part.vocab_rows, bias=False)
