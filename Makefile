@@ -42,8 +42,11 @@ $(MODEL_DIR)/conversion.json: | $(DEV_STAMP)
 
 # Bytecode is written as modules are first imported: with PYTHONDONTWRITEBYTECODE set (as on CI), each of the
 # dozens of executor processes the tests start would compile torch from source again.
+# One worker per core and one more (pytest-xdist; tests/conftest.py gives each worker's torch one thread): a
+# worker waiting on a deadline or a restart leaves its core to the others. A file's tests stay in one worker,
+# so a stack a module shares starts once.
 test: lint model $(CHECKOV)
-	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q
+	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q -n auto --dist loadfile
 
 # The quick loop while editing: unit and property tests, no process started, no model loaded and no GPU kernel
 # run through Triton's interpreter.

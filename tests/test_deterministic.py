@@ -236,8 +236,8 @@ def test_one_two_and_three_tensor_parallel_ranks_give_a_request_the_same_bits(dt
     rng = np.random.default_rng(3)
     shared = rng.integers(100, 40000, 24).tolist()
     prompts = [shared + rng.integers(100, 40000, n).tolist() for n in (3, 17)] + [shared[:9], [42]]
-    params = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)] * 3 + \
-             [SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=5, ignore_eos=True)]
+    params = [SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)] * 3 + \
+             [SamplingParams(max_tokens=5, temperature=0.9, top_p=0.9, seed=5, ignore_eos=True)]
     threads, results = torch.get_num_threads(), []
     try:
         for tp in degrees:

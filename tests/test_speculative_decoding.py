@@ -70,7 +70,7 @@ def test_prompt_lookup_proposes_what_followed_the_latest_longest_match():
 
 def test_greedy_tokens_are_those_of_plain_decoding_in_any_batch(plain, spec, tok):
     ps = prompts(tok)
-    sp = SamplingParams(max_tokens=48, temperature=0.0)
+    sp = SamplingParams(max_tokens=32, temperature=0.0)
     expected = [c.token_ids for c in plain.generate(ps, sp)]
     before = spec.runner.spec.accepted
     assert [c.token_ids for c in spec.generate(ps, sp)] == expected            # all four in one batch
@@ -80,7 +80,7 @@ def test_greedy_tokens_are_those_of_plain_decoding_in_any_batch(plain, spec, tok
 
 def test_seeded_sampling_gives_the_tokens_of_plain_decoding(plain, spec, tok):
     ps = prompts(tok)
-    params = [SamplingParams(max_tokens=40, temperature=0.8, top_p=0.95, seed=11 + i) for i in range(len(ps))]
+    params = [SamplingParams(max_tokens=32, temperature=0.8, top_p=0.95, seed=11 + i) for i in range(len(ps))]
     expected = [c.token_ids for c in plain.generate(ps, params)]
     assert [c.token_ids for c in spec.generate(ps, params)] == expected
     assert [c.token_ids for c in spec.generate(ps[::-1], params[::-1])] == expected[::-1]
@@ -88,10 +88,10 @@ def test_seeded_sampling_gives_the_tokens_of_plain_decoding(plain, spec, tok):
 
 def test_preempted_speculating_requests_resume_to_the_same_tokens(tok):
     ps = prompts(tok) * 2
-    sp = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
-    # Room for two or three of the eight at a time (5 to 8 blocks each): requests are preempted as they grow.
+    sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    # Room for two or three of the eight at a time (4 to 7 blocks each): requests are preempted as they grow.
     block_bytes = 2 * 30 * 3 * 64 * 16 * 4
-    small = {"kv_cache_memory": 18 * block_bytes}
+    small = {"kv_cache_memory": 14 * block_bytes}
     ref = engine("none", **small)
     expected = [c.token_ids for c in ref.generate(ps, sp)]
     e = engine("ngram", **small)
