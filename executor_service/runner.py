@@ -286,10 +286,9 @@ class ModelRunner:
         on ranks other than 0, which hand their columns of them to rank 0)."""
         dev = self.device
         to = lambda a: torch.from_numpy(a).to(dev, non_blocking=True)  # noqa: E731
-        hidden = None
         lora = self.lora.plan(inputs) if self.lora is not None else None
-        if self.graphs is not None and lora is None:
-            hidden = self.graphs.run(inputs, self.batch.block_table, self.cfg.block_size)
+        hidden = None if self.graphs is None or lora is not None else \
+            self.graphs.run(inputs, self.batch.block_table, self.cfg.block_size)
         if hidden is None:
             if self.attention == "triton":
                 meta = self._paged_metadata(inputs, self.batch.block_table, self.cfg.block_size, to)

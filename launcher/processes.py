@@ -242,10 +242,8 @@ class Stack:
 
     def tails(self, lines: int = 40) -> str:
         """The end of each member's log, for failure messages."""
-        out = []
-        for p in self.logs():
-            out += [f"--- the last lines of {p}:", *p.read_text(errors="replace").splitlines()[-lines:]]
-        return "\n".join(out)
+        return "\n".join(line for p in self.logs() for line in
+                         [f"--- the last lines of {p}:", *p.read_text(errors="replace").splitlines()[-lines:]])
 
     def close(self, check: bool = True, seconds: float = STOP_SECONDS) -> None:
         """SIGTERM to every member at once (a service stops only after its grace period while a peer still holds
@@ -278,16 +276,13 @@ def _channel(s: Service):
     certificate from the CA)."""
     import grpc
 
-    # The member is still starting: gRPC's default reconnect backoff (1 s, then longer) would find it serving
-    # a second or more after it does, on every start of every stack.
-    fast = [("grpc.initial_reconnect_backoff_ms", 50), ("grpc.min_reconnect_backoff_ms", 50),
-            ("grpc.max_reconnect_backoff_ms", 200)]
+    # gRPC's default reconnect backoff (1 s and up) would see a starting member serve a second late.
+    fast = [(f"grpc.{k}_reconnect_backoff_ms", ms) for k, ms in (("initial", 50), ("min", 50), ("max", 200))]
     if not s.flags.get("--tls-dir"):
         return grpc.insecure_channel(s.address, options=fast)
     d = Path(s.flags["--tls-dir"])
     creds = grpc.ssl_channel_credentials(*((d / f).read_bytes() for f in ("ca.crt", "tls.key", "tls.crt")))
-    return grpc.secure_channel(s.address, creds,
-                               options=[*fast, ("grpc.ssl_target_name_override", f"stepwire-{s.kind}")])
+    return grpc.secure_channel(s.address, creds, [*fast, ("grpc.ssl_target_name_override", f"stepwire-{s.kind}")])
 
 
 def _serving(s: Service, channel) -> bool:
