@@ -75,18 +75,16 @@ def load_model(path: str | Path, max_positions: int, device: torch.device | str 
     ckpt = Checkpoint(path)
     with torch.device("meta"):
         model = LlamaModel(cfg, part, comm)
-    state = _fuse(cfg, part, ckpt)
+    state = _fuse(cfg, part, ckpt, device, dtype)
     expected = set(model.state_dict())
     missing, unexpected = expected - set(state), set(state) - expected
     if missing:
         raise ModelLoadError(f"{path}: checkpoint lacks {sorted(missing)[:5]}{' ...' if len(missing) > 5 else ''}")
     if unexpected:
         raise ModelLoadError(f"{path}: unexpected tensors {sorted(unexpected)[:5]}")
-    # Each tensor is converted as it is copied to its device, and the module takes that copy as its own
-    # (assign): no float32 model and no second copy are ever materialized. (Materializing the meta model
-    # first, with to_empty, goes through torch._refs, whose first use imports sympy: 0.4 s of every start.)
-    state = {name: t.to(device=device, dtype=dtype, copy=True, memory_format=torch.contiguous_format)
-             for name, t in state.items()}
+    # The module takes the tensors _fuse made as its own (assign): no float32 model and no second copy are
+    # ever materialized. (Materializing the meta model first, with to_empty, goes through torch._refs, whose
+    # first use imports sympy: 0.4 s of every start.)
     model.load_state_dict(state, strict=True, assign=True)
     if "lm_head.weight" not in ckpt and cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight  # one copy of the tied matrix, not two
@@ -94,11 +92,16 @@ def load_model(path: str | Path, max_positions: int, device: torch.device | str 
     return model.eval().requires_grad_(False)
 
 
-def _fuse(cfg: ModelConfig, part: Partition, ckpt: Checkpoint) -> dict[str, torch.Tensor]:
+def _fuse(cfg: ModelConfig, part: Partition, ckpt: Checkpoint, device, dtype) -> dict[str, torch.Tensor]:
     """Our tensors from Hugging Face's: q/k/v and gate/up concatenated, each cut to this rank's slice.
     Column-parallel matrices (q/k/v, gate/up) keep their rows, row-parallel ones (o, down) their columns,
-    except where the partition gathers: there o and down keep their rows of the hidden dimension."""
-    d, take = cfg.head_dim, ckpt.take
+    except where the partition gathers: there o and down keep their rows of the hidden dimension.
+    Each comes out on `device` in `dtype`, in memory of its own (a slice may share the file's pages), copied
+    once: a fused matrix is made of its converted parts."""
+    d = cfg.head_dim
+
+    def take(*a, **kw) -> torch.Tensor:
+        return ckpt.take(*a, **kw).to(device=device, dtype=dtype, copy=True, memory_format=torch.contiguous_format)
     q = (part.q_heads[0] * d, part.q_heads[1] * d)
     kv = (part.kv_heads[0] * d, part.kv_heads[1] * d)
     ff = part.intermediate
