@@ -48,7 +48,7 @@ class ServeSettings(ServiceSettings):
     scheduler_port: int = Field(50051)
     executors: int = Field(1, ge=1, description="local executors; they take ports from --executor-port up")
     gateway_workers: int = Field(1, ge=1, le=64, description="gateway processes sharing --port and --grpc-port "
-                                 "(SO_REUSEPORT): one process streams at most about 10-15k tokens a second; "
+                                 "(SO_REUSEPORT): one process streams at most about 15-17k tokens a second; "
                                  "each serves its own /metrics")
     prefill_executors: int = Field(0, ge=0, description="of --executors, how many prefill (--role prefill; the "
                                    "first ones); the others then decode (--role decode). 0: every executor mixed")

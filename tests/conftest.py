@@ -34,9 +34,9 @@ _float32_unless_a_test_says_otherwise()
 
 
 def _one_core_per_test_worker() -> None:
-    """`make test` runs the tests in one worker per core (pytest-xdist), each starting its own services: an
-    executor (or this process) taking a torch thread per core would have two workers' threads fight over each
-    core, and OpenMP's idle threads spin while they wait, burning the core the other worker needs."""
+    """`make test` runs the tests in more workers than cores (pytest-xdist), each starting its own services: an
+    executor (or this process) taking a torch thread per core would have the workers' threads fight over each
+    core, and OpenMP's idle threads spin while they wait, burning a core another worker needs."""
     import os
 
     import torch
