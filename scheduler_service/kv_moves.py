@@ -217,12 +217,14 @@ class KVMoves:
         elif mv.kind == "prefix":
             self.fleet.place([req], why="pull_failed")       # it computes its prefix where it goes
         else:
-            # From its tokens, as any move without KV: routing picks the executor again.
+            # From its tokens, as any move without KV: routing picks the executor again. The source stays a
+            # candidate: a rebalanced request whose target was lost may have nowhere else to go, and a prefill
+            # executor decodes what no decode executor takes (a leaving source is not live, so never chosen).
             if mv.kind == "rebalance" and (not source.connected or source.epoch != mv.source_epoch):
                 self.fleet.count_moved([req])        # its executor was lost under it: a migration after all
                 source.count_migrated_out(1)
             self.fleet.lifecycles.preempted([rid])
-            self.fleet.place([req], exclude=source, decoding=req.num_output_tokens > 0)
+            self.fleet.place([req], decoding=req.num_output_tokens > 0)
 
     # ------------------------------------------------------------------ the fleet's view
 
