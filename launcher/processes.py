@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from launcher.forked import Forked
+from launcher.readiness import channel_to, serving
 from launcher.tethered import ProcessGroup
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,6 +33,7 @@ LISTENS = {"executor": ("--address", "--metrics-address"), "scheduler": ("--addr
            "gateway": ("--port", "--grpc-address")}
 STOP_SECONDS = 15.0    # for the members to stop on SIGTERM before they are killed
 READY_SECONDS = 120.0  # for a member to serve; a member that exits meanwhile fails the wait at once
+FORK = False           # Stack's default: fork members from a server that imported them (forked.py), or start each anew
 
 
 def flag_dict(words) -> dict:
@@ -82,7 +85,12 @@ class Service:
 
 def command(service: Service) -> list[str]:
     """This Python running the service's module with its flags."""
-    words = [sys.executable, "-m", MODULE[service.kind]]
+    return [sys.executable, "-m", MODULE[service.kind], *arguments(service)]
+
+
+def arguments(service: Service) -> list[str]:
+    """The service's flags as the words of its command line."""
+    words = []
     for flag, value in service.flags.items():
         if value is True:
             words.append(flag)
@@ -122,13 +130,13 @@ class Stack:
     Leaving the `with` block stops all; it fails if a member died unasked (kill, terminate, restart, wait ask)."""
 
     def __init__(self, services: list[Service], workdir: str | Path, *, wait: bool = True,
-                 seconds: float = READY_SECONDS):
+                 seconds: float = READY_SECONDS, fork: bool | None = None):
         self.services = {s.name: s for s in services}
         if len(self.services) != len(services):
             raise ValueError(f"two services share a name: {[s.name for s in services]}")
-        self.workdir, self.seconds = Path(workdir), seconds
+        self.workdir, self.seconds, self.fork = Path(workdir), seconds, FORK if fork is None else fork
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.procs: dict[str, subprocess.Popen | Forked] = {}
         self.up: set[str] = set()       # started and not stopped on purpose: an exit of one of these is a fault
         self.group = ProcessGroup()
         place(services)
@@ -158,11 +166,17 @@ class Stack:
             raise RuntimeError(f"{name} is already running")
         s = self.services[name]
         env = {**os.environ, **s.env}
+        env = {k: v for k, v in env.items() if v is not None}
         with open(self.log(name), "a") as log:     # append: a restarted member goes on with its log
             log.write(f"=== launcher {time.strftime('%H:%M:%S')}: start {name}\n")
             log.flush()
-            self.procs[name] = self.group.popen(command(s), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                                env={k: v for k, v in env.items() if v is not None})
+            if self.fork:
+                self.procs[name] = Forked(MODULE[s.kind], arguments(s), env=env, log=str(self.log(name)),
+                                          cwd=str(ROOT), preload=MODULE.values())
+                self.group.join(self.procs[name].pid)
+            else:
+                self.procs[name] = self.group.popen(command(s), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                                    env=env)
         self.up.add(name)
         return self.procs[name]
 
@@ -222,8 +236,8 @@ class Stack:
     def wait_ready(self, name: str, seconds: float | None = None) -> None:
         """Until it serves: a gateway's /health answers 200, another service's gRPC health says SERVING."""
         s = self.services[name]
-        with contextlib.nullcontext() if s.kind == "gateway" else _channel(s) as channel:
-            self.wait_until(lambda: _serving(s, channel), f"{name} to serve (/health 200, or gRPC health SERVING)",
+        with contextlib.nullcontext() if s.kind == "gateway" else channel_to(s) as channel:
+            self.wait_until(lambda: serving(s, channel), f"{name} to serve (/health 200, or gRPC health SERVING)",
                             seconds, interval=0.3 if channel is None else 0.2)
 
     def exited(self) -> dict[str, int]:
@@ -270,30 +284,3 @@ class Stack:
         if check and why:
             raise AssertionError("; ".join(why) + "\n" + self.tails())
 
-
-def _channel(s: Service):
-    """A channel to a member, over mTLS with its own certificate when it has a --tls-dir (health answers any
-    certificate from the CA)."""
-    import grpc
-
-    # gRPC's default reconnect backoff (1 s and up) would see a starting member serve a second late.
-    fast = [(f"grpc.{k}_reconnect_backoff_ms", ms) for k, ms in (("initial", 50), ("min", 50), ("max", 200))]
-    if not s.flags.get("--tls-dir"):
-        return grpc.insecure_channel(s.address, options=fast)
-    d = Path(s.flags["--tls-dir"])
-    creds = grpc.ssl_channel_credentials(*((d / f).read_bytes() for f in ("ca.crt", "tls.key", "tls.crt")))
-    return grpc.secure_channel(s.address, creds, [*fast, ("grpc.ssl_target_name_override", f"stepwire-{s.kind}")])
-
-
-def _serving(s: Service, channel) -> bool:
-    import grpc
-    import httpx
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    try:
-        if channel is None:
-            return httpx.get(s.url + "/health", timeout=1).status_code == 200
-        status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1).status
-        return status == health_pb2.HealthCheckResponse.SERVING
-    except (httpx.HTTPError, grpc.RpcError):
-        return False

@@ -38,6 +38,7 @@ class ProcessGroup:
 
     def __init__(self):
         self.pgid: int | None = None
+        self.forked: set[int] = set()       # forked members' groups, one each (forked.py)
 
     def popen(self, command: list[str], **kw) -> subprocess.Popen:
         if self.pgid is not None and not self.alive():
@@ -54,15 +55,27 @@ class ProcessGroup:
             self.pgid = proc.pid
         return proc
 
+    def join(self, pgid: int) -> None:
+        """A member forked elsewhere (forked.py), which made a group of its own: `signal` reaches it too."""
+        self.forked.add(pgid)
+
     def alive(self) -> bool:
-        return self.pgid is not None and self.signal(0)
+        return self.pgid is not None and _killpg(self.pgid, 0)
 
     def signal(self, signum: int) -> bool:
         """Send `signum` to every process of the group; False when none is left."""
-        if self.pgid is None:
-            return False
-        try:
-            os.killpg(self.pgid, signum)
-            return True
-        except ProcessLookupError:
-            return False
+        sent = self.pgid is not None and _killpg(self.pgid, signum)
+        for pgid in list(self.forked):
+            if _killpg(pgid, signum):
+                sent = True
+            else:
+                self.forked.discard(pgid)
+        return sent
+
+
+def _killpg(pgid: int, signum: int) -> bool:
+    try:
+        os.killpg(pgid, signum)
+        return True
+    except ProcessLookupError:
+        return False

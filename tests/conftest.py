@@ -49,6 +49,16 @@ def _one_core_per_test_worker() -> None:
 _one_core_per_test_worker()
 
 
+def _fork_services() -> None:
+    """Every Stack of the tests forks its services from a server that imported them once (launcher/forked.py):
+    the suite starts about 170 of them, and each would spend most of its start importing torch or gRPC."""
+    import launcher.processes
+    launcher.processes.FORK = True
+
+
+_fork_services()
+
+
 def pytest_xdist_auto_num_workers(config) -> int:
     """`-n auto`: one worker per core this process may run on and one more, since a worker often waits (on a
     deadline, a restart, a keepalive) with its core idle; at most 5, as each worker's stacks hold models in

@@ -88,14 +88,13 @@ def wait_until(predicate, timeout: float, what, *, procs=None, logs=(), interval
     """Poll `predicate` until it returns something truthy, and return that.
 
     Fails with `what` (a string, or a callable giving one, e.g. to show the last state seen) when `timeout`
-    seconds pass, or as soon as one of `procs` (a name -> Popen dict, or one Popen) has exited; the failure
+    seconds pass, or as soon as one of `procs` (a name -> process dict, or one process) has exited; the failure
     message ends with the tail of each file in `logs` (a path or several).
     """
-    import subprocess
     import time
     from pathlib import Path
 
-    if isinstance(procs, subprocess.Popen):
+    if procs is not None and not isinstance(procs, dict):     # one process: a Popen, or a forked Stack member
         procs = {"process": procs}
     procs = procs or {}
     logs = [logs] if isinstance(logs, str | Path) else list(logs)

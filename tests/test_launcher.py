@@ -17,6 +17,8 @@ from launcher.processes import MODULE, Service, Stack, command, flag_dict, place
 ROOT = Path(__file__).resolve().parent.parent
 
 pytestmark = pytest.mark.processes   # starts services as separate processes: not in `make test-fast`
+# Members started as new processes (serve and the benchmarks) and forked from the fork server (the tests' stacks).
+modes = pytest.mark.parametrize("fork", [False, True], ids=["new-process", "forked"])
 
 
 def executor(model: Path, name: str = "executor") -> Service:
@@ -41,13 +43,15 @@ def test_flags_become_a_command_line_and_a_stack_fills_in_ports_and_peers():
     assert len(set(ports)) == 4 and static.flags["--metrics-address"] not in ports
 
 
-def test_kill_pause_resume_and_restart_one_member(launch, tmp_path):
+@modes
+def test_kill_pause_resume_and_restart_one_member(launch, tmp_path, fork):
     grpc = pytest.importorskip("grpc")
     pytest.importorskip("torch")
     from grpc_health.v1 import health_pb2
 
     model = write_tiny_llama(tmp_path / "llama")
-    stack = launch(executor(model), Service("scheduler", flags={"--metrics-address": "", "--retry-seconds": 0.2}))
+    stack = launch(executor(model), Service("scheduler", flags={"--metrics-address": "", "--retry-seconds": 0.2}),
+                   fork=fork)
     serving = health_pb2.HealthCheckResponse.SERVING
     address = stack["executor"].address
     with grpc.insecure_channel(stack["scheduler"].address) as sc, grpc.insecure_channel(address) as ex:
@@ -74,10 +78,11 @@ def test_kill_pause_resume_and_restart_one_member(launch, tmp_path):
     assert "start executor" in stack.log("executor").read_text()
 
 
-def test_a_member_that_dies_on_its_own_fails_the_stack_with_its_log(tmp_path):
+@modes
+def test_a_member_that_dies_on_its_own_fails_the_stack_with_its_log(tmp_path, fork):
     pytest.importorskip("torch")
     with pytest.raises(AssertionError, match="^exited on their own: {'executor': -9}\n") as e:
-        with Stack([executor(write_tiny_llama(tmp_path / "llama"))], tmp_path) as stack:
+        with Stack([executor(write_tiny_llama(tmp_path / "llama"))], tmp_path, fork=fork) as stack:
             os.kill(stack.procs["executor"].pid, signal.SIGKILL)
             stack.procs["executor"].wait()
             with pytest.raises(AssertionError, match="executor exited with code -9 while waiting for Godot"):
@@ -85,9 +90,10 @@ def test_a_member_that_dies_on_its_own_fails_the_stack_with_its_log(tmp_path):
     assert f"lines of {tmp_path / 'executor.log'}" in str(e.value)
 
 
-def test_a_wrong_flag_fails_the_start_at_once_with_the_log_and_leaves_nothing(tmp_path):
+@modes
+def test_a_wrong_flag_fails_the_start_at_once_with_the_log_and_leaves_nothing(tmp_path, fork):
     with pytest.raises(AssertionError, match="executor exited with code") as e:
-        Stack([Service("executor", flags={"--no-such-flag": 1})], tmp_path)
+        Stack([Service("executor", flags={"--no-such-flag": 1})], tmp_path, fork=fork)
     assert "no-such-flag" in str(e.value)
 
 
@@ -110,20 +116,23 @@ def group_members(pgid: int) -> list[int]:
     return out
 
 
-def test_teardown_leaves_no_process_of_the_group_and_a_killed_parent_takes_its_stack_along(tmp_path):
+@modes
+def test_teardown_leaves_no_process_of_the_group_and_a_killed_parent_takes_its_stack_along(tmp_path, fork):
     pytest.importorskip("torch")
     model = write_tiny_llama(tmp_path / "llama")
-    with Stack([executor(model, "a"), executor(model, "b")], tmp_path) as stack:
-        pgid = stack.group.pgid
-        assert sorted(group_members(pgid)) == sorted(p.pid for p in stack.procs.values())
-    assert group_members(pgid) == []
+    with Stack([executor(model, "a"), executor(model, "b")], tmp_path, fork=fork) as stack:
+        # One group for all (new processes), or one for each (forked): the stop signals each of them.
+        groups = {stack.group.pgid} - {None} | stack.group.forked
+        assert len(groups) == (2 if fork else 1)
+        assert sorted(m for g in groups for m in group_members(g)) == sorted(p.pid for p in stack.procs.values())
+    assert [m for g in groups for m in group_members(g)] == []
     # A parent killed with SIGKILL (a pytest stopped hard) runs no teardown: its stack goes all the same.
     flags = {k: str(v) for k, v in executor(model).flags.items()}
     parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys, time
         sys.path.insert(0, {str(ROOT)!r})
         from launcher.processes import Service, Stack
-        stack = Stack([Service("executor", flags={flags!r})], {str(tmp_path / "orphan")!r})
+        stack = Stack([Service("executor", flags={flags!r})], {str(tmp_path / "orphan")!r}, fork={fork!r})
         print(stack.procs["executor"].pid, flush=True)
         time.sleep(600)
         """)], cwd=ROOT, stdout=subprocess.PIPE, text=True)

@@ -1,0 +1,102 @@
+"""Service processes forked from a server that imported the services once, for a test suite's dozens of stacks.
+
+A service started as a new Python (`command`) spends most of its start importing: an executor about a second of
+CPU on torch alone, of the two it takes to serve. The test suite starts about 170 services on 2 cores, so
+`Stack(fork=True)` (tests/conftest.py turns it on) forks each one from multiprocessing's fork server instead,
+which imported every service's module when it started, and calls the same `main` with the same flags that
+`command` puts on a command line. `stepwire serve` and the benchmarks keep starting new processes.
+
+What a test sees is what a process started by `command` gives it: a pid to signal (SIGKILL, SIGSTOP), an exit
+code (negative for a signal), a log of stdout and stderr, a group of its own that a stop sweeps up, and SIGTERM
+when the process that started it dies. Fork safety: the server imports and does nothing else (no thread of
+gRPC's or a pool of torch's is running when it forks), and each member sets up its own state after the fork.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import multiprocessing
+import multiprocessing.forkserver
+import os
+import signal
+import subprocess
+import sys
+
+_context = None
+
+
+def _fork_server(preload):
+    global _context
+    if _context is None:
+        _context = multiprocessing.get_context("forkserver")
+        _context.set_forkserver_preload(list(preload))
+    return _context
+
+
+def _main(module: str, argv: list[str], env: dict, log: str, cwd: str) -> None:
+    """In the forked member: the group, the parent-death signal, the log and the environment a new process
+    would have had, then the service's main."""
+    os.setpgid(0, 0)
+    # multiprocessing hands each member the end of the pipe that keeps the fork server alive (so that a member
+    # could fork members of its own); held, the server would outlive the tests' process, and so would we.
+    server = multiprocessing.forkserver._forkserver
+    if server._forkserver_alive_fd is not None:
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
+    if sys.platform.startswith("linux"):
+        import ctypes
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)      # 1: PR_SET_PDEATHSIG: the fork server's death
+        if os.getppid() == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    sys.argv = [module, *argv]
+    try:
+        importlib.import_module(module).main(argv)
+    finally:
+        atexit._run_exitfuncs()       # multiprocessing ends a member with os._exit, which runs none of them
+
+
+class Forked:
+    """A forked member, with the part of subprocess.Popen's interface the launcher and the tests use."""
+
+    def __init__(self, module: str, argv: list[str], *, env: dict, log: str, cwd: str, preload):
+        self.args = [module, *argv]
+        # daemon: should the starting process exit with it still running, multiprocessing ends it first.
+        self._proc = _fork_server(preload).Process(target=_main, args=(module, argv, env, log, cwd), daemon=True)
+        self._proc.start()
+        self.pid = self._proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.exitcode
+
+    def poll(self) -> int | None:
+        return self._proc.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._proc.join(timeout)
+        if self._proc.exitcode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self._proc.exitcode
+
+    def send_signal(self, signum: int) -> None:
+        if self._proc.exitcode is None:
+            try:
+                os.kill(self.pid, signum)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
