@@ -154,7 +154,7 @@ def test_a_draft_model_that_is_the_target_itself_has_every_greedy_proposal_accep
     """The draft's own KV follows the target's through prefill chunks, decodes and refused proposals: were it
     stale or misplaced, a draft equal to the target would propose other tokens than the target decodes."""
     ps = prompts(tok)[1:3]
-    sp = SamplingParams(max_tokens=32, temperature=0.0)
+    sp = SamplingParams(max_tokens=24, temperature=0.0)
     expected = [c.token_ids for c in plain.generate(ps, sp)]
     e = engine("draft", speculative_model=str(MODEL), num_speculative_tokens=4)
     assert [c.token_ids for c in e.generate(ps, sp)] == expected
@@ -162,7 +162,7 @@ def test_a_draft_model_that_is_the_target_itself_has_every_greedy_proposal_accep
     assert s.proposed > 20 and s.accepted / s.proposed > 0.9
     # Seeded sampling: the draft draws with the noise the target will use at each position, so it proposes the
     # very tokens the target samples (greedy proposals would be kept only as often as they are the sample).
-    seeded = [SamplingParams(max_tokens=32, temperature=1.0, seed=3 + i) for i in range(len(ps))]
+    seeded = [SamplingParams(max_tokens=24, temperature=1.0, seed=3 + i) for i in range(len(ps))]
     expected = [c.token_ids for c in plain.generate(ps, seeded)]
     proposed, accepted = s.proposed, s.accepted
     assert [c.token_ids for c in e.generate(ps, seeded)] == expected
