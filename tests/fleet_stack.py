@@ -54,6 +54,14 @@ class Fleet:
     def steps(self) -> dict[str, int]:
         return {e.address: e.num_steps for e in self.stats().executors}
 
+    def busy(self) -> str:
+        """The name of an executor running requests now, for a fault to hit: which one gets them is routing's
+        choice (load, and prefixes cached by an earlier run), not the test's."""
+        names = {address: f"executor-{i}" for i, address in enumerate(self.addresses)}
+        running = sorted((-e.num_running, e.address) for e in self.stats().executors if e.num_running > 0)
+        assert running, "no executor runs a request"
+        return names[running[0][1]]
+
     def start_executor(self, i: int) -> None:
         self.stack.start(f"executor-{i}")
 

@@ -34,30 +34,31 @@ def _no_fault(fleet, prompts, **params):
     return s.tokens
 
 
-def _kill_executor_0_mid_stream(fleet, seeded: dict) -> tuple[Streams, Streams]:
-    """16 greedy and 8 seeded streams; executor 0 killed once every stream has its first token. Returns them
-    ended, every one without an error."""
+def _kill_a_busy_executor_mid_stream(fleet, seeded: dict) -> tuple[Streams, Streams, str]:
+    """16 greedy and 8 seeded streams; an executor running some of them killed once every stream has its first
+    token. Returns them ended, every one without an error, and the killed executor's address."""
     greedy, sampled = Streams(fleet.stub, PROMPTS), Streams(fleet.stub, PROMPTS[:8], **seeded)
     wait_until(lambda: greedy.started() and sampled.started(), 30, "every stream's first token", interval=0.005)
-    assert fleet.stats().executors[0].num_running > 0
-    fleet.stack.kill("executor-0")
+    killed = fleet.busy()
+    fleet.stack.kill(killed)
     greedy.join()
     sampled.join()
     assert greedy.errors == [None] * 16 and sampled.errors == [None] * 8
-    return greedy, sampled
+    return greedy, sampled, fleet.stack[killed].address
 
 
 def test_killing_one_of_two_executors_mid_stream_loses_and_repeats_no_token(two):
     expected = reference_greedy(two.model, PROMPTS, max_tokens=TOKENS, budget=BUDGET)
     seeded = {"temperature": 1.0, "seed": list(range(100, 108))}
     expected_seeded = _no_fault(two, PROMPTS[:8], **seeded)
-    greedy, sampled = _kill_executor_0_mid_stream(two, seeded)
+    greedy, sampled, killed = _kill_a_busy_executor_mid_stream(two, seeded)
     # Every stream is the whole answer, once: nothing repeated after the move, nothing skipped.
     assert greedy.tokens == expected
     assert sampled.tokens == expected_seeded
     stats = two.stats()
-    assert stats.num_migrations > 0 and stats.executors[0].num_migrated_out == stats.num_migrations
-    assert not stats.executors[0].connected and stats.num_requests == 0
+    (lost,) = [e for e in stats.executors if e.address == killed]
+    assert stats.num_migrations > 0 and lost.num_migrated_out == stats.num_migrations
+    assert not lost.connected and stats.num_requests == 0
 
 
 def test_in_bfloat16_deterministic_mode_a_killed_executor_changes_no_token(tmp_path):
@@ -70,7 +71,7 @@ def test_in_bfloat16_deterministic_mode_a_killed_executor_changes_no_token(tmp_p
     try:
         seeded = {"temperature": 1.0, "seed": list(range(100, 108))}
         expected, expected_seeded = _no_fault(fleet, PROMPTS), _no_fault(fleet, PROMPTS[:8], **seeded)
-        greedy, sampled = _kill_executor_0_mid_stream(fleet, seeded)
+        greedy, sampled, _ = _kill_a_busy_executor_mid_stream(fleet, seeded)
         assert greedy.tokens == expected and sampled.tokens == expected_seeded
         assert fleet.stats().num_migrations > 0
     finally:
