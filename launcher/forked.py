@@ -15,6 +15,7 @@ gRPC's or a pool of torch's is running when it forks), and each member sets up i
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib
 import multiprocessing
 import multiprocessing.forkserver
@@ -22,8 +23,22 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 _context = None
+_running: set = set()          # every member started here that may still run
+
+
+@atexit.register
+def _kill_the_left_behind() -> None:
+    """Members a stop never reached (a test torn down hard) die with their group now. Registered after
+    multiprocessing's own exit function, so it runs first: that one would SIGTERM each daemon member and
+    wait for it without a limit, for ever on a paused member or one draining for minutes."""
+    for member in list(_running):
+        if member.poll() is None:
+            for kill in (os.killpg, os.kill):
+                with contextlib.suppress(ProcessLookupError):
+                    kill(member.pid, signal.SIGKILL)
 
 
 def _fork_server(preload):
@@ -38,6 +53,7 @@ def _main(module: str, argv: list[str], env: dict, log: str, cwd: str) -> None:
     """In the forked member: the group, the parent-death signal, the log and the environment a new process
     would have had, then the service's main."""
     os.setpgid(0, 0)
+    server_pid = os.getppid()     # alive still: we hold its pipe until the next lines close it
     # multiprocessing hands each member the end of the pipe that keeps the fork server alive (so that a member
     # could fork members of its own); held, the server would outlive the tests' process, and so would we.
     server = multiprocessing.forkserver._forkserver
@@ -47,14 +63,14 @@ def _main(module: str, argv: list[str], env: dict, log: str, cwd: str) -> None:
     if sys.platform.startswith("linux"):
         import ctypes
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)      # 1: PR_SET_PDEATHSIG: the fork server's death
-        if os.getppid() == 1:
+        if os.getppid() != server_pid:           # it died before the signal was armed
             os.kill(os.getpid(), signal.SIGTERM)
     fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
     sys.stdout = open(1, "w", buffering=1, closefd=False)
-    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False, errors="backslashreplace")   # as an interpreter's
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
@@ -62,7 +78,10 @@ def _main(module: str, argv: list[str], env: dict, log: str, cwd: str) -> None:
     try:
         importlib.import_module(module).main(argv)
     finally:
-        atexit._run_exitfuncs()       # multiprocessing ends a member with os._exit, which runs none of them
+        # multiprocessing ends a member with os._exit, which runs no atexit function: run them as an interpreter
+        # would, once its other non-daemon threads ended.
+        threading._shutdown()
+        atexit._run_exitfuncs()
 
 
 class Forked:
@@ -70,10 +89,11 @@ class Forked:
 
     def __init__(self, module: str, argv: list[str], *, env: dict, log: str, cwd: str, preload):
         self.args = [module, *argv]
-        # daemon: should the starting process exit with it still running, multiprocessing ends it first.
         self._proc = _fork_server(preload).Process(target=_main, args=(module, argv, env, log, cwd), daemon=True)
         self._proc.start()
         self.pid = self._proc.pid
+        _running.difference_update([m for m in _running if m.poll() is not None])
+        _running.add(self)
 
     @property
     def returncode(self) -> int | None:
