@@ -115,7 +115,8 @@ def test_16_constrained_streams_through_the_kill_of_one_of_two_executors_stay_va
         assert ref.errors == [None] * 16
         moved = Streams(fleet.stub, PROMPTS, structured_output=so, max_tokens=120)
         wait_until(moved.started, 30, "every stream's first token", interval=0.005)
-        fleet.procs[fleet.busy()].kill()
+        killed = fleet.busy()
+        fleet.procs[killed].kill()
         moved.join()
         assert moved.errors == [None] * 16
         assert fleet.stats().num_migrations > 0
@@ -133,7 +134,8 @@ def test_16_constrained_streams_through_the_kill_of_one_of_two_executors_stay_va
         fine.join()
         assert refused.errors == [None] and len(refused.tokens[0]) == 1 and refused.tokens[0][0] in tok_eos(model)
         assert fine.tokens == ref.tokens[:4]
-        assert fleet.procs["executor-1"].poll() is None
+        (survivor,) = {"executor-0", "executor-1"} - {killed}
+        assert fleet.procs[survivor].poll() is None      # the bad grammar harmed no executor
     finally:
         fleet.stop()
 
