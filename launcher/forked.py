@@ -85,7 +85,9 @@ def _main(module: str, argv: list[str], env: dict, log: str, cwd: str) -> None:
 
 
 class Forked:
-    """A forked member, with the part of subprocess.Popen's interface the launcher and the tests use."""
+    """A forked member, with the part of subprocess.Popen's interface the launcher and the tests use.
+    `preload`: the modules the fork server imports; read when this process's first member starts the server,
+    and not after (launcher/processes.py always passes every service's module)."""
 
     def __init__(self, module: str, argv: list[str], *, env: dict, log: str, cwd: str, preload):
         self.args = [module, *argv]
