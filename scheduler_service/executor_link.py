@@ -134,7 +134,7 @@ class ExecutorLink(StepLoop):
 
     def drop_rows(self, request_ids) -> None:
         """Requests that left with their KV: the executor may now drop their rows (and a draining one exit)."""
-        self.core.finished_req_ids.update(request_ids)
+        migration.rows_dropped(self.core, request_ids)
         self._wake.set()
 
     def abort(self, request_ids) -> list[Request]:

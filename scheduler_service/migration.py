@@ -48,12 +48,20 @@ def detach(core: Scheduler, req: Request) -> list:
     del core.requests[req.request_id]
     core.clock.leave(req)
     pin = core.kv.pin(req)
+    core.leaving_rows.add(req.request_id)
     req.forget_computed()
     req.num_output_placeholders = 0
     req.spec_in_flight = 0
     req.status = RequestStatus.PREEMPTED
     req.resend_in_full = True
     return pin
+
+
+def rows_dropped(core: Scheduler, request_ids) -> None:
+    """Requests that left with their KV, their transfers over: the next step tells the executor to drop their
+    rows, and their slots are free again."""
+    core.finished_req_ids.update(request_ids)
+    core.leaving_rows.difference_update(request_ids)
 
 
 def take_queued(core: Scheduler, req: Request) -> None:

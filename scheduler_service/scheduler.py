@@ -60,8 +60,8 @@ class Scheduler:
         self.clock = TenantClock(tenants)
         self.waiting = FairQueue(config.policy, self.clock)
         self.running: list[Request] = []
-        # Ended since the last schedule(); the next output tells the executors to drop them.
-        self.finished_req_ids: set[str] = set()
+        self.finished_req_ids: set[str] = set()    # ended since the last schedule(): its output drops their rows
+        self.leaving_rows: set[str] = set()    # rows kept for requests gone with their KV: slots, until dropped
         self.num_preemptions = 0
         self.fair_preemptions = 0          # of those, slots taken back for a tenant under its share
         self.adapters = AdapterSlots()     # its executor's LoRA slots (configured from its Describe)
@@ -134,8 +134,8 @@ class Scheduler:
             req.spec_in_flight = req.spec_offered = 0
             if req.status == _PREEMPTED:
                 req.resend_in_full = True
-        # Ids the executor no longer holds need no "finished" notice in the new epoch.
-        self.finished_req_ids = set()
+        # Ids the executor no longer holds need no "finished" notice in the new epoch, nor hold a slot.
+        self.finished_req_ids, self.leaving_rows = set(), set()
         # Blocks in flight to or from the executor, and KV a peer wrote for a request not yet admitted, go too:
         # those requests recompute, and the reset finds every block free.
         self.kv.drop_moves(set())
@@ -249,7 +249,7 @@ class Scheduler:
         # Waiting requests, only if nothing was preempted: admitting while evicting would just thrash.
         if not preempted:
             token_budget = admit_waiting(cfg, kv, self.waiting, running, token_budget, threshold, new_reqs, cached,
-                                         num_scheduled, self.adapters,
+                                         num_scheduled, self.adapters, len(self.leaving_rows),
                                          *admission_tenants(running, self.waiting, self.clock, cfg.max_num_seqs))
         lora_loads, lora_rows = self.adapters.take()
         if self.clock.running:

@@ -20,7 +20,7 @@ _RUNNING = RequestStatus.RUNNING
 
 def admit_waiting(config: SchedulerConfig, kv: KVCacheManager, waiting, running: list[Request], token_budget: int,
                   threshold: int, new_reqs: list[NewRequestData], cached: CachedRequestData,
-                  num_scheduled: dict[str, int], adapters: AdapterSlots | None = None,
+                  num_scheduled: dict[str, int], adapters: AdapterSlots | None = None, held: int = 0,
                   first: set[str] | None = None, light: set[str] | None = None) -> int:
     """Move what fits into `token_budget` from `waiting` (a request_queue) to `running`, appending to this
     step's output; returns the budget left.
@@ -28,6 +28,10 @@ def admit_waiting(config: SchedulerConfig, kv: KVCacheManager, waiting, running:
     A request whose LoRA adapter finds no slot (all hold adapters that running requests use) is passed over,
     and so is every later one with an adapter: they keep their places, and the slots free up as the running
     requests end, so an adapter waited for is not starved by others arriving after it.
+
+    `held`: rows the executor still keeps for requests no longer running here (they left with their KV, and
+    their rows go once the transfer ends): each takes one of max_num_seqs, or the executor would refuse the
+    step for holding more rows than its batch has.
 
     `first` and `light` (fair_share.admission_tenants, for a FairQueue): the tenants served before the
     virtual-time order in this pass, until each has a request admitted; and the tenants once one of whose
@@ -38,7 +42,7 @@ def admit_waiting(config: SchedulerConfig, kv: KVCacheManager, waiting, running:
         waiting.first = first
     try:
         return _admit(config, kv, waiting, running, token_budget, threshold, new_reqs, cached, num_scheduled,
-                      adapters, skipped, light)
+                      adapters, skipped, light, config.max_num_seqs - held)
     finally:
         if first:
             waiting.first = None           # for this pass only
@@ -48,9 +52,8 @@ def admit_waiting(config: SchedulerConfig, kv: KVCacheManager, waiting, running:
 
 
 def _admit(config, kv, waiting, running, token_budget, threshold, new_reqs, cached, num_scheduled, adapters,
-           skipped, light) -> int:
+           skipped, light, max_num_seqs) -> int:
     allocate = kv.allocate_slots
-    max_num_seqs = config.max_num_seqs
     chunked = config.enable_chunked_prefill
     protecting = False
     while waiting and token_budget > 0 and len(running) < max_num_seqs:

@@ -6,7 +6,7 @@ import pytest
 from helpers import OUT, make_scheduler, req, step
 from invariants import assert_pool_invariants
 
-from scheduler_service.migration import adopt, detach
+from scheduler_service.migration import adopt, detach, rows_dropped
 
 
 def running_on(core, n_prompt: int = 22, decode: int = 3, rid: str = "r"):
@@ -196,3 +196,28 @@ def test_a_dropped_prefix_reservation_gives_back_its_fresh_blocks_and_keeps_the_
     b.kv.drop(r)
     assert b.kv.num_free_blocks == 63 and b.kv.get_computed_blocks(r)[1] == 8
     assert_pool_invariants(b)
+
+
+def test_a_row_kept_for_a_request_leaving_with_its_kv_holds_its_slot_until_the_executor_drops_it():
+    """The executor keeps a detached request's row until the transfer ends (a draining source must not exit
+    first): admitting into that slot meanwhile would send a step with more rows than its batch holds, which
+    it refuses, recomputing everything it runs."""
+    a = make_scheduler(64, block_size=4, max_num_seqs=2)
+    r, other = running_on(a, rid="r"), running_on(a, rid="o", n_prompt=10)
+    pin = detach(a, r)
+    a.add_request(req("new", 6, first=900))
+    out, _ = step(a)
+    assert "new" not in out.num_scheduled_tokens and out.num_scheduled_tokens == {"o": 1}
+    assert len(a.running) + len(a.leaving_rows) == 2            # the rows the executor holds: its batch, full
+    a.kv.unpin(r.request_id, pin)
+    rows_dropped(a, ["r"])                                      # ExecutorLink.drop_rows, once the pull ended
+    out, _ = step(a)
+    assert out.finished_req_ids == {"r"} and "new" in out.num_scheduled_tokens     # its row goes, "new" takes it
+    assert other.status.name == "RUNNING"
+
+
+def test_a_reset_forgets_rows_kept_for_leaving_requests():
+    a = make_scheduler(64, block_size=4, max_num_seqs=2)
+    detach(a, running_on(a))
+    a.reset_executor_state()
+    assert a.leaving_rows == set()
