@@ -85,14 +85,15 @@ def test_an_executor_that_stops_answering_is_found_by_keepalive_and_its_requests
         expected = reference_greedy(fleet.model, PROMPTS, max_tokens=TOKENS, budget=BUDGET)
         streams = Streams(fleet.stub, PROMPTS)
         wait_until(streams.started, 30, "every stream's first token", interval=0.005)
-        assert fleet.stats().executors[0].num_running > 0
-        fleet.stack.pause("executor-0")
+        frozen = fleet.busy()
+        fleet.stack.pause(frozen)
         streams.join()
         assert streams.errors == [None] * 16 and streams.tokens == expected
-        stats = fleet.stats()
-        assert not stats.executors[0].connected and stats.executors[0].num_migrated_out > 0
+        (lost,) = [e for e in fleet.stats().executors if e.address == fleet.stack[frozen].address]
+        assert not lost.connected and lost.num_migrated_out > 0
     finally:
-        fleet.stack.resume("executor-0")
+        for name in ("executor-0", "executor-1"):
+            fleet.stack.resume(name)
         fleet.stop()
 
 

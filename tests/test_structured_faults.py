@@ -141,12 +141,13 @@ def test_16_constrained_streams_through_the_kill_of_one_of_two_executors_stay_va
 
 
 def test_16_constrained_streams_through_the_drain_of_one_of_two_executors_stay_valid_and_unchanged(tmp_path):
-    """SIGTERM on an executor mid-stream: with a drain period shorter than the streams, its requests move to
-    the other executor and rebuild their matchers there from their tokens."""
+    """SIGTERM on an executor mid-stream: with no drain period (the streams of the tiny model may end within
+    any period long enough to time), its running requests move to the other executor at once and rebuild
+    their matchers there from their tokens."""
     model = tiny_model_with_tokenizer(tmp_path / "model")
     tok = ModelTokenizer(model)
     so = sampling_pb2.StructuredOutput(json_schema=json.dumps(LONG))
-    fleet = Fleet(tmp_path, 2, "--executor-wait-seconds", "20", "--drain-seconds", "0.5", model=model)
+    fleet = Fleet(tmp_path, 2, "--executor-wait-seconds", "20", "--drain-seconds", "0", model=model)
     try:
         ref = Streams(fleet.stub, PROMPTS, structured_output=so, max_tokens=120)
         ref.join()
