@@ -102,6 +102,15 @@ def launch(tmp_path):
 
 
 @pytest.fixture(scope="session")
+def shallow() -> Path:
+    """The embedded model cut to its first layers (tests/shallow_model.py), for tests of the engine's mechanics."""
+    if not (MODEL / "conversion.json").exists():
+        pytest.skip("embedded model not converted (make model)")
+    from shallow_model import shallow_model
+    return shallow_model()
+
+
+@pytest.fixture(scope="session")
 def http_stack(tmp_path_factory) -> HttpStack:
     """The three services from the default model, started in the wrong order on purpose; shared by every
     test that drives the stack through its public APIs (one start-up for all of them)."""

@@ -111,12 +111,12 @@ def test_invariant_attention_ignores_keys_past_the_query_and_which_rows_come_wit
     assert torch.equal(attend(q[:1, :, 2:4], keys[:1], values[:1], pos[:1, 2:4], 0.3, plan), ref[:1, :, 2:4])
 
 
-# ---- the real model, in-process ----------------------------------------------------------------------------
+# ---- the embedded model's first layers (conftest.shallow), in-process --------------------------------------
 
-def _engine(dtype: str):
+def _engine(model, dtype: str):
     from executor_service.runner_config import RunnerConfig
     from launcher.engine import LLMEngine
-    return LLMEngine(RunnerConfig(str(MODEL), dtype=dtype, deterministic=True, kv_cache_memory=32 << 20,
+    return LLMEngine(RunnerConfig(str(model), dtype=dtype, deterministic=True, kv_cache_memory=32 << 20,
                                   max_num_seqs=64, max_model_len=256))
 
 
@@ -160,16 +160,14 @@ def _run(engine, targets, neighbours, rng, warm_prefix=None):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_request_gets_the_same_bits_alone_and_among_1_to_64_neighbours_any_chunks_and_cache_hits(dtype):
-    if not (MODEL / "conversion.json").exists():
-        pytest.skip("embedded model not converted (make model)")
+def test_a_request_gets_the_same_bits_alone_and_among_1_to_64_neighbours_any_chunks_and_cache_hits(dtype, shallow):
     from stepwire.contract import SamplingParams
     rng = np.random.default_rng(7)
     prompt = rng.integers(100, 40000, 40).tolist()
     targets = [(prompt, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)),
                (prompt[:20] + [42, 43], SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, seed=11,
                                                        ignore_eos=True))]
-    engine = _engine(dtype)
+    engine = _engine(shallow, dtype)
     alone_tokens, alone_logits = _run(_fresh(engine, 256), targets, [], rng)
     # Truly alone: one row in every step (a GEMM may take another path for one row than for two).
     for i, target in enumerate(targets):
@@ -224,11 +222,9 @@ def test_a_deterministic_rank_splits_o_and_down_by_output_and_holds_every_hidden
 
 
 @pytest.mark.parametrize("dtype, degrees", [("float32", (1, 2)), ("bfloat16", (1, 2, 3))])
-def test_one_two_and_three_tensor_parallel_ranks_give_a_request_the_same_bits(dtype, degrees):
+def test_one_two_and_three_tensor_parallel_ranks_give_a_request_the_same_bits(dtype, degrees, shallow):
     """A fleet may run a request on one rank, then after a fault on an executor of another degree: every
     degree (each rank its own process, on its own thread count) must give the same logits, to the bit."""
-    if not (MODEL / "conversion.json").exists():
-        pytest.skip("embedded model not converted (make model)")
     from executor_service.runner_config import RunnerConfig
     from launcher.engine import LLMEngine
     from scheduler_service import SchedulerConfig
@@ -244,7 +240,7 @@ def test_one_two_and_three_tensor_parallel_ranks_give_a_request_the_same_bits(dt
             # One rank keeps this process's threads; with more, each rank takes one (the machine's cores).
             torch.set_num_threads(threads if tp == 1 else 1)
             # A budget of 13 chunks the prompts; the shared prefix hits the cache once the first is in.
-            engine = LLMEngine(RunnerConfig(str(MODEL), dtype=dtype, deterministic=True, tensor_parallel_size=tp,
+            engine = LLMEngine(RunnerConfig(str(shallow), dtype=dtype, deterministic=True, tensor_parallel_size=tp,
                                             kv_cache_memory=16 << 20, max_num_seqs=8, max_model_len=128),
                                SchedulerConfig(block_size=16, max_model_len=128, max_num_seqs=8,
                                                max_num_batched_tokens=13))

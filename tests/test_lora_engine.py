@@ -1,7 +1,7 @@
-"""Multi-LoRA on the embedded model: each adapter's tokens and logits are those of transformers + peft, in any
-batch mixing adapters and the base model, with fewer slots than adapters, without sharing prefix-cache blocks
-across adapters; a bad adapter directory is refused with a clear reason, and so are settings LoRA does not
-combine with."""
+"""Multi-LoRA on the embedded model's first layers (conftest.shallow): each adapter's tokens and logits are
+those of transformers + peft, in any batch mixing adapters and the base model, with fewer slots than adapters,
+without sharing prefix-cache blocks across adapters; a bad adapter directory is refused with a clear reason,
+and so are settings LoRA does not combine with."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from lora_fixtures import (  # noqa: E402
     peft_logits,
     peft_reference,
 )
+from shallow_model import LAYERS, SHALLOW  # noqa: E402
 
 from executor_service.lora_adapter import AdapterError, read_adapter  # noqa: E402
 from executor_service.model_config import ModelConfig  # noqa: E402
@@ -62,6 +63,12 @@ ADAPTERS = {
 }
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _cut(shallow):
+    """Every model here is SHALLOW, the cut conftest.shallow writes (the tokenizer is the whole model's)."""
+    assert shallow == SHALLOW
+
+
 @pytest.fixture(scope="module")
 def tok():
     from tokenizers import Tokenizer
@@ -79,13 +86,13 @@ def adapters(tmp_path_factory):
     root = tmp_path_factory.mktemp("adapters")
     out = {}
     for name, (seed, rank, targets, extra) in ADAPTERS.items():
-        out[name] = make_adapter(root / name, seed, rank=rank, targets=targets, **extra)
+        out[name] = make_adapter(root / name, seed, rank=rank, targets=targets, base=SHALLOW, **extra)
     return out
 
 
 def new_engine(max_loras: int, **kw) -> LLMEngine:
     cfg = {"kv_cache_memory": 64 << 20, "max_num_seqs": 16, "max_model_len": 512, "max_lora_rank": 16} | kw
-    return LLMEngine(RunnerConfig(str(MODEL), max_loras=max_loras, dtype="float32", **cfg))
+    return LLMEngine(RunnerConfig(str(SHALLOW), max_loras=max_loras, dtype="float32", **cfg))
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +119,7 @@ def test_greedy_tokens_and_logits_equal_transformers_with_peft(engine, adapters,
         got = engine.generate(ps, GREEDY, adapters=[name] * len(ps))
     finally:
         del engine.runner.forward   # the spy was set on the instance: the class's method shows through again
-    model = peft_reference(adapters[name])
+    model = peft_reference(adapters[name], SHALLOW)
     worst = 0.0
     assert got[0].token_ids == peft_greedy(model, ps[0], NEW_TOKENS)
     for c, p in zip(got, ps, strict=True):
@@ -206,7 +213,7 @@ def test_more_adapters_than_slots_wait_for_a_slot_and_each_request_gets_its_toke
 def test_requests_with_adapters_preempted_for_kv_blocks_resume_with_their_tokens_alone(adapters):
     """A KV pool too small for the batch: requests are preempted, give their slot up while they wait, and on
     resuming run under their own adapter again (whichever slot it lands in), recomputing the same tokens."""
-    block_bytes = 2 * 30 * 16 * 3 * 64 * 4          # K and V, 30 layers, 16 slots, 3 kv heads, head_dim 64
+    block_bytes = 2 * LAYERS * 16 * 3 * 64 * 4      # K and V, every layer, 16 slots, 3 kv heads, head_dim 64
     e = new_engine(2, kv_cache_memory=7 * block_bytes, max_num_seqs=4)
     names = ["attn-r4", "mlp-r16", "all-r8"]
     for name in names:
@@ -260,12 +267,13 @@ def test_prefix_cache_blocks_are_shared_under_one_adapter_and_never_across_adapt
 
 @pytest.fixture(scope="module")
 def model_config():
-    return ModelConfig.from_dir(MODEL)
+    return ModelConfig.from_dir(SHALLOW)
 
 
 @pytest.fixture(scope="module")
 def good_adapter(tmp_path_factory):
-    return make_adapter(tmp_path_factory.mktemp("good") / "qv", seed=11, rank=8, targets=("q_proj", "v_proj"))
+    return make_adapter(tmp_path_factory.mktemp("good") / "qv", seed=11, rank=8, targets=("q_proj", "v_proj"),
+                        base=SHALLOW)
 
 
 @pytest.fixture
@@ -361,10 +369,10 @@ def test_a_dora_adapter_is_refused(bad, model_config):
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 def test_a_weight_that_is_not_finite_is_refused(bad, model_config, value):
     w = load_weights(bad)
-    key = next(k for k in w if ".layers.7." in k and "q_proj.lora_A" in k)
+    key = next(k for k in w if ".layers.2." in k and "q_proj.lora_A" in k)
     w[key][2, 5] = value
     save_weights(bad, w)
-    refused(bad, model_config, "layer 7 q_proj holds values that are not finite")
+    refused(bad, model_config, "layer 2 q_proj holds values that are not finite")
 
 
 def test_the_engine_refuses_to_load_a_bad_adapter_and_serves_no_adapter_under_its_name(bad):
@@ -380,15 +388,15 @@ def test_the_engine_refuses_to_load_a_bad_adapter_and_serves_no_adapter_under_it
 
 def test_max_loras_with_deterministic_mode_is_refused_at_start():
     with pytest.raises(ValueError, match="deterministic"):
-        ModelRunner(RunnerConfig(str(MODEL), max_loras=2, deterministic=True))
+        ModelRunner(RunnerConfig(str(SHALLOW), max_loras=2, deterministic=True))
 
 
 def test_fewer_host_adapters_than_slots_is_refused_at_start():
     with pytest.raises(ValueError, match="--max-cpu-loras 1 is below --max-loras 2"):
-        ModelRunner(RunnerConfig(str(MODEL), max_loras=2, max_cpu_loras=1))
+        ModelRunner(RunnerConfig(str(SHALLOW), max_loras=2, max_cpu_loras=1))
 
 
 def test_the_base_model_is_unchanged_by_an_engine_with_slots(engine, prompts):
     """Rows without an adapter on an engine with LoRA slots give the base model's tokens (transformers')."""
     got = engine.generate(prompts[2:3], GREEDY)[0]
-    assert got.token_ids == peft_greedy(base_model(), prompts[2], NEW_TOKENS)
+    assert got.token_ids == peft_greedy(base_model(SHALLOW), prompts[2], NEW_TOKENS)

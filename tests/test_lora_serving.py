@@ -5,6 +5,7 @@ serving what it served."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import threading
@@ -15,12 +16,13 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 grpc = pytest.importorskip("grpc")
 torch = pytest.importorskip("torch")
-pytest.importorskip("peft")
+if importlib.util.find_spec("peft") is None:   # found, not imported: 2 s in every worker collecting this file
+    pytest.skip("peft is not installed", allow_module_level=True)
 
-from conftest import MODEL  # noqa: E402
 from helpers import wait_executor_idle  # noqa: E402
 from lora_fixtures import make_adapter as fixtures_make_adapter  # noqa: E402
 from lora_fixtures import peft_greedy, peft_reference  # noqa: E402
+from shallow_model import SHALLOW  # noqa: E402
 
 from launcher.processes import Service  # noqa: E402
 from stepwire.internal import scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
@@ -37,22 +39,23 @@ TARGETS = ("q_proj", "v_proj", "gate_proj", "down_proj")
 
 def make_adapter(path, seed: int, rank: int = 8) -> list[int]:
     """A random PEFT adapter saved at `path`, and its greedy continuation of PROMPT under transformers + peft."""
-    return peft_greedy(peft_reference(fixtures_make_adapter(path, seed, rank, TARGETS)), PROMPT, TOKENS)
+    return peft_greedy(peft_reference(fixtures_make_adapter(path, seed, rank, TARGETS, base=SHALLOW), SHALLOW),
+                       PROMPT, TOKENS)
 
 
 @pytest.fixture(scope="module")
-def lora_stack(tmp_path_factory):
+def lora_stack(tmp_path_factory, shallow):
+    """The embedded model's first layers (conftest.shallow) under its own name, with adapters of them."""
     from launcher.processes import Stack
-    if not (MODEL / "conversion.json").exists():
-        pytest.skip("embedded model not converted (make model)")
     root = tmp_path_factory.mktemp("adapters")
     expected = {f"a{i}": make_adapter(root / f"a{i}", seed=i) for i in range(3)}
     # The peft reference decodes in float32; so does the executor here, whatever the machine's default.
     env = {"STEPWIRE_EXECUTOR_DTYPE": "float32"}
-    services = [Service("executor", flags={"--model": MODEL, "--kv-cache-memory": 128 << 20, "--max-model-len": 1024,
+    services = [Service("executor", flags={"--model": SHALLOW, "--kv-cache-memory": 128 << 20, "--max-model-len": 1024,
                                            "--max-loras": 2, "--max-cpu-loras": 2, "--lora-dir": root}, env=env),
                 Service("scheduler", flags={"--lora-modules": f"a0={root / 'a0'}"}),
-                Service("gateway", flags={"--model": MODEL}, env={"STEPWIRE_API_KEY": KEY})]
+                Service("gateway", flags={"--model": SHALLOW, "--served-model-name": BASE},
+                        env={"STEPWIRE_API_KEY": KEY})]
     with Stack(services, tmp_path_factory.mktemp("lora-logs")) as stack:
         url = stack["gateway"].url
         stub = scheduler_pb2_grpc.SchedulerStub(grpc.insecure_channel(stack["scheduler"].flags["--address"]))

@@ -1,6 +1,8 @@
 """Speculative decoding on the embedded model: the same tokens as decoding one at a time, greedy and seeded, in
 any batch, under preemption and in bfloat16 deterministic mode; verification that keeps the target
-distribution exactly; bad settings refused at start."""
+distribution exactly; bad settings refused at start. The tests of mechanics (preemption, draft models,
+seeds, dtypes) run on the model's first layers (conftest.shallow), whose gibberish repeats itself enough for
+prompt lookup to propose and be refused; the grounded prompt and the grammar run on the whole model."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ torch = pytest.importorskip("torch")
 from conftest import MODEL  # noqa: E402
 
 from executor_service.input_batch import InputBatch, RequestState  # noqa: E402
+from executor_service.model_config import ModelConfig  # noqa: E402
 from executor_service.runner_config import RunnerConfig  # noqa: E402
 from executor_service.sample_rows import sample_rows  # noqa: E402
 from executor_service.sampler import Sampler  # noqa: E402
@@ -42,9 +45,14 @@ def tok():
     return Tokenizer.from_file(str(MODEL / "tokenizer.json"))
 
 
-def engine(method: str, **kw) -> LLMEngine:
+def engine(method: str, model=MODEL, **kw) -> LLMEngine:
     cfg = {"kv_cache_memory": 64 << 20, "max_num_seqs": 8, "max_model_len": 1024} | kw
-    return LLMEngine(RunnerConfig(str(MODEL), speculative_method=method, **cfg))
+    return LLMEngine(RunnerConfig(str(model), speculative_method=method, **cfg))
+
+
+def block_bytes(model) -> int:
+    """One KV block of `model` in float32: K and V, every layer, 3 kv heads of 64, 16 slots."""
+    return 2 * ModelConfig.from_dir(model).num_layers * 3 * 64 * 16 * 4
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +63,11 @@ def plain():
 @pytest.fixture(scope="module")
 def spec():
     return engine("ngram")
+
+
+@pytest.fixture(scope="module")
+def plain_cut(shallow):
+    return engine("none", shallow)
 
 
 def test_prompt_lookup_proposes_what_followed_the_latest_longest_match():
@@ -78,33 +91,32 @@ def test_greedy_tokens_are_those_of_plain_decoding_in_any_batch(plain, spec, tok
     assert spec.runner.spec.accepted > before, "the grounded prompt accepted no proposal"
 
 
-def test_seeded_sampling_gives_the_tokens_of_plain_decoding(plain, spec, tok):
+def test_seeded_sampling_gives_the_tokens_of_plain_decoding(plain_cut, shallow, tok):
     ps = prompts(tok)
     params = [SamplingParams(max_tokens=32, temperature=0.8, top_p=0.95, seed=11 + i) for i in range(len(ps))]
-    expected = [c.token_ids for c in plain.generate(ps, params)]
+    expected = [c.token_ids for c in plain_cut.generate(ps, params)]
+    spec = engine("ngram", shallow)
     assert [c.token_ids for c in spec.generate(ps, params)] == expected
     assert [c.token_ids for c in spec.generate(ps[::-1], params[::-1])] == expected[::-1]
+    assert spec.runner.spec.accepted > 0
 
 
-def test_preempted_speculating_requests_resume_to_the_same_tokens(tok):
+def test_preempted_speculating_requests_resume_to_the_same_tokens(plain_cut, shallow, tok):
     ps = prompts(tok) * 2
     sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    expected = [c.token_ids for c in plain_cut.generate(ps, sp)]
     # Room for two or three of the eight at a time (4 to 7 blocks each): requests are preempted as they grow.
-    block_bytes = 2 * 30 * 3 * 64 * 16 * 4
-    small = {"kv_cache_memory": 14 * block_bytes}
-    ref = engine("none", **small)
-    expected = [c.token_ids for c in ref.generate(ps, sp)]
-    e = engine("ngram", **small)
+    e = engine("ngram", shallow, kv_cache_memory=14 * block_bytes(shallow))
     assert [c.token_ids for c in e.generate(ps, sp)] == expected
     assert e.scheduler.num_preemptions > 0 and e.runner.spec.accepted > 0
 
 
-def test_in_bfloat16_deterministic_mode_speculation_changes_no_token(tok):
+def test_in_bfloat16_deterministic_mode_speculation_changes_no_token(shallow, tok):
     ps = prompts(tok)
     sp = SamplingParams(max_tokens=40, temperature=0.0)
     kw = {"dtype": "bfloat16", "deterministic": True}
-    expected = [c.token_ids for c in engine("none", **kw).generate(ps, sp)]
-    e = engine("ngram", **kw)
+    expected = [c.token_ids for c in engine("none", shallow, **kw).generate(ps, sp)]
+    e = engine("ngram", shallow, **kw)
     assert [c.token_ids for c in e.generate(ps, sp)] == expected
     assert e.runner.spec.accepted > 0
 
@@ -150,33 +162,32 @@ def tiny_draft(tmp_path_factory):
                                 max_position_embeddings=2048))
 
 
-def test_a_draft_model_that_is_the_target_itself_has_every_greedy_proposal_accepted(plain, tok):
+def test_a_draft_model_that_is_the_target_itself_has_every_greedy_proposal_accepted(plain_cut, shallow, tok):
     """The draft's own KV follows the target's through prefill chunks, decodes and refused proposals: were it
     stale or misplaced, a draft equal to the target would propose other tokens than the target decodes."""
     ps = prompts(tok)[1:3]
     sp = SamplingParams(max_tokens=24, temperature=0.0)
-    expected = [c.token_ids for c in plain.generate(ps, sp)]
-    e = engine("draft", speculative_model=str(MODEL), num_speculative_tokens=4)
+    expected = [c.token_ids for c in plain_cut.generate(ps, sp)]
+    e = engine("draft", shallow, speculative_model=str(shallow), num_speculative_tokens=4)
     assert [c.token_ids for c in e.generate(ps, sp)] == expected
     s = e.runner.spec
     assert s.proposed > 20 and s.accepted / s.proposed > 0.9
     # Seeded sampling: the draft draws with the noise the target will use at each position, so it proposes the
     # very tokens the target samples (greedy proposals would be kept only as often as they are the sample).
     seeded = [SamplingParams(max_tokens=24, temperature=1.0, seed=3 + i) for i in range(len(ps))]
-    expected = [c.token_ids for c in plain.generate(ps, seeded)]
+    expected = [c.token_ids for c in plain_cut.generate(ps, seeded)]
     proposed, accepted = s.proposed, s.accepted
     assert [c.token_ids for c in e.generate(ps, seeded)] == expected
     assert (s.accepted - accepted) / (s.proposed - proposed) > 0.9
 
 
-def test_a_random_draft_model_changes_no_token_greedy_seeded_or_preempted(tiny_draft, tok):
+def test_a_random_draft_model_changes_no_token_greedy_seeded_or_preempted(plain_cut, shallow, tiny_draft, tok):
     ps = prompts(tok) * 2
-    block_bytes = 2 * 30 * 3 * 64 * 16 * 4
-    small = {"kv_cache_memory": 18 * block_bytes}
     params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True) if i % 2 else
               SamplingParams(max_tokens=40, temperature=0.9, seed=i, ignore_eos=True) for i in range(len(ps))]
-    expected = [c.token_ids for c in engine("none", **small).generate(ps, params)]
-    e = engine("draft", speculative_model=tiny_draft, speculative_max_batch=8, **small)
+    expected = [c.token_ids for c in plain_cut.generate(ps, params)]
+    e = engine("draft", shallow, speculative_model=tiny_draft, speculative_max_batch=8,
+               kv_cache_memory=18 * block_bytes(shallow))
     assert [c.token_ids for c in e.generate(ps, params)] == expected
     assert e.scheduler.num_preemptions > 0 and e.runner.spec.proposed > 0
 

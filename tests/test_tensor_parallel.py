@@ -136,18 +136,18 @@ def test_preemption_chunked_prefill_prefix_hits_and_seeded_sampling_agree_across
     assert one.scheduler.stats().num_preemptions > 0 and one.scheduler.stats().prefix_cache_hits > 0
 
 
-def test_the_embedded_model_on_two_ranks_generates_what_one_rank_does(engines):
-    if not (EMBEDDED / "conversion.json").exists():
-        pytest.skip("embedded model not converted (make model)")
+def test_the_embedded_model_on_two_ranks_generates_what_one_rank_does(engines, shallow):
+    """Its first layers (conftest.shallow): real weights and heads, a seventh of the layers."""
+    from shallow_model import LAYERS
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(EMBEDDED / "tokenizer.json"))
     questions = ["What is the capital of France?", "Write a haiku about the sea.", "What is 12 times 7?"]
     prompts = [tok.encode(f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n").ids for q in questions]
-    one, two = engines(EMBEDDED, block_size=16, kv_cache_memory=32 << 20, max_model_len=256)
+    one, two = engines(shallow, block_size=16, kv_cache_memory=32 << 20, max_model_len=256)
     assert two.runner.describe()["tensor_parallel_size"] == 2
     # 3 KV heads: each rank sizes its 32 MiB for the larger share (2 heads), and all hold that many blocks.
-    per_head = 2 * 30 * 16 * 64 * 4    # K and V, 30 layers, 16 tokens, head size 64, float32
+    per_head = 2 * LAYERS * 16 * 64 * 4    # K and V, every layer, 16 tokens, head size 64, float32
     budget = 32 << 20
     assert (one.runner.num_blocks, two.runner.num_blocks) == (budget // (3 * per_head), budget // (2 * per_head))
     assert two.runner.kv_caches[0][0].shape[2] == 1    # rank 0 caches its own head only

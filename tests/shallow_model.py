@@ -1,0 +1,55 @@
+"""The embedded model cut to its first few layers, for tests of the engine's mechanics.
+
+Same tokenizer, same real weights and the same shapes in every layer, so every kernel, the sampler, the
+prefix cache and tensor parallelism run as they do on the whole model, at under a third of its cost per token
+(the tied 49152-row embedding stays whole and then dominates). What such a test asserts (the same bits alone
+and among neighbours, the same tokens with and without speculation, with peft's) does not depend on depth;
+its greedy text is gibberish, so tests of the model itself (the conversion, agreement with transformers, what
+a grounded prompt makes it copy) keep the whole model."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from conftest import MODEL
+
+LAYERS = 4
+SHALLOW = MODEL.parent / f".{MODEL.name}-{LAYERS}-layers"     # git-ignored, beside the model it is cut from
+
+
+def shallow_model() -> Path:
+    """The cut, written by the first pytest worker that asks (0.2 s) and found by the others; written again
+    when the model was converted again."""
+    stamp = (MODEL / "conversion.json").read_text()
+    current = lambda: (SHALLOW / "conversion.json").exists() and (SHALLOW / "conversion.json").read_text() == stamp  # noqa: E731
+    if current():
+        return SHALLOW
+    tmp = cut_model(MODEL, Path(tempfile.mkdtemp(dir=MODEL.parent, prefix=".cutting-")))
+    if SHALLOW.exists() and not current():      # cut from an earlier conversion: no worker of this run uses it
+        shutil.rmtree(SHALLOW, ignore_errors=True)
+    try:
+        os.rename(tmp, SHALLOW)          # atomic: a worker sees no folder or a whole one
+    except OSError:                      # another worker's copy landed first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return SHALLOW
+
+
+def cut_model(src: Path, dst: Path, layers: int = LAYERS) -> Path:
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    cfg = json.loads((src / "config.json").read_text())
+    assert layers < cfg["num_hidden_layers"], cfg
+    with safe_open(str(src / "model.safetensors"), "pt") as f:
+        keep = {k: f.get_tensor(k) for k in f.keys()
+                if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
+    save_file(keep, str(dst / "model.safetensors"))
+    (dst / "config.json").write_text(json.dumps(cfg | {"num_hidden_layers": layers}, indent=2))
+    for name in sorted(os.listdir(src), key=lambda n: n == "conversion.json"):   # the stamp last
+        if name not in ("config.json", "model.safetensors"):
+            shutil.copy(src / name, dst / name)
+    return dst
