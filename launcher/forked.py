@@ -1,12 +1,13 @@
-"""Service processes forked from a server that imported the services once, for a test suite's dozens of stacks.
+"""Service processes forked from a server that imported the services once.
 
 A service started as a new Python (`command`) spends most of its start importing: an executor about a second of
-CPU on torch alone, of the two it takes to serve. The test suite starts about 170 services on 2 cores, so
-`Stack(fork=True)` (tests/conftest.py turns it on) forks each one from multiprocessing's fork server instead,
-which imported every service's module when it started, and calls the same `main` with the same flags that
-`command` puts on a command line. `stepwire serve` and the benchmarks keep starting new processes.
+CPU on torch alone, of the two it takes to serve. So `stepwire serve` (where no GPU is: local_stack.forks) and
+the test suite's stacks (`Stack(fork=True)`, which tests/conftest.py turns on; it starts about 170 services on
+2 cores) fork each one from multiprocessing's fork server instead, which imported every service's module when
+it started, and call the same `main` with the same flags that `command` puts on a command line. Benchmarks keep
+starting new processes.
 
-What a test sees is what a process started by `command` gives it: a pid to signal (SIGKILL, SIGSTOP), an exit
+What a caller sees is what a process started by `command` gives it: a pid to signal (SIGKILL, SIGSTOP), an exit
 code (negative for a signal), a log of stdout and stderr, a group of its own that a stop sweeps up, and SIGTERM
 when the process that started it dies. Fork safety: the server imports and does nothing else (no thread of
 gRPC's or a pool of torch's is running when it forks), and each member sets up its own state after the fork.
@@ -24,6 +25,8 @@ import signal
 import subprocess
 import sys
 import threading
+
+import setproctitle
 
 _context = None
 _running: set = set()          # every member started here that may still run
@@ -49,7 +52,14 @@ def _fork_server(preload):
     return _context
 
 
-def _main(module: str, argv: list[str], env: dict, log: str, cwd: str) -> None:
+def stop_server() -> None:
+    """Stop the fork server, once its members are gone: a supervisor that exits leaves no process behind (the
+    server would see its starter's end and exit too, but only after it)."""
+    if _context is not None:
+        multiprocessing.forkserver._forkserver._stop()
+
+
+def _main(module: str, argv: list[str], env: dict, log: str | None, cwd: str) -> None:
     """In the forked member: the group, the parent-death signal, the log and the environment a new process
     would have had, then the service's main."""
     os.setpgid(0, 0)
@@ -65,12 +75,16 @@ def _main(module: str, argv: list[str], env: dict, log: str, cwd: str) -> None:
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)      # 1: PR_SET_PDEATHSIG: the fork server's death
         if os.getppid() != server_pid:           # it died before the signal was armed
             os.kill(os.getpid(), signal.SIGTERM)
-    fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
+    if log is not None:              # else the server's own output, which is its starter's
+        fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False, errors="backslashreplace")   # as an interpreter's
+    # ps and /proc show the command that would have started it, not the fork server's. (Before the environment
+    # changes: setproctitle finds room for a long title where the process's environment starts.)
+    setproctitle.setproctitle(" ".join([sys.executable, "-m", module, *argv]))
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
@@ -89,7 +103,7 @@ class Forked:
     `preload`: the modules the fork server imports; read when this process's first member starts the server,
     and not after (launcher/processes.py always passes every service's module)."""
 
-    def __init__(self, module: str, argv: list[str], *, env: dict, log: str, cwd: str, preload):
+    def __init__(self, module: str, argv: list[str], *, env: dict, log: str | None, cwd: str, preload):
         self.args = [module, *argv]
         self._proc = _fork_server(preload).Process(target=_main, args=(module, argv, env, log, cwd), daemon=True)
         self._proc.start()

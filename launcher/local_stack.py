@@ -13,6 +13,7 @@ per core and they would fight over them.
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import shutil
@@ -29,7 +30,9 @@ import httpx
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from launcher.processes import Service, command
+from launcher.announce import announce
+from launcher.forked import Forked, stop_server
+from launcher.processes import MODULE, Service, arguments, command
 from launcher.tethered import ProcessGroup
 from stepwire.contract.settings import ServiceSettings, load
 
@@ -77,6 +80,10 @@ class ServeSettings(ServiceSettings):
     executor_metrics_port: int = Field(9092, description="Prometheus /metrics of the first executor (then +1)")
     tls: bool = Field(True, description="mTLS between the services, with a development CA (--no-tls: plaintext "
                       "on loopback)")
+    start_method: Literal["auto", "fork", "exec"] = Field(
+        "auto", description="fork: services fork from a server that imported them once (a restart takes a tenth "
+        "of the time, and they share the imported code's memory); exec: each starts as a new process; auto: fork "
+        "unless the host has an NVIDIA device")
     certs_dir: str = Field("", description="where `stepwire certs` wrote (or will write) the certificates; "
                            "empty: a fresh CA in a temporary folder, removed on exit")
 
@@ -85,18 +92,31 @@ class ServeSettings(ServiceSettings):
 class Child:
     name: str
     command: list[str]
-    proc: subprocess.Popen | None = None
+    service: Service | None = None      # with fork: started by forking, as `command` would start it
+    fork: bool = False
+    proc: subprocess.Popen | Forked | None = None
     started_at: float = 0.0
     restarts: int = 0
     died_at: float | None = None
     pause: float = 0.5          # before the next restart; doubles while it keeps dying young
 
     def start(self, group: ProcessGroup) -> None:
-        self.proc = group.popen(self.command)
+        if self.fork and self.service is not None:
+            self.proc = Forked(MODULE[self.service.kind], arguments(self.service), env=dict(os.environ), log=None,
+                               cwd=os.getcwd(), preload=MODULE.values())
+            group.join(self.proc.pid)
+        else:
+            self.proc = group.popen(self.command)
         self.started_at = time.monotonic()
 
     def exited(self) -> int | None:
         return self.proc.poll()
+
+
+def forks(a: ServeSettings) -> bool:
+    # CUDA does not survive a fork of a process that started it, and which imports start it is not ours to
+    # promise on every driver: where an NVIDIA device is, each service starts anew.
+    return a.start_method == "fork" or (a.start_method == "auto" and not glob.glob("/dev/nvidia[0-9]*"))
 
 
 def threads_per_executor(a: ServeSettings) -> int:
@@ -122,7 +142,10 @@ def children(a: ServeSettings, certs: Path | None = None) -> tuple[list[Child], 
 
     def child(kind: str, name: str, flags: dict) -> Child:
         tls = {"--tls-dir": certs / kind} if certs is not None else {}
-        return Child(name, command(Service(kind, name, flags | tls)))
+        service = Service(kind, name, flags | tls)
+        return Child(name, command(service), service, fork)
+
+    fork = forks(a)
 
     addresses = [f"127.0.0.1:{a.executor_port + i}" for i in range(a.executors)]
     sc = f"127.0.0.1:{a.scheduler_port}"
@@ -187,6 +210,7 @@ def serve(argv: list[str]) -> None:
     except Exception:
         log.exception("serve failed; stopping every service")
     finally:
+        stop_server()       # after the services: the fork server is this process's last child
         if temporary is not None:
             shutil.rmtree(temporary, ignore_errors=True)
     sys.exit(code)
@@ -208,7 +232,7 @@ def supervise(a: ServeSettings, everyone: list[Child], group: ProcessGroup | Non
             if not ready:
                 ready = _healthy(url)
                 if ready:
-                    _announce(a, url, certs)
+                    announce(a, url, certs)
             time.sleep(0.5 if not ready else 1)
     except Stop as e:
         log.info("%s: stopping every service", e)
@@ -264,28 +288,3 @@ def _healthy(url: str) -> bool:
         return httpx.get(url + "/health", timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
-
-
-def _announce(a: ServeSettings, url: str, certs: Path | None) -> None:
-    operator = f" (the scheduler answers Stats to the operator certificate in {certs}/operator)" if certs else ""
-    print(f"\nstepwire is ready: OpenAI-compatible API at {url}/v1 (model {_served_model(a, url)!r}); gRPC "
-          f"stepwire.v1 at 127.0.0.1:{a.grpc_port}; scheduler at 127.0.0.1:{a.scheduler_port}; {a.executors} "
-          f"executor(s) from port {a.executor_port}, {'mTLS between them' if a.tls else 'plaintext'}{operator}. "
-          f"Prometheus "
-          f"metrics at {url}/metrics (gateway), http://127.0.0.1:{a.scheduler_metrics_port}/metrics (scheduler) "
-          f"and {_executor_metrics(a)} (executors). Ctrl-C stops everything.\n", flush=True)
-
-
-def _served_model(a: ServeSettings, url: str) -> str:
-    """The name clients use, as the gateway lists it (with the API key the gateway was given, if any); the
-    model folder's name when the list cannot be read: a ready message is no reason to stop the stack."""
-    keys = [k.strip() for k in os.environ.get("STEPWIRE_API_KEY", "").split(",") if k.strip()]
-    headers = {"Authorization": f"Bearer {keys[0]}"} if keys else {}
-    try:
-        return httpx.get(url + "/v1/models", headers=headers, timeout=5).json()["data"][0]["id"]
-    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
-        return Path(a.model).name
-
-
-def _executor_metrics(a: ServeSettings) -> str:
-    return ", ".join(f"http://127.0.0.1:{a.executor_metrics_port + i}/metrics" for i in range(a.executors))

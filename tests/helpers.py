@@ -171,3 +171,18 @@ def record_logits(engine) -> list:
 
     engine.runner.forward = spy
     return seen
+
+
+def command_words(pid: int) -> list[str]:
+    """A process's command line as words: NUL-separated as exec'd, or one string where a forked service set its
+    title to the command that would have started it (launcher/forked.py)."""
+    from pathlib import Path
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").split()
+
+
+def runs_service(pid: int, kind: str) -> bool:
+    """Is `pid` a service of `kind` (`-m <its module>`), started anew or forked? (Not the fork server, whose
+    command names every module.)"""
+    from launcher.processes import MODULE
+    words = command_words(pid)
+    return any(a == "-m" and b == MODULE[kind] for a, b in zip(words, words[1:], strict=False))

@@ -49,6 +49,20 @@ def test_serve_splits_its_executors_into_prefill_and_decode_only_when_asked_and_
         children(load(ServeSettings, ["--executors", "2", "--prefill-executors", "2"]))
 
 
+def test_serve_forks_its_services_unless_asked_not_to_or_an_nvidia_device_is_there(monkeypatch):
+    from launcher import local_stack
+
+    def method(flag: str, devices: list[str]) -> set[bool]:
+        monkeypatch.setattr(local_stack.glob, "glob", lambda pattern: devices)
+        executors, stack = children(load(ServeSettings, ["--start-method", flag]))
+        return {c.fork for c in executors + stack}
+
+    assert method("auto", []) == {True} and method("auto", ["/dev/nvidia0"]) == {False}
+    assert method("fork", ["/dev/nvidia0"]) == {True} and method("exec", []) == {False}
+    with pytest.raises(SystemExit):
+        load(ServeSettings, ["--start-method", "spawn"])
+
+
 def test_a_certs_folder_from_before_roles_is_made_again_and_a_current_one_is_kept(tmp_path):
     from security.identity import ROLES, role_of
 
@@ -80,12 +94,14 @@ def _pid_of(*words: str) -> int:
     """The process whose command line holds every one of `words`."""
     from pathlib import Path
 
+    from helpers import command_words
+
     for proc in Path("/proc").glob("[0-9]*"):
         try:
-            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+            cmd = command_words(int(proc.name))
         except OSError:
             continue
-        if all(w.encode() in cmd for w in words):
+        if all(w in cmd for w in words):
             return int(proc.name)
     raise AssertionError(f"no process with {words}")
 

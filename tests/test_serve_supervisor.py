@@ -11,11 +11,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import free_ports, wait_http_ready, wait_until
+from helpers import command_words, free_ports, runs_service, wait_http_ready, wait_until
 
 from launcher import local_stack
 from launcher.local_stack import Child, ServeSettings
-from launcher.processes import MODULE
 from stepwire.contract.settings import load
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -116,16 +115,19 @@ def _complete(url: str, headers: dict) -> str:
     return r.json()["choices"][0]["text"]
 
 
-@pytest.mark.parametrize("tls", [[], ["--no-tls"]], ids=["mtls", "plaintext"])
-def test_serve_with_an_api_key_announces_the_model_and_its_services_die_with_it_on_sigkill(tmp_path, tls):
-    serve, url, key = _serve(tmp_path, *tls, api_key="sk-supervised")
+@pytest.mark.parametrize("tls, method", [([], "fork"), (["--no-tls"], "exec")], ids=["mtls-fork", "plaintext-exec"])
+def test_serve_with_an_api_key_announces_the_model_and_its_services_die_with_it_on_sigkill(tmp_path, tls, method):
+    serve, url, key = _serve(tmp_path, *tls, "--start-method", method, api_key="sk-supervised")
     try:
         # The ready message reads the model list with the key: before, it got a 401 and serve died there.
         assert "(model 'SmolLM2-135M-Instruct')" in (tmp_path / "serve.log").read_text()
         assert httpx.get(url + "/v1/models", timeout=10).status_code == 401
         _complete(url, key)
         services = descendants(serve.pid)
-        assert len(services) >= 3       # executor, scheduler, gateway (and whatever they started)
+        # executor, scheduler, gateway (and whatever they started), each showing the command that starts it
+        assert all(any(runs_service(p, kind) for p in services) for kind in ("executor", "scheduler", "gateway"))
+        servers = [p for p in services if "multiprocessing.forkserver" in " ".join(command_words(p))]
+        assert len(servers) == (method == "fork")
     finally:
         serve.kill()
         serve.wait()
@@ -138,8 +140,7 @@ def test_serve_starts_a_gateway_that_exits_again_and_stops_everything_on_sigterm
     serve, url, key = _serve(tmp_path, api_key="sk-supervised")
     try:
         first = _complete(url, key)
-        gateway = next(p for p in descendants(serve.pid)
-                       if MODULE["gateway"].encode() in Path(f"/proc/{p}/cmdline").read_bytes())
+        gateway = next(p for p in descendants(serve.pid) if runs_service(p, "gateway"))
         services = descendants(serve.pid)
         os.kill(gateway, signal.SIGKILL)
         wait_until(lambda: not alive(gateway), 10, "the gateway to die")
@@ -163,8 +164,7 @@ def _up(url: str) -> bool:
 
 
 def _gateways(serve: subprocess.Popen) -> list[int]:
-    return [p for p in descendants(serve.pid) if alive(p)
-            and MODULE["gateway"].encode() in Path(f"/proc/{p}/cmdline").read_bytes()]
+    return [p for p in descendants(serve.pid) if alive(p) and runs_service(p, "gateway")]
 
 
 def test_gateway_workers_share_the_port_and_one_killed_leaves_it_answering_every_request(tmp_path):
