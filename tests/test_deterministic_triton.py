@@ -91,10 +91,10 @@ def test_a_model_on_the_triton_kernels_gives_a_request_the_same_bits_alone_and_a
     model = write_tiny_llama(tmp_path / "m", num_hidden_layers=1)
     engine = LLMEngine(RunnerConfig(str(model), dtype="float32", deterministic=True, attention_backend="triton",
                                     kv_cache_memory=4 << 20, max_num_seqs=64, max_model_len=256,
-                                    max_num_batched_tokens=64, device=DEVICE, cuda_graphs=True))
+                                    max_num_batched_tokens=32, device=DEVICE, cuda_graphs=True))
     assert engine.runner.attention == "triton" and engine.runner.kv_layout.endswith(":deterministic:triton")
     graphs = engine.runner.graphs
-    assert graphs is not None and graphs.sizes == [] and graphs.token_sizes[-1] == 64
+    assert graphs is not None and graphs.sizes == [] and graphs.token_sizes[-1] == 32
     shapes = []
     run = graphs.run
     graphs.run = lambda inputs, *a: (shapes.append(graphs.shape_for(inputs)), run(inputs, *a))[1]
@@ -102,17 +102,17 @@ def test_a_model_on_the_triton_kernels_gives_a_request_the_same_bits_alone_and_a
     prompt = rng.integers(3, 97, 40).tolist()
     targets = [(prompt, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)),
                (prompt[:20] + [42, 43], SamplingParams(max_tokens=3, temperature=0.8, seed=11, ignore_eos=True))]
-    alone_tokens, alone_logits = _run(_fresh(engine, 64), targets, [], rng)
+    alone_tokens, alone_logits = _run(_fresh(engine, 32), targets, [], rng)
     assert shapes and all(shape is not None and shape[0] == "mixed" for shape in shapes), shapes
     # The same runner without its graphs (as when capture fails): checking the kernels again through the
     # interpreter for a second engine would double the test's time.
     engine.runner.graphs = None
-    eager_tokens, eager_logits = _run(_fresh(engine, 64), targets, [], np.random.default_rng(3))
+    eager_tokens, eager_logits = _run(_fresh(engine, 32), targets, [], np.random.default_rng(3))
     engine.runner.graphs = graphs
     assert eager_tokens == alone_tokens
     for got, ref in zip(eager_logits, alone_logits, strict=True):
         assert len(got) == len(ref) and all(map(torch.equal, got, ref))
-    for n, budget, warm in ((1, 64, None), (12, 23, prompt[:32])):
+    for n, budget, warm in ((1, 32, None), (12, 23, prompt[:32])):
         neighbours = [rng.integers(3, 97, int(rng.integers(2, 24))).tolist() for _ in range(n)]
         tokens, logits = _run(_fresh(engine, budget), targets, neighbours, rng, warm)
         assert tokens == alone_tokens, (n, budget)

@@ -1,8 +1,9 @@
 """Speculative decoding on the embedded model: the same tokens as decoding one at a time, greedy and seeded, in
 any batch, under preemption and in bfloat16 deterministic mode; verification that keeps the target
 distribution exactly; bad settings refused at start. The tests of mechanics (preemption, draft models,
-seeds, dtypes) run on the model's first layers (conftest.shallow), whose gibberish repeats itself enough for
-prompt lookup to propose and be refused; the grounded prompt and the grammar run on the whole model."""
+seeds, dtypes, grammars) run on the model's first layers (conftest.shallow), whose gibberish repeats itself
+enough for prompt lookup to propose and be refused; test_speculative_serving.py speculates on the whole model,
+where a grounded prompt is copied."""
 
 from __future__ import annotations
 
@@ -56,18 +57,13 @@ def block_bytes(model) -> int:
 
 
 @pytest.fixture(scope="module")
-def plain():
-    return engine("none")
-
-
-@pytest.fixture(scope="module")
-def spec():
-    return engine("ngram")
-
-
-@pytest.fixture(scope="module")
-def plain_cut(shallow):
+def plain(shallow):
     return engine("none", shallow)
+
+
+@pytest.fixture(scope="module")
+def spec(shallow):
+    return engine("ngram", shallow)
 
 
 def test_prompt_lookup_proposes_what_followed_the_latest_longest_match():
@@ -91,20 +87,20 @@ def test_greedy_tokens_are_those_of_plain_decoding_in_any_batch(plain, spec, tok
     assert spec.runner.spec.accepted > before, "the grounded prompt accepted no proposal"
 
 
-def test_seeded_sampling_gives_the_tokens_of_plain_decoding(plain_cut, shallow, tok):
+def test_seeded_sampling_gives_the_tokens_of_plain_decoding(plain, shallow, tok):
     ps = prompts(tok)
     params = [SamplingParams(max_tokens=32, temperature=0.8, top_p=0.95, seed=11 + i) for i in range(len(ps))]
-    expected = [c.token_ids for c in plain_cut.generate(ps, params)]
+    expected = [c.token_ids for c in plain.generate(ps, params)]
     spec = engine("ngram", shallow)
     assert [c.token_ids for c in spec.generate(ps, params)] == expected
     assert [c.token_ids for c in spec.generate(ps[::-1], params[::-1])] == expected[::-1]
     assert spec.runner.spec.accepted > 0
 
 
-def test_preempted_speculating_requests_resume_to_the_same_tokens(plain_cut, shallow, tok):
+def test_preempted_speculating_requests_resume_to_the_same_tokens(plain, shallow, tok):
     ps = prompts(tok) * 2
     sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    expected = [c.token_ids for c in plain_cut.generate(ps, sp)]
+    expected = [c.token_ids for c in plain.generate(ps, sp)]
     # Room for two or three of the eight at a time (4 to 7 blocks each): requests are preempted as they grow.
     e = engine("ngram", shallow, kv_cache_memory=14 * block_bytes(shallow))
     assert [c.token_ids for c in e.generate(ps, sp)] == expected
@@ -162,12 +158,12 @@ def tiny_draft(tmp_path_factory):
                                 max_position_embeddings=2048))
 
 
-def test_a_draft_model_that_is_the_target_itself_has_every_greedy_proposal_accepted(plain_cut, shallow, tok):
+def test_a_draft_model_that_is_the_target_itself_has_every_greedy_proposal_accepted(plain, shallow, tok):
     """The draft's own KV follows the target's through prefill chunks, decodes and refused proposals: were it
     stale or misplaced, a draft equal to the target would propose other tokens than the target decodes."""
     ps = prompts(tok)[1:3]
     sp = SamplingParams(max_tokens=24, temperature=0.0)
-    expected = [c.token_ids for c in plain_cut.generate(ps, sp)]
+    expected = [c.token_ids for c in plain.generate(ps, sp)]
     e = engine("draft", shallow, speculative_model=str(shallow), num_speculative_tokens=4)
     assert [c.token_ids for c in e.generate(ps, sp)] == expected
     s = e.runner.spec
@@ -175,17 +171,17 @@ def test_a_draft_model_that_is_the_target_itself_has_every_greedy_proposal_accep
     # Seeded sampling: the draft draws with the noise the target will use at each position, so it proposes the
     # very tokens the target samples (greedy proposals would be kept only as often as they are the sample).
     seeded = [SamplingParams(max_tokens=24, temperature=1.0, seed=3 + i) for i in range(len(ps))]
-    expected = [c.token_ids for c in plain_cut.generate(ps, seeded)]
+    expected = [c.token_ids for c in plain.generate(ps, seeded)]
     proposed, accepted = s.proposed, s.accepted
     assert [c.token_ids for c in e.generate(ps, seeded)] == expected
     assert (s.accepted - accepted) / (s.proposed - proposed) > 0.9
 
 
-def test_a_random_draft_model_changes_no_token_greedy_seeded_or_preempted(plain_cut, shallow, tiny_draft, tok):
+def test_a_random_draft_model_changes_no_token_greedy_seeded_or_preempted(plain, shallow, tiny_draft, tok):
     ps = prompts(tok) * 2
     params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True) if i % 2 else
               SamplingParams(max_tokens=40, temperature=0.9, seed=i, ignore_eos=True) for i in range(len(ps))]
-    expected = [c.token_ids for c in plain_cut.generate(ps, params)]
+    expected = [c.token_ids for c in plain.generate(ps, params)]
     e = engine("draft", shallow, speculative_model=tiny_draft, speculative_max_batch=8,
                kv_cache_memory=18 * block_bytes(shallow))
     assert [c.token_ids for c in e.generate(ps, params)] == expected
