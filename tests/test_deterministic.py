@@ -116,8 +116,9 @@ def test_invariant_attention_ignores_keys_past_the_query_and_which_rows_come_wit
 def _engine(model, dtype: str):
     from executor_service.runner_config import RunnerConfig
     from launcher.engine import LLMEngine
+    # Steps of 256 tokens at most, as _fresh's budgets: the kernels are checked for the row counts they meet.
     return LLMEngine(RunnerConfig(str(model), dtype=dtype, deterministic=True, kv_cache_memory=32 << 20,
-                                  max_num_seqs=64, max_model_len=256))
+                                  max_num_seqs=64, max_model_len=256, max_num_batched_tokens=256))
 
 
 def _fresh(engine, budget: int):
@@ -241,7 +242,8 @@ def test_one_two_and_three_tensor_parallel_ranks_give_a_request_the_same_bits(dt
             torch.set_num_threads(threads if tp == 1 else 1)
             # A budget of 13 chunks the prompts; the shared prefix hits the cache once the first is in.
             engine = LLMEngine(RunnerConfig(str(shallow), dtype=dtype, deterministic=True, tensor_parallel_size=tp,
-                                            kv_cache_memory=16 << 20, max_num_seqs=8, max_model_len=128),
+                                            kv_cache_memory=16 << 20, max_num_seqs=8, max_model_len=128,
+                                            max_num_batched_tokens=13),
                                SchedulerConfig(block_size=16, max_model_len=128, max_num_seqs=8,
                                                max_num_batched_tokens=13))
             try:
