@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 from helpers import command_words, free_ports, runs_service, wait_http_ready, wait_until
+from shallow_model import SHALLOW, shallow_model
 
 from launcher import local_stack
 from launcher.local_stack import Child, ServeSettings
@@ -90,12 +91,15 @@ def test_a_failure_of_serves_own_stops_every_service_and_what_they_started(monke
 
 
 def _serve(tmp_path: Path, *flags: str, api_key: str) -> tuple[subprocess.Popen, str, dict]:
+    """serve on the embedded model's first layers (conftest.shallow): what is asserted here is supervision, and
+    the requests that keep the stack busy cost a third as much."""
     if not (MODEL / "conversion.json").exists():
         pytest.skip("embedded model not converted (make model)")
     pytest.importorskip("torch")
+    model = shallow_model()
     http, grpc_port, sc, ex, m1, m2 = free_ports(6)
     serve = subprocess.Popen(
-        [sys.executable, "-m", "launcher.cli", "serve", "--model", str(MODEL), "--port", str(http),
+        [sys.executable, "-m", "launcher.cli", "serve", "--model", str(model), "--port", str(http),
          "--grpc-port", str(grpc_port), "--scheduler-port", str(sc), "--executor-port", str(ex),
          "--kv-cache-memory", str(32 << 20), "--scheduler-metrics-port", str(m1), "--executor-metrics-port",
          str(m2), *flags], cwd=ROOT, stdout=open(tmp_path / "serve.log", "w"), stderr=subprocess.STDOUT,
@@ -108,7 +112,7 @@ def _serve(tmp_path: Path, *flags: str, api_key: str) -> tuple[subprocess.Popen,
 
 
 def _complete(url: str, headers: dict) -> str:
-    body = {"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is", "max_tokens": 4,
+    body = {"model": SHALLOW.name, "prompt": "The capital of France is", "max_tokens": 4,
             "temperature": 0}
     r = httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=60)
     assert r.status_code == 200, r.text
@@ -120,7 +124,7 @@ def test_serve_with_an_api_key_announces_the_model_and_its_services_die_with_it_
     serve, url, key = _serve(tmp_path, *tls, "--start-method", method, api_key="sk-supervised")
     try:
         # The ready message reads the model list with the key: before, it got a 401 and serve died there.
-        assert "(model 'SmolLM2-135M-Instruct')" in (tmp_path / "serve.log").read_text()
+        assert f"(model '{SHALLOW.name}')" in (tmp_path / "serve.log").read_text()
         assert httpx.get(url + "/v1/models", timeout=10).status_code == 401
         _complete(url, key)
         services = descendants(serve.pid)
