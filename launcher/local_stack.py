@@ -81,9 +81,9 @@ class ServeSettings(ServiceSettings):
     tls: bool = Field(True, description="mTLS between the services, with a development CA (--no-tls: plaintext "
                       "on loopback)")
     start_method: Literal["auto", "fork", "exec"] = Field(
-        "auto", description="fork: services fork from a server that imported them once (a restart takes a tenth "
-        "of the time, and they share the imported code's memory); exec: each starts as a new process; auto: fork "
-        "unless the host has an NVIDIA device")
+        "auto", description="fork: services fork from a server that imported them once (a start or restart takes a "
+        "fifth of the time or less, and they share the imported code's memory); exec: each starts as a new "
+        "process; auto: fork unless the host has an NVIDIA device")
     certs_dir: str = Field("", description="where `stepwire certs` wrote (or will write) the certificates; "
                            "empty: a fresh CA in a temporary folder, removed on exit")
 
