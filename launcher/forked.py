@@ -20,6 +20,7 @@ import contextlib
 import importlib
 import multiprocessing
 import multiprocessing.forkserver
+import multiprocessing.resource_tracker
 import os
 import signal
 import subprocess
@@ -48,20 +49,22 @@ def _fork_server(preload):
     global _context
     if _context is None:
         _context = multiprocessing.get_context("forkserver")
-        _context.set_forkserver_preload(list(preload))
+        _context.set_forkserver_preload(["launcher.in_fork_server", *preload])
     return _context
 
 
 def stop_server() -> None:
-    """Stop the fork server, once its members are gone: a supervisor that exits leaves no process behind (the
-    server would see its starter's end and exit too, but only after it)."""
+    """Stop the fork server and the resource tracker it started, once the members are gone: a supervisor that
+    exits leaves no process behind (both would see their starter's end and exit too, but only after it)."""
     if _context is not None:
         multiprocessing.forkserver._forkserver._stop()
+        multiprocessing.resource_tracker._resource_tracker._stop()
 
 
 def _main(module: str, argv: list[str], env: dict, log: str | None, cwd: str) -> None:
     """In the forked member: the group, the parent-death signal, the log and the environment a new process
     would have had, then the service's main."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)     # the server ignores it (in_fork_server.py); we must not
     os.setpgid(0, 0)
     server_pid = os.getppid()     # alive still: we hold its pipe until the next lines close it
     # multiprocessing hands each member the end of the pipe that keeps the fork server alive (so that a member

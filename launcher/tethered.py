@@ -56,8 +56,9 @@ class ProcessGroup:
         return proc
 
     def join(self, pgid: int) -> None:
-        """A member forked elsewhere (forked.py), which made a group of its own: `signal` reaches it too."""
-        self.forked.add(pgid)
+        """A member forked elsewhere (forked.py), which made a group of its own: `signal` reaches it too. Groups
+        with nobody left are forgotten here, so that restarts do not pile up ids the system may hand out again."""
+        self.forked = {g for g in self.forked if _killpg(g, 0)} | {pgid}
 
     def alive(self) -> bool:
         return self.pgid is not None and _killpg(self.pgid, 0)

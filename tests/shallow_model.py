@@ -9,6 +9,7 @@ a grounded prompt makes it copy) keep the whole model."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -23,18 +24,17 @@ SHALLOW = MODEL.parent / f".{MODEL.name}-{LAYERS}-layers"     # git-ignored, bes
 
 def shallow_model() -> Path:
     """The cut, written by the first pytest worker that asks (0.2 s) and found by the others; written again
-    when the model was converted again."""
+    when the model was converted again. Workers that find it current read it without the lock."""
     stamp = (MODEL / "conversion.json").read_text()
     current = lambda: (SHALLOW / "conversion.json").exists() and (SHALLOW / "conversion.json").read_text() == stamp  # noqa: E731
     if current():
         return SHALLOW
-    tmp = cut_model(MODEL, Path(tempfile.mkdtemp(dir=MODEL.parent, prefix=".cutting-")))
-    if SHALLOW.exists() and not current():      # cut from an earlier conversion: no worker of this run uses it
-        shutil.rmtree(SHALLOW, ignore_errors=True)
-    try:
-        os.rename(tmp, SHALLOW)          # atomic: a worker sees no folder or a whole one
-    except OSError:                      # another worker's copy landed first
-        shutil.rmtree(tmp, ignore_errors=True)
+    with open(MODEL.parent / f".{SHALLOW.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)          # one worker cuts; the others wait and find its cut
+        if not current():
+            shutil.rmtree(SHALLOW, ignore_errors=True)      # cut from an earlier conversion, or half removed
+            tmp = cut_model(MODEL, Path(tempfile.mkdtemp(dir=MODEL.parent, prefix=".cutting-")))
+            os.rename(tmp, SHALLOW)
     return SHALLOW
 
 

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -94,6 +95,21 @@ def test_a_wrong_flag_fails_the_start_at_once_with_the_log_and_leaves_nothing(tm
     with pytest.raises(AssertionError, match="executor exited with code") as e:
         Stack([Service("executor", flags={"--no-such-flag": 1})], tmp_path, fork=fork)
     assert "no-such-flag" in str(e.value)
+
+
+def test_the_fork_server_outlives_a_sigterm_to_its_group_and_its_members_still_stop_on_one(tmp_path):
+    """SIGTERM to a supervisor's whole group (timeout(1), systemd) reaches the fork server, which shares that
+    group: were it to die, every member would get its parent-death SIGTERM at once, before the supervisor could
+    stop them in order. A member itself still stops on SIGTERM."""
+    pytest.importorskip("torch")
+    with Stack([executor(write_tiny_llama(tmp_path / "llama"))], tmp_path, fork=True) as stack:
+        member = stack.procs["executor"].pid
+        server = int(Path(f"/proc/{member}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        os.kill(server, signal.SIGTERM)
+        time.sleep(1.0)
+        assert alive(server) and alive(member) and stack.procs["executor"].poll() is None
+        stack.terminate("executor")
+        assert stack.wait("executor") == 0
 
 
 def alive(pid: int) -> bool:

@@ -103,7 +103,7 @@ def _serve(tmp_path: Path, *flags: str, api_key: str) -> tuple[subprocess.Popen,
          "--grpc-port", str(grpc_port), "--scheduler-port", str(sc), "--executor-port", str(ex),
          "--kv-cache-memory", str(32 << 20), "--scheduler-metrics-port", str(m1), "--executor-metrics-port",
          str(m2), *flags], cwd=ROOT, stdout=open(tmp_path / "serve.log", "w"), stderr=subprocess.STDOUT,
-        env=os.environ | {"STEPWIRE_API_KEY": api_key})
+        env=os.environ | {"STEPWIRE_API_KEY": api_key}, process_group=0)     # a group of its own, as under a shell
     url = f"http://127.0.0.1:{http}"
     wait_http_ready(url, {"serve": serve}, logs=[tmp_path / "serve.log"])
     wait_until(lambda: "stepwire is ready" in (tmp_path / "serve.log").read_text(), 60, "the ready message",
@@ -154,10 +154,13 @@ def test_serve_starts_a_gateway_that_exits_again_and_stops_everything_on_sigterm
         assert "gateway exited with -9; starting it again" in (tmp_path / "serve.log").read_text()
         services = (services | descendants(serve.pid)) - {gateway}
     finally:
-        serve.send_signal(signal.SIGTERM)
+        # To serve's whole group, as timeout(1) or systemd send it: serve's helpers (the fork server) must not
+        # die of it and take the services down before serve stops them in order.
+        os.killpg(serve.pid, signal.SIGTERM)
         code = serve.wait(timeout=90)
     assert code == 0   # serve waited for every service: none is left running
     assert not [p for p in services if alive(p)]
+    assert "executor stopped" in (tmp_path / "serve.log").read_text()     # drained, not killed
 
 
 def _up(url: str) -> bool:
