@@ -64,7 +64,7 @@ def stop_server() -> None:
 def _main(module: str, argv: list[str], env: dict, log: str | None, cwd: str) -> None:
     """In the forked member: the group, the parent-death signal, the log and the environment a new process
     would have had, then the service's main."""
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)     # the server ignores it (in_fork_server.py); we must not
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})    # the server blocks it (in_fork_server.py)
     os.setpgid(0, 0)
     server_pid = os.getppid()     # alive still: we hold its pipe until the next lines close it
     # multiprocessing hands each member the end of the pipe that keeps the fork server alive (so that a member

@@ -2,10 +2,10 @@
 
 The server shares its starter's process group, so SIGTERM sent to that whole group (timeout(1), systemd's
 control-group kill, `kill -TERM -PGID`) would kill it, and with it every member (their parent-death signal),
-before the starter could stop them in its order with each draining first. So the server ignores SIGTERM; it
-still ends when its starter does (its alive pipe closes). Members take the default back at once
-(forked._main)."""
+before the starter could stop them in its order with each draining first. So the server blocks SIGTERM; it
+still ends when its starter does (its alive pipe closes). Blocked, not ignored: a member inherits the mask,
+and a SIGTERM sent to it before it unblocks (forked._main, first thing) waits for it instead of being lost."""
 
 import signal
 
-signal.signal(signal.SIGTERM, signal.SIG_IGN)
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})

@@ -110,6 +110,11 @@ def test_the_fork_server_outlives_a_sigterm_to_its_group_and_its_members_still_s
         assert alive(server) and alive(member) and stack.procs["executor"].poll() is None
         stack.terminate("executor")
         assert stack.wait("executor") == 0
+    # A SIGTERM that reaches a member before its own code runs stops it too (blocked in the server, not lost).
+    for _ in range(3):
+        with Stack([Service("scheduler")], tmp_path / "early", wait=False, fork=True) as stack:
+            stack.terminate("scheduler")
+            assert stack.wait("scheduler", seconds=10) in (0, -signal.SIGTERM)     # stopped, not hung
 
 
 def alive(pid: int) -> bool:
