@@ -101,6 +101,8 @@ class Child:
     pause: float = 0.5          # before the next restart; doubles while it keeps dying young
 
     def start(self, group: ProcessGroup) -> None:
+        if isinstance(self.proc, Forked):       # the one before, which exited
+            group.leave(self.proc.pid)
         if self.fork and self.service is not None:
             self.proc = Forked(MODULE[self.service.kind], arguments(self.service), env=dict(os.environ), log=None,
                                cwd=os.getcwd(), preload=MODULE.values())

@@ -56,9 +56,14 @@ class ProcessGroup:
         return proc
 
     def join(self, pgid: int) -> None:
-        """A member forked elsewhere (forked.py), which made a group of its own: `signal` reaches it too. Groups
-        with nobody left are forgotten here, so that restarts do not pile up ids the system may hand out again."""
-        self.forked = {g for g in self.forked if _killpg(g, 0)} | {pgid}
+        """A member forked elsewhere (forked.py), which made a group of its own: `signal` reaches it too."""
+        self.forked.add(pgid)
+
+    def leave(self, pgid: int) -> None:
+        """Forget an exited member's group once nobody is left in it, so that restarts do not pile up ids the
+        system may hand out again. (Not at join: a member just forked may not have made its group yet.)"""
+        if not _killpg(pgid, 0):
+            self.forked.discard(pgid)
 
     def alive(self) -> bool:
         return self.pgid is not None and _killpg(self.pgid, 0)
