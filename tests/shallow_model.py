@@ -20,6 +20,8 @@ from conftest import MODEL
 
 LAYERS = 4
 SHALLOW = MODEL.parent / f".{MODEL.name}-{LAYERS}-layers"     # git-ignored, beside the model it is cut from
+# One KV block of the cut in float32 at the default block size: K and V, every layer, 16 slots, 3 KV heads of 64.
+BLOCK_BYTES = 2 * LAYERS * 16 * 3 * 64 * 4
 
 
 def shallow_model() -> Path:

@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from helpers import record_logits  # noqa: E402
-from shallow_model import LAYERS  # noqa: E402
+from shallow_model import BLOCK_BYTES  # noqa: E402
 
 from executor_service.runner_config import RunnerConfig  # noqa: E402
 from launcher.engine import LLMEngine  # noqa: E402
@@ -67,8 +67,7 @@ def test_mixed_batch_logits_match_each_request_computed_alone(chat_prompts, shal
     """Chunked prefill, decodes, prefix-cache hits (the chat template's shared system prompt) and
     preempted-and-resumed requests in one run: every sampled row's logits match those of the same request
     run alone on a fresh engine, within 1e-4 relative."""
-    block_bytes = 2 * LAYERS * 16 * 3 * 64 * 4      # K and V, every layer, 16 slots, 3 kv heads, head_dim 64
-    e = LLMEngine(RunnerConfig(str(shallow), kv_cache_memory=17 * block_bytes, max_num_seqs=8, max_model_len=512),
+    e = LLMEngine(RunnerConfig(str(shallow), kv_cache_memory=17 * BLOCK_BYTES, max_num_seqs=8, max_model_len=512),
                   SchedulerConfig(max_num_seqs=8, max_model_len=512, max_num_batched_tokens=64,
                                   long_prefill_token_threshold=32))
     seen = record_logits(e)

@@ -28,7 +28,7 @@ from lora_fixtures import (  # noqa: E402
     peft_logits,
     peft_reference,
 )
-from shallow_model import LAYERS, SHALLOW  # noqa: E402
+from shallow_model import BLOCK_BYTES, SHALLOW  # noqa: E402
 
 from executor_service.lora_adapter import AdapterError, read_adapter  # noqa: E402
 from executor_service.model_config import ModelConfig  # noqa: E402
@@ -213,8 +213,7 @@ def test_more_adapters_than_slots_wait_for_a_slot_and_each_request_gets_its_toke
 def test_requests_with_adapters_preempted_for_kv_blocks_resume_with_their_tokens_alone(adapters):
     """A KV pool too small for the batch: requests are preempted, give their slot up while they wait, and on
     resuming run under their own adapter again (whichever slot it lands in), recomputing the same tokens."""
-    block_bytes = 2 * LAYERS * 16 * 3 * 64 * 4      # K and V, every layer, 16 slots, 3 kv heads, head_dim 64
-    e = new_engine(2, kv_cache_memory=7 * block_bytes, max_num_seqs=4)
+    e = new_engine(2, kv_cache_memory=7 * BLOCK_BYTES, max_num_seqs=4)
     names = ["attn-r4", "mlp-r16", "all-r8"]
     for name in names:
         e.load_adapter(name, str(adapters[name]))

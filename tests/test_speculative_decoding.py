@@ -13,9 +13,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from conftest import MODEL  # noqa: E402
+from shallow_model import BLOCK_BYTES  # noqa: E402
 
 from executor_service.input_batch import InputBatch, RequestState  # noqa: E402
-from executor_service.model_config import ModelConfig  # noqa: E402
 from executor_service.runner_config import RunnerConfig  # noqa: E402
 from executor_service.sample_rows import sample_rows  # noqa: E402
 from executor_service.sampler import Sampler  # noqa: E402
@@ -49,11 +49,6 @@ def tok():
 def engine(method: str, model=MODEL, **kw) -> LLMEngine:
     cfg = {"kv_cache_memory": 64 << 20, "max_num_seqs": 8, "max_model_len": 1024} | kw
     return LLMEngine(RunnerConfig(str(model), speculative_method=method, **cfg))
-
-
-def block_bytes(model) -> int:
-    """One KV block of `model` in float32: K and V, every layer, 3 kv heads of 64, 16 slots."""
-    return 2 * ModelConfig.from_dir(model).num_layers * 3 * 64 * 16 * 4
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +97,7 @@ def test_preempted_speculating_requests_resume_to_the_same_tokens(plain, shallow
     sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     expected = [c.token_ids for c in plain.generate(ps, sp)]
     # Room for two or three of the eight at a time (4 to 7 blocks each): requests are preempted as they grow.
-    e = engine("ngram", shallow, kv_cache_memory=14 * block_bytes(shallow))
+    e = engine("ngram", shallow, kv_cache_memory=14 * BLOCK_BYTES)
     assert [c.token_ids for c in e.generate(ps, sp)] == expected
     assert e.scheduler.num_preemptions > 0 and e.runner.spec.accepted > 0
 
@@ -183,7 +178,7 @@ def test_a_random_draft_model_changes_no_token_greedy_seeded_or_preempted(plain,
               SamplingParams(max_tokens=40, temperature=0.9, seed=i, ignore_eos=True) for i in range(len(ps))]
     expected = [c.token_ids for c in plain.generate(ps, params)]
     e = engine("draft", shallow, speculative_model=tiny_draft, speculative_max_batch=8,
-               kv_cache_memory=18 * block_bytes(shallow))
+               kv_cache_memory=18 * BLOCK_BYTES)
     assert [c.token_ids for c in e.generate(ps, params)] == expected
     assert e.scheduler.num_preemptions > 0 and e.runner.spec.proposed > 0
 
