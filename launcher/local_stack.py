@@ -32,7 +32,7 @@ from pydantic_settings import SettingsConfigDict
 
 from launcher.announce import announce
 from launcher.forked import Forked, stop_server
-from launcher.processes import MODULE, Service, arguments, command
+from launcher.processes import Service, command, fork
 from launcher.tethered import ProcessGroup
 from stepwire.contract.settings import ServiceSettings, load
 
@@ -104,9 +104,7 @@ class Child:
         if isinstance(self.proc, Forked):       # the one before, which exited
             group.leave(self.proc.pid)
         if self.fork and self.service is not None:
-            self.proc = Forked(MODULE[self.service.kind], arguments(self.service), env=dict(os.environ), log=None,
-                               cwd=os.getcwd(), preload=MODULE.values())
-            group.join(self.proc.pid)
+            self.proc = fork(self.service, group, env=dict(os.environ), log=None, cwd=os.getcwd())
         else:
             self.proc = group.popen(self.command)
         self.started_at = time.monotonic()

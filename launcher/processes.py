@@ -99,6 +99,14 @@ def arguments(service: Service) -> list[str]:
     return words
 
 
+def fork(service: Service, group: ProcessGroup, *, env: dict, log: str | None, cwd: str) -> Forked:
+    """The service forked from the fork server (forked.py) as `command` would start it, its group in `group`.
+    One place for the server's preload list: the first member to start the server fixes it."""
+    proc = Forked(MODULE[service.kind], arguments(service), env=env, log=log, cwd=cwd, preload=MODULE.values())
+    group.join(proc.pid)
+    return proc
+
+
 def free_ports(n: int) -> list[int]:
     """`n` distinct free loopback ports: all are held while they are picked, so none is handed out twice."""
     with contextlib.ExitStack() as held:
@@ -171,9 +179,7 @@ class Stack:
             log.write(f"=== launcher {time.strftime('%H:%M:%S')}: start {name}\n")
             log.flush()
             if self.fork:
-                self.procs[name] = Forked(MODULE[s.kind], arguments(s), env=env, log=str(self.log(name)),
-                                          cwd=str(ROOT), preload=MODULE.values())
-                self.group.join(self.procs[name].pid)
+                self.procs[name] = fork(s, self.group, env=env, log=str(self.log(name)), cwd=str(ROOT))
             else:
                 self.procs[name] = self.group.popen(command(s), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                                     env=env)
