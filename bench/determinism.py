@@ -42,9 +42,11 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def engine(model: str, dtype: str, deterministic: bool, budget: int = 512, device: str = "cpu") -> LLMEngine:
+def engine(model: str, dtype: str, deterministic: bool, budget: int = 512, device: str = "cpu",
+           graphs: bool = True) -> LLMEngine:
     return LLMEngine(RunnerConfig(model, device=device, dtype=dtype, deterministic=deterministic,
-                                  kv_cache_memory=256 << 20, max_num_seqs=CONCURRENCY, max_model_len=1024),
+                                  kv_cache_memory=256 << 20, max_num_seqs=CONCURRENCY, max_model_len=1024,
+                                  cuda_graphs=graphs),
                      SchedulerConfig(block_size=16, max_model_len=1024, max_num_seqs=CONCURRENCY,
                                      max_num_batched_tokens=budget))
 
@@ -81,10 +83,13 @@ def main() -> None:
     ap.add_argument("--dtype", default=None, help="default: the executor's for this machine")
     ap.add_argument("--tokens", type=int, default=64, help="tokens generated per request")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--no-cuda-graphs", action="store_true", help="every step eager (CUDA)")
     a = ap.parse_args()
+    g = not a.no_cuda_graphs
     dtype = a.dtype or default_dtype(a.device)
     prompts, params = workload(CONCURRENCY, a.tokens)
-    default, det = engine(a.model, dtype, False, device=a.device), engine(a.model, dtype, True, device=a.device)
+    default, det = (engine(a.model, dtype, False, device=a.device, graphs=g),
+                    engine(a.model, dtype, True, device=a.device, graphs=g))
     best = {"default": 0.0, "deterministic": 0.0}
     det_runs = []     # the deterministic engine's tokens, each c32 round
     for _ in range(a.rounds):
@@ -93,18 +98,26 @@ def main() -> None:
             best[name] = max(best[name], tps)
             if name == "deterministic":
                 det_runs.append(out)
-    det_runs.append(reorder_in_waves(engine(a.model, dtype, True, budget=37, device=a.device), prompts, params))
+    det_runs.append(reorder_in_waves(engine(a.model, dtype, True, budget=37, device=a.device, graphs=g), prompts,
+                                     params))
     first = det_runs[0]
     mismatched = sum(any(run[i] != first[i] for run in det_runs) for i in range(CONCURRENCY))
     identical = "yes" if mismatched == 0 else "no"
     ratio = best["deterministic"] / best["default"]
-    print(f"cpu: {cpu_model()}  device: {a.device}  dtype: {dtype}  c{CONCURRENCY}, {a.tokens} tokens per request, "
-          f"best of {a.rounds}")
+    print(f"cpu: {cpu_model()}  device: {a.device}  dtype: {dtype}  graphs: {g}  c{CONCURRENCY}, {a.tokens} tokens "
+          f"per request, best of {a.rounds}")
     print(f"{'mode':>14} {'tok/s':>8}")
     for name, v in best.items():
         print(f"{name:>14} {v:>8.1f}")
     print(f"deterministic, each c32 round and reordered in waves of 8 with a 37-token budget: {mismatched} of "
           f"{CONCURRENCY} requests differ between runs")
+    for i in range(CONCURRENCY):
+        for k, run in enumerate(det_runs[1:], 1):
+            if run[i] != first[i]:
+                at = next((j for j, (x, y) in enumerate(zip(run[i], first[i], strict=False)) if x != y),
+                          min(len(run[i]), len(first[i])))
+                print(f"  request {i} ({'greedy' if i % 2 == 0 else 'seeded'}, {len(prompts[i])}-token prompt): run "
+                      f"{k} differs from run 0 from token {at} on")
     print(f"RESULT determinism dtype={dtype} identical={identical} cost_ratio={ratio:.2f}")
 
 

@@ -32,6 +32,7 @@ import logging
 import numpy as np
 import torch
 
+from executor_service.step_ahead import filled
 from executor_service.triton_attention import PagedMetadata, paged_only, prefill_block_q, step_block_table, token_arrays
 
 log = logging.getLogger("stepwire.executor")
@@ -88,6 +89,7 @@ class StepGraphs:
             ("input_ids", torch.int64), ("positions", torch.int64), ("slot_mapping", torch.int64),
             ("kv_lens", torch.int32), ("token_rows", torch.int32), ("qblock_start", torch.int32),
             ("qblock_len", torch.int32))}
+        self._staged = None     # recorded after the copies out of the staging buffers (CUDA)
 
     @classmethod
     def for_runner(cls, runner) -> StepGraphs:
@@ -172,8 +174,13 @@ class StepGraphs:
         if shape is None:
             return None
         kind, size = shape
+        if self._staged is not None:
+            # The staging buffers are rewritten below: the last step's copies out of them must have run. With a
+            # step in flight (step_ahead.py) they may not have, if the device is still on the step before it.
+            self._staged.synchronize()
         # Padded tokens: token 0 at position 0, slot 0 of the null block, one position to attend to.
         self._stage("input_ids", inputs.input_ids, 0, size)
+        filled(self.input_ids, inputs)      # tokens of the step before, still on the device (step_ahead.py)
         self._stage("positions", inputs.positions, 0, size)
         self._stage("slot_mapping", inputs.slot_mapping, 0, size)
         if kind == "decode":
@@ -187,6 +194,9 @@ class StepGraphs:
             self._stage("qblock_len", lens, 0, p)       # padded blocks have no tokens: nothing is stored
         rows = torch.from_numpy(step_block_table(inputs, block_table, block_size))
         self.block_table[:rows.shape[0], :rows.shape[1]].copy_(rows, non_blocking=self.device.type == "cuda")
+        if self.device.type == "cuda":
+            self._staged = torch.cuda.Event()
+            self._staged.record()
         t = len(inputs.input_ids)
         graph = self.graphs.get(shape)
         if graph is None:

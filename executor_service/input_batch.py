@@ -57,6 +57,8 @@ class StepInputs:
     # Speculation: [B] proposed tokens each request verifies this step (positions past its known tokens);
     # None when no request speculates.
     num_spec: np.ndarray | None = None
+    # Running ahead (step_ahead.py): input positions whose tokens are still on the device, and those tokens.
+    fill: tuple | None = None
 
 
 class InputBatch:

@@ -37,6 +37,7 @@ from executor_service.sample_rows import sample_rows, step_result
 from executor_service.sampler import Sampler
 from executor_service.speculation import SpecConfig, Speculator
 from executor_service.step import Step, StepResult, seed_of
+from executor_service.step_ahead import filled
 from executor_service.structured_rows import StructuredRows
 from observability import tracing
 from stepwire.internal import executor_pb2
@@ -264,10 +265,7 @@ class ModelRunner:
         if not step.handles:
             return None
         return self.batch.prepare(step.handles, step.num_tokens, step.total_tokens,
-                                  self._propose if self.spec.cfg.method == "ngram" else None)
-
-    def _propose(self, row: int, k: int) -> np.ndarray:
-        return self.spec.propose(self.batch, row, k)
+                                  partial(self.spec.propose, self.batch) if self.spec.cfg.method == "ngram" else None)
 
     def _admit_constrained(self, step: Step) -> None:
         """New rows with a grammar get a matcher, rebuilt from their output tokens: those the scheduler re-sent
@@ -296,5 +294,6 @@ class ModelRunner:
                 meta = build_attention_metadata(inputs, self.batch.block_table, self.cfg.block_size, to,
                                                 self.scratch)
             with self._sdpa():
-                hidden = self.model(to(inputs.input_ids), to(inputs.positions), self.kv_caches, meta, lora)
+                hidden = self.model(filled(to(inputs.input_ids), inputs), to(inputs.positions), self.kv_caches, meta,
+                                    lora)
         return self.model.compute_logits(hidden[to(inputs.logits_index)])

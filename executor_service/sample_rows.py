@@ -12,12 +12,15 @@ from executor_service.step import StepResult, draw_seed, logprobs_of
 
 
 def sample_rows(b: InputBatch, sampler: Sampler, rows: np.ndarray, states: list, logits: torch.Tensor,
-                vocab_size: int, device: torch.device, positions: np.ndarray | None = None):
+                vocab_size: int, device: torch.device, positions: np.ndarray | None = None,
+                keep_on_device: bool = False):
     """One token for each row of `logits`: `rows` are their batch rows, `states` their requests and
     `positions` the positions of the tokens they sample (by default each row's next one; a request that
-    verifies proposals has a logits row per position). Returns the tokens and the logprobs asked for."""
+    verifies proposals has a logits row per position). Returns the tokens (left on the device with
+    `keep_on_device`, for a step that runs ahead) and the logprobs asked for."""
     if len(rows) == 0:  # every request is mid-prefill: nothing to sample
-        return np.empty(0, dtype=np.int64), None
+        empty = np.empty(0, dtype=np.int64)
+        return (torch.from_numpy(empty).to(device) if keep_on_device else empty), None
     if positions is None:
         positions = b.num_tokens[rows]
     generators = {}
@@ -33,9 +36,10 @@ def sample_rows(b: InputBatch, sampler: Sampler, rows: np.ndarray, states: list,
     num_logprobs = max((n for s in states if (n := logprobs_of(s.sampling_params)) is not None), default=None)
     t = torch.from_numpy
     st = SamplingTensors.from_cpu(t(b.temperature[rows]), t(b.top_p[rows]), t(b.top_k[rows]), t(b.min_p[rows]),
-                                  vocab_size=vocab_size, device=device, max_num_logprobs=num_logprobs)
+                                  vocab_size=vocab_size, device=device, max_num_logprobs=num_logprobs,
+                                  non_blocking=keep_on_device)   # a blocking copy would wait for the forward
     res = sampler(logits, st, generators, num_logprobs)
-    return res.token_ids.cpu().numpy(), res.logprobs
+    return (res.token_ids if keep_on_device else res.token_ids.cpu().numpy()), res.logprobs
 
 
 def step_result(b: InputBatch, inputs: StepInputs, sampled: np.ndarray, logprobs, counts: np.ndarray | None = None,

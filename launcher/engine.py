@@ -12,8 +12,12 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import torch
+
+from executor_service import step_ahead
 from executor_service.runner import ModelRunner
 from executor_service.runner_config import RunnerConfig
+from executor_service.step import StepResult
 from executor_service.wire import decode_step, encode_result
 from scheduler_service import Request, RequestDelta, Scheduler, SchedulerConfig
 from scheduler_service.config import step_defaults
@@ -31,9 +35,14 @@ class Completion:
 
 
 class LLMEngine:
-    def __init__(self, runner_config: RunnerConfig, scheduler_config: SchedulerConfig | None = None):
+    def __init__(self, runner_config: RunnerConfig, scheduler_config: SchedulerConfig | None = None,
+                 run_ahead: bool | None = None):
+        """`run_ahead` (default: on a GPU) queues each plain step on the device before the last one's tokens
+        reach the host, and schedules it meanwhile (executor_service/step_ahead.py); tokens are the same."""
         self.runner = ModelRunner(runner_config)
         facts = self.runner.describe()
+        self.run_ahead = facts["device"].startswith("cuda") if run_ahead is None else run_ahead
+        self._ahead = None     # (scheduler output, handle order, Ahead) of the step in flight
         if scheduler_config is None:
             # The scheduler service's defaults for this device (a CPU chunks long prompts), so the engine and
             # the split stack schedule alike.
@@ -77,17 +86,37 @@ class LLMEngine:
         self.scheduler.abort_requests(request_ids)
 
     def step(self) -> list[RequestDelta]:
+        """Schedule and run one step. Running ahead, the step is launched and the one before it finished:
+        the deltas are that one's."""
         out = self.scheduler.schedule()
         if out.is_empty and not out.finished_req_ids:
-            return []
+            return self._finish_ahead()     # what is in flight may be all that is left
         msg, order = encode_step(out, self.handles, epoch=1, step=0)
         step = decode_step(msg)
+        if self.run_ahead and step_ahead.plain(self.runner, step):
+            with torch.inference_mode():
+                launched = step_ahead.launch(self.runner, step, self._ahead[2] if self._ahead else None)
+            deltas = self._finish_ahead()
+            if isinstance(launched, StepResult):    # nothing sampled: answered at once
+                return deltas + self._update(out, order, launched, len(step.handles))
+            self._ahead = (out, order, launched)
+            return deltas
+        deltas = self._finish_ahead()   # a step that needs the tokens on the host waits for them
         if step.lora_loads or step.lora_rows:
             # As the executor service does, before the step is applied.
             self.runner.lora.check_step(step, self.runner.batch)
             self.runner.lora.fetch(step)
-        reply = encode_result(self.runner.execute(step, msg), len(step.handles), 1, 0)
+        return deltas + self._update(out, order, self.runner.execute(step, msg), len(step.handles))
+
+    def _update(self, out, order, result: StepResult, n: int) -> list[RequestDelta]:
+        reply = encode_result(result, n, 1, 0)
         return self.scheduler.update_from_output(out, decode_result(reply, order))
+
+    def _finish_ahead(self) -> list[RequestDelta]:
+        if self._ahead is None:
+            return []
+        (out, order, ahead), self._ahead = self._ahead, None
+        return self._update(out, order, ahead.result(self.runner.batch), len(order))
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -103,7 +132,7 @@ class LLMEngine:
             rid = self.add_request(prompt, p, adapter=a)
             done[rid] = Completion(rid, list(prompt))
             order.append(rid)
-        while self.has_unfinished():
+        while self.has_unfinished() or self._ahead is not None:   # nothing left in flight for the next caller
             for d in self.step():
                 c = done.get(d.req_id)
                 if c is not None:

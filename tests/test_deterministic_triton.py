@@ -76,7 +76,9 @@ def test_a_decode_s_attention_row_is_the_same_token_s_row_inside_a_prompt_s_bloc
         assert torch.equal(alone, together[i:i + 1]), i
 
 
-def test_a_model_on_the_triton_kernels_gives_a_request_the_same_bits_alone_and_among_neighbours(tmp_path):
+# bfloat16 only where a GPU computes it: through the interpreter it is not what a GPU does.
+@pytest.mark.parametrize("dtype", ["float32"] + (["bfloat16"] if DEVICE == "cuda" else []))
+def test_a_model_on_the_triton_kernels_gives_a_request_the_same_bits_alone_and_among_neighbours(tmp_path, dtype):
     """Through the CUDA-graph buffers, as on a GPU (every step padded to the token ladder), and they change no
     bit of what the eager path gives."""
     from test_deterministic import _fresh, _run
@@ -89,7 +91,7 @@ def test_a_model_on_the_triton_kernels_gives_a_request_the_same_bits_alone_and_a
     # One layer: the interpreter re-patches Triton's builtins at every launch, so each layer costs seconds;
     # one runs every kernel (GEMM, RMSNorm, attention) as a deeper model would.
     model = write_tiny_llama(tmp_path / "m", num_hidden_layers=1)
-    engine = LLMEngine(RunnerConfig(str(model), dtype="float32", deterministic=True, attention_backend="triton",
+    engine = LLMEngine(RunnerConfig(str(model), dtype=dtype, deterministic=True, attention_backend="triton",
                                     kv_cache_memory=4 << 20, max_num_seqs=64, max_model_len=256,
                                     max_num_batched_tokens=32, device=DEVICE, cuda_graphs=True))
     assert engine.runner.attention == "triton" and engine.runner.kv_layout.endswith(":deterministic:triton")
