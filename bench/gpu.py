@@ -284,7 +284,7 @@ def py_spy(root: int, args, tag: str) -> list[subprocess.Popen]:
 
 
 def split_runs(model: Path, engine: LLMEngine, concurrencies: list[int], workers: int, graph_tokens: int,
-               pipeline: int, args) -> dict[int, float]:
+               pipeline: int, ahead: str, args) -> dict[int, float]:
     """`stepwire serve` with `workers` gateway processes, mixed-step CUDA graphs up to `graph_tokens` and
     `pipeline` steps queued in the executor against the in-process engine, closed-loop streaming, same prompts
     and lengths: {concurrency: split / in-process}.
@@ -300,7 +300,7 @@ def split_runs(model: Path, engine: LLMEngine, concurrencies: list[int], workers
                         "STEPWIRE_EXECUTOR_ATTENTION_BACKEND": args.attention_backend,
                         "STEPWIRE_EXECUTOR_CUDA_GRAPHS": str(not args.no_cuda_graphs).lower(),
                         "STEPWIRE_EXECUTOR_CUDA_GRAPH_MAX_TOKENS": str(graph_tokens),
-                        "STEPWIRE_EXECUTOR_STEP_PIPELINE": str(pipeline),
+                        "STEPWIRE_EXECUTOR_STEP_PIPELINE": str(pipeline), "STEPWIRE_EXECUTOR_RUN_AHEAD": ahead,
                         "STEPWIRE_SCHEDULER_MAX_NUM_SEQS": str(top)}
     if args.dtype:
         env["STEPWIRE_EXECUTOR_DTYPE"] = args.dtype
@@ -314,7 +314,8 @@ def split_runs(model: Path, engine: LLMEngine, concurrencies: list[int], workers
             procs = max(1, min(args.client_procs, concurrency // 16))
             with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) as pool:
                 http_load(pool, url, model.name, texts[:concurrency], args.serve_tokens, concurrency)  # warm-up
-                spies = py_spy(proc.pid, args, f"{model.name}-w{workers}-g{graph_tokens}-p{pipeline}-c{concurrency}") \
+                tag = f"{model.name}-w{workers}-g{graph_tokens}-p{pipeline}-{ahead}-c{concurrency}"
+                spies = py_spy(proc.pid, args, tag) \
                     if concurrency == top else []
                 before, steps0 = service_cpu(proc.pid), executor_stats(sc)
                 seconds, tokens, ttft = http_load(pool, url, model.name, texts, args.serve_tokens, concurrency)
@@ -329,7 +330,8 @@ def split_runs(model: Path, engine: LLMEngine, concurrencies: list[int], workers
                             f"({(after[k] - before.get(k, 0)) / seconds:.2f} cores)" for k in sorted(after))
             n = steps1["steps"] - steps0["steps"]
             inside = (steps1["forward"] - steps0["forward"]) / max(n, 1)
-            print(f"  gateway workers {workers}, graphs to {graph_tokens} tokens, pipeline {pipeline}, concurrency "
+            print(f"  gateway workers {workers}, graphs to {graph_tokens} tokens, pipeline {pipeline}, run ahead "
+                  f"{ahead}, concurrency "
                   f"{concurrency}: split "
                   f"{tokens / seconds:,.0f} tok/s ({procs} client processes), in-process {inproc['tok_s']:,.0f} "
                   f"tok/s ({inproc['steps'] / inproc['seconds']:,.0f} steps/s), ratio {ratios[concurrency]:.2f}; "
@@ -362,9 +364,9 @@ def main() -> None:
     ap.add_argument("--serve-rounds", type=int, default=2, help="closed-loop requests per stream in the measured run")
     ap.add_argument("--py-spy", type=int, default=0, help="seconds of py-spy on the scheduler and a gateway during "
                     "the largest concurrency's run, into --out (0: none)")
-    ap.add_argument("--split", default="1:512:2,4:512:2", help="split stacks to measure, as gateway processes:mixed-"
-                    "step CUDA graphs' most tokens:executor step pipeline, comma-separated; the RESULT line takes the "
-                    "best")
+    ap.add_argument("--split", default="8:512:2:off,8:512:2:on", help="split stacks to measure, as gateway processes:"
+                    "mixed-step CUDA graphs' most tokens:executor step pipeline[:executor run-ahead auto|on|off], "
+                    "comma-separated; the RESULT line takes the best")
     ap.add_argument("--client-procs", type=int, default=4, help="load-generator processes (one per 16 streams at most)")
     ap.add_argument("--kv-cache-memory", type=int, default=16 << 30)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
@@ -412,16 +414,17 @@ def main() -> None:
                   ", ".join(f"{k} {v:.0f}" for k, v in prof["launches"].items()), flush=True)
             for key, count, ms in prof["top"]:
                 print(f"    {ms:7.3f} ms  x{count:<5.0f} {key}", flush=True)
-        by_workers = {(w, g, p): split_runs(model, engine, concurrencies, w, g, p, args)
-                      for w, g, p in (map(int, cfg.split(":")) for cfg in args.split.split(","))}
+        configs = [(*map(int, c.split(":")[:3]), (c.split(":")[3:] or ["auto"])[0]) for c in args.split.split(",")]
+        by_workers = {(w, g, p, a): split_runs(model, engine, concurrencies, w, g, p, a, args)
+                      for w, g, p, a in configs}
         # The issue's keys: split_ratio is the worse of the concurrencies (each is printed above), for the
         # number of gateway processes that does best.
-        (workers, graph_tokens, pipeline), ratios = max(by_workers.items(), key=lambda kv: min(kv[1].values()))
+        (workers, graph_tokens, pipeline, ahead), ratios = max(by_workers.items(), key=lambda kv: min(kv[1].values()))
         print(f"RESULT gpu step_floor_ratio={step['wall'] / step['floor']:.2f} offline_ratio={ours / hf:.2f} "
               f"split_ratio={min(ratios.values()):.2f}", flush=True)
         gpu_ratio = "n/a" if prof is None else f"{prof['gpu'] / step['floor']:.2f}"
         print(f"  ({name}; split with {workers} gateway process(es), graphs to {graph_tokens} tokens, pipeline "
-              f"{pipeline}: " +
+              f"{pipeline}, run ahead {ahead}: " +
               ", ".join(f"c{c} {r:.2f}" for c, r in ratios.items()) +
               f"; transformers' best batch: {hf_batch}; decode step GPU time / floor: {gpu_ratio})", flush=True)
         del engine

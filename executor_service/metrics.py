@@ -62,7 +62,10 @@ class _Live:
                                          "for the other ranks included.", labels=["collective"])
         for kind, seconds in runner.comm.seconds.items():
             collective.add_metric([kind], seconds)
-        yield from (rows, blocks, tp, collective)
+        ahead = CounterMetricFamily("stepwire:executor_steps_ran_ahead", "Steps left in flight while the next one "
+                                    "was launched (--run-ahead): their replies went out with its launch.")
+        ahead.add_metric([], self.service.ahead.deferred if self.service.ahead is not None else 0)
+        yield from (rows, blocks, tp, collective, ahead)
         spec = runner.spec
         if spec.cfg.enabled:
             yield from _speculation(spec)

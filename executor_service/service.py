@@ -17,12 +17,12 @@ import asyncio
 import logging
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
-from opentelemetry.trace import SpanKind
 
+from executor_service import step_ahead
 from executor_service.collectives import RankFailure
 from executor_service.kv_transfer import BlockMover, StepProgress
 from executor_service.lora_adapter import AdapterError
@@ -31,8 +31,9 @@ from executor_service.runner import ModelRunner
 from executor_service.step import BadStep
 from executor_service.step_checks import Limits, check_step
 from executor_service.step_queue import Abort, read_steps
+from executor_service.step_span import traced
+from executor_service.steps_ahead import StepsAhead
 from executor_service.wire import decode_step, encode_result
-from observability import tracing
 from observability.log_limits import Every, held_note
 from stepwire.contract.metadata import STEP_EPOCH
 from stepwire.internal import executor_pb2, executor_pb2_grpc
@@ -70,6 +71,7 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
         self.progress = StepProgress()         # the last step run, which a pull into reserved blocks waits for
         self.mover: BlockMover | None = None    # set once the KV cache exists
         self.role = "mixed"                     # what Describe tells the scheduler (--role)
+        self.run_ahead = False                  # launch plain steps before the last one's tokens are back
 
     @property
     def runner(self) -> ModelRunner | None:
@@ -79,6 +81,7 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
     def runner(self, runner: ModelRunner | None) -> None:
         self._runner = runner
         self.limits = None if runner is None else Limits.of(runner)   # what check_step holds every step to
+        self.ahead = None if runner is None else StepsAhead(runner, self._answer, self._failed)
 
     def fail(self, why: str) -> None:
         """The executor cannot serve any more: serve() stops the server at once and exits (event loop only)."""
@@ -144,7 +147,7 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
             async with self._lock:
                 # KV pulls into blocks the previous scheduler stream reserved stop before anything of this one.
                 await self.progress.begin(_epoch_of(context))
-                await self._on_worker(context, self.runner.reset_batch)
+                await self._on_worker(context, self._reset)
             room = asyncio.Semaphore(self.pipeline)
             reader = asyncio.create_task(read_steps(request_iterator, lambda msg: self._queue_step(msg, stream),
                                                     submitted, room))
@@ -187,13 +190,15 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
     @property
     def steps_in_flight(self) -> int:
         """Steps queued on the torch thread or running there. Each count has one writer: the event loop
-        queues, the torch thread ends."""
-        return self._queued - self._done
+        queues, the torch thread ends; a step in flight whose reply waits for the next one counts too."""
+        return self._queued - self._done + (self.ahead is not None and self.ahead.flight is not None)
 
     async def _result(self, context, running):
         """A queued step's reply. A lost tensor-parallel rank ends the stream, and the executor."""
         try:
-            return await running
+            reply = await running
+            # A step left in flight (steps_ahead.py): the next step's turn on the torch thread answers it.
+            return await asyncio.wrap_future(reply) if isinstance(reply, Future) else reply
         except RankFailure as e:
             self.fail(str(e))
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"executor is stopping: {e}")
@@ -206,7 +211,7 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
 
     def _step(self, msg: executor_pb2.StepRequest, stream: _Stream) -> executor_pb2.StepResponse:
         try:
-            return self._traced_step(msg, stream)
+            return traced(lambda: self._run_step(msg, stream), msg, self.instance_id, self.runner)
         except RankFailure:
             raise
         except Exception as e:
@@ -220,52 +225,51 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
             # The step may have been half applied, so the batch goes; the scheduler's resync recomputes every
             # request and forgets its prefix cache, so no KV this step half wrote is read again.
             log.exception("step %d: unexpected error; batch reset, asking for a resync", msg.step)
-            self.runner.reset_batch()
+            self._reset()
             return self._resync(msg, f"internal error ({type(e).__name__}: {str(e)[:200]}); batch reset")
 
-    def _traced_step(self, msg: executor_pb2.StepRequest, stream: _Stream) -> executor_pb2.StepResponse:
-        tracer = tracing.tracer()
-        if tracer is None or not msg.traceparent:
-            return self._run_step(msg, stream)
-        # A child of the scheduler's step span, in this process: the trace crosses the Step stream here.
-        with tracer.start_as_current_span("executor.step", context=tracing.from_traceparent(msg.traceparent),
-                                          kind=SpanKind.SERVER, attributes={
-                                              "stepwire.step": msg.step, "stepwire.epoch": msg.epoch,
-                                              "stepwire.executor.instance": self.instance_id,
-                                              "stepwire.tensor_parallel_size": self.runner.comm.size}) as span:
-            reply = self._run_step(msg, stream)
-            if reply.HasField("resync"):
-                span.set_attribute("stepwire.resync", reply.resync.reason)
-            elif self.runner.spec.last[0]:
-                proposed, accepted = self.runner.spec.last
-                span.set_attributes({"stepwire.spec.proposed_tokens": proposed,
-                                     "stepwire.spec.accepted_tokens": accepted,
-                                     "stepwire.spec.acceptance_rate": accepted / proposed})
-            return reply
-
-    def _run_step(self, msg: executor_pb2.StepRequest, stream: _Stream) -> executor_pb2.StepResponse:
+    def _run_step(self, msg: executor_pb2.StepRequest, stream: _Stream) -> executor_pb2.StepResponse | Future:
         if stream.epoch is not None and msg.epoch < stream.epoch:
+            self._settle()
             return self._resync(msg, f"epoch {msg.epoch} is older than {stream.epoch}")
         if stream.epoch is not None and msg.epoch > stream.epoch:
-            self.runner.reset_batch()
+            self._reset()
         stream.epoch = msg.epoch
         try:
             step = decode_step(msg)
             # Checked before the step touches the batch or the KV cache: a refused step changes nothing.
             check_step(step, self.runner.batch, self.limits)
+            if self.run_ahead and step_ahead.plain(self.runner, step):
+                return self.ahead.run(msg, step, time.perf_counter(), lambda: self._queued - self._done > 1)
+            self._settle()      # what follows may read the rows' tokens
             if step.lora_loads or step.lora_rows:
                 if self.runner.lora is None:
                     raise BadStep("the step names LoRA adapters; this executor serves none")
                 self.runner.lora.check_step(step, self.runner.batch)
                 self.runner.lora.fetch(step)
         except BadStep as e:
+            self._settle()
             return self._resync(msg, str(e), getattr(e, "key", ""))
         t0 = time.perf_counter()
-        result = self.runner.execute(step, msg)
+        return self._answer(msg, step, self.runner.execute(step, msg), t0)
+
+    def _answer(self, msg, step, result, t0: float) -> executor_pb2.StepResponse:
         reply = encode_result(result, len(step.handles), msg.epoch, msg.step)
         reply.forward_seconds = time.perf_counter() - t0
         self.metrics.observe_step(reply.forward_seconds, step.total_tokens, self.runner.phase_seconds)
         return reply
+
+    def _failed(self, msg, e: Exception) -> executor_pb2.StepResponse:
+        return self._resync(msg, f"internal error ({type(e).__name__}: {str(e)[:200]}); batch reset")
+
+    def _reset(self) -> None:
+        """An empty batch, once the step in flight is answered (torch thread)."""
+        self._settle()
+        self.runner.reset_batch()
+
+    def _settle(self) -> None:
+        if self.ahead is not None:
+            self.ahead.settle()
 
     def holds_nothing(self) -> bool:
         """No request here, parked ones included, and no step running: a drain has nothing to hand over."""

@@ -113,3 +113,50 @@ def test_holes_never_reach_the_model(model):
     prompts, params = workload(3)
     e.generate(prompts, params)
     assert len(seen) > 10 and all(bool((ids >= 0).all()) for ids in seen)
+
+
+@pytest.mark.processes
+def test_an_executor_running_ahead_serves_what_a_lockstep_one_serves_through_preemptions(tmp_path):
+    """Real processes: the scheduler's async scheduling sends the next step while one runs, and an executor with
+    --run-ahead on leaves a step in flight while it launches that one. Eight concurrent completions, greedy and
+    seeded, in a KV cache too small for all of them at once, get the same tokens from both executors. Both are
+    deterministic (batch-invariant): otherwise how a step's batch is made up, which timing decides, changes near
+    ties, and two runs of one lockstep executor already differ now and then."""
+    import asyncio
+
+    import httpx
+    from gateway_stack import tiny_stack
+
+    rng = np.random.default_rng(5)
+    bodies = [{"prompt": rng.integers(300, 20000, int(rng.integers(8, 40))).tolist(), "max_tokens": 40,
+               "ignore_eos": True, "temperature": 0.0 if i % 2 else 0.8, **({} if i % 2 else {"seed": 70 + i}),
+               "logprobs": 1 if i % 3 == 0 else None} for i in range(8)]
+
+    async def serve(url: str) -> list:
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            async def one(body):
+                r = await client.post("/v1/completions", json={"model": "model", **body})
+                r.raise_for_status()
+                choice = r.json()["choices"][0]
+                return choice["text"], choice["finish_reason"], choice.get("logprobs")
+            return await asyncio.gather(*(one(b) for b in bodies))
+
+    got, counters = {}, {}
+    for mode in ("off", "on"):
+        with tiny_stack(tmp_path / mode, executor_flags={"--run-ahead": mode, "--deterministic": True},
+                        kv_blocks=48) as s:
+            got[mode] = asyncio.run(serve(s.url))
+            counters[mode] = {name: metric(url, name) for url, name in (
+                (s.executor_metrics, "stepwire:executor_steps_ran_ahead_total"),
+                (s.scheduler_metrics, "stepwire:num_preemptions_total"))}
+    assert got["on"] == got["off"]
+    assert all(text for text, _, _ in got["on"])
+    assert counters["off"]["stepwire:executor_steps_ran_ahead_total"] == 0
+    assert counters["on"]["stepwire:executor_steps_ran_ahead_total"] > 10, counters
+    assert counters["on"]["stepwire:num_preemptions_total"] > 0, "the workload did not preempt"
+
+
+def metric(url: str, name: str) -> float:
+    import httpx
+    lines = [ln for ln in httpx.get(url, timeout=10).text.splitlines() if ln.startswith(name)]
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines)
