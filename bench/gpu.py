@@ -365,7 +365,7 @@ def main() -> None:
     ap.add_argument("--py-spy", type=int, default=0, help="seconds of py-spy on the scheduler and a gateway during "
                     "the largest concurrency's run, into --out (0: none)")
     ap.add_argument("--split", default="8:512:2:off,8:512:2:on", help="split stacks to measure, as gateway processes:"
-                    "mixed-step CUDA graphs' most tokens:executor step pipeline[:executor run-ahead auto|on|off], "
+                    "mixed-step CUDA graphs' most tokens:executor step pipeline[:executor run-ahead on|off], "
                     "comma-separated; the RESULT line takes the best")
     ap.add_argument("--client-procs", type=int, default=4, help="load-generator processes (one per 16 streams at most)")
     ap.add_argument("--kv-cache-memory", type=int, default=16 << 30)
@@ -414,7 +414,7 @@ def main() -> None:
                   ", ".join(f"{k} {v:.0f}" for k, v in prof["launches"].items()), flush=True)
             for key, count, ms in prof["top"]:
                 print(f"    {ms:7.3f} ms  x{count:<5.0f} {key}", flush=True)
-        configs = [(*map(int, c.split(":")[:3]), (c.split(":")[3:] or ["auto"])[0]) for c in args.split.split(",")]
+        configs = [(*map(int, c.split(":")[:3]), (c.split(":")[3:] or ["off"])[0]) for c in args.split.split(",")]
         by_workers = {(w, g, p, a): split_runs(model, engine, concurrencies, w, g, p, a, args)
                       for w, g, p, a in configs}
         # The issue's keys: split_ratio is the worse of the concurrencies (each is printed above), for the

@@ -68,8 +68,7 @@ async def serve(settings: ExecutorSettings) -> int:
     service = ExecutorService(worker)
     service.role = settings.role
     service.pipeline = settings.step_pipeline
-    service.run_ahead = settings.run_ahead == "on" or (settings.run_ahead == "auto"
-                                                       and settings.device.startswith("cuda"))
+    service.run_ahead = settings.run_ahead
     executor_pb2_grpc.add_ExecutorServicer_to_server(service, server)
     serve_metrics(settings.metrics_address, service.metrics.registry, "executor")
     port = add_port(server, settings.address, tls, settings.insecure, "the executor")

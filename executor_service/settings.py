@@ -38,10 +38,10 @@ class ExecutorSettings(RoleSettings):
     step_pipeline: int = Field(2, ge=1, le=4, description="steps queued on the torch thread at once: with 2 the "
                                "next step starts the moment one ends, while the reply is written; 1: each waits "
                                "for the last reply to be written and the next step read")
-    run_ahead: Literal["auto", "on", "off"] = Field(
-        "auto", description="launch a step on the device before the last one's tokens are back, when the next "
-        "step is already queued (steps without speculation, grammars, LoRA or tensor parallelism): the GPU no "
-        "longer waits for the host between steps; auto: on with CUDA (docs/executor.md)")
+    run_ahead: bool = Field(False, description="launch a step on the device before the last one's tokens are back "
+                            "when the next step is already queued (steps without speculation, grammars, LoRA or "
+                            "tensor parallelism). Off by default: on an H100 it made the split stack slower, since "
+                            "the scheduler's next step waits for the reply it holds back (docs/gpu.md)")
 
     # RunnerConfig's knobs.
     model: str = Field("models/SmolLM2-135M-Instruct", description="Hugging Face model directory (safetensors)")

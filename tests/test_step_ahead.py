@@ -143,7 +143,8 @@ def test_an_executor_running_ahead_serves_what_a_lockstep_one_serves_through_pre
 
     got, counters = {}, {}
     for mode in ("off", "on"):
-        with tiny_stack(tmp_path / mode, executor_flags={"--run-ahead": mode, "--deterministic": True},
+        with tiny_stack(tmp_path / mode, executor_flags={f"--{'' if mode == 'on' else 'no-'}run-ahead": True,
+                                                                    "--deterministic": True},
                         kv_blocks=48) as s:
             got[mode] = asyncio.run(serve(s.url))
             counters[mode] = {name: metric(url, name) for url, name in (
