@@ -37,6 +37,7 @@ class Ahead:
 
     sampling: np.ndarray          # indices into the step's handles of the rows that sampled
     handles: list[int]            # those rows' requests
+    states: list                  # and their RequestStates: a handle may name another request by the time
     positions: np.ndarray         # where each one's sampled token goes among its tokens
     tokens: torch.Tensor          # [sampled rows] on the device
     host: torch.Tensor            # their copy on its way to the host (pinned on CUDA)
@@ -49,13 +50,15 @@ class Ahead:
         if self.done is not None:
             self.done.synchronize()
         tokens = self.host.numpy().copy()
-        for h, pos, tok in zip(self.handles, self.positions.tolist(), tokens.tolist(), strict=True):
-            row = batch.row_of.get(h)
-            if row is not None:
-                batch.token_ids[row, pos] = tok
-            elif h in batch.parked:                 # preempted by the step launched after this one
-                batch.parked[h].token_ids[pos] = tok
-            # else: finished or aborted since: the scheduler drops the token
+        for h, state, pos, tok in zip(self.handles, self.states, self.positions.tolist(), tokens.tolist(),
+                                      strict=True):
+            # The same request, not just the same handle: one that ended since (a stop the scheduler learnt
+            # late, an abort) may have handed its handle to a new request in the step launched after this one.
+            if batch.states.get(h) is state:
+                batch.token_ids[batch.row_of[h], pos] = tok
+            elif batch.parked.get(h) is state:      # preempted by the step launched after this one
+                state.token_ids[pos] = tok
+            # else: it ended: the scheduler drops the token
         if self.logprobs is None:
             return StepResult(self.sampling, tokens)
         ids, lps = self.logprobs.token_ids.tolist(), self.logprobs.logprobs.tolist()
@@ -77,7 +80,10 @@ def plain(runner, step: Step) -> bool:
         return False
     if any(new.sampling.HasField("structured_output") for new in step.new):
         return False
-    return not any(s.grammar is not None for s in runner.batch.states.values())
+    b = runner.batch
+    if any(b.parked[h].grammar is not None for h, _, _ in step.resumed if h in b.parked):
+        return False
+    return not any(s.grammar is not None for s in b.states.values())
 
 
 def launch(runner, step: Step, before: Ahead | None) -> Ahead | StepResult:
@@ -110,5 +116,5 @@ def launch(runner, step: Step, before: Ahead | None) -> Ahead | StepResult:
         done.record()
     else:
         host = tokens
-    return Ahead(np.flatnonzero(inputs.sample_mask), [b.handles[r] for r in rows.tolist()], positions, tokens,
-                 host, done, logprobs, [logprobs_of(s.sampling_params) for s in states])
+    return Ahead(np.flatnonzero(inputs.sample_mask), [b.handles[r] for r in rows.tolist()], states, positions,
+                 tokens, host, done, logprobs, [logprobs_of(s.sampling_params) for s in states])

@@ -16,8 +16,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
+
+import torch
 
 from executor_service import step_ahead
 from executor_service.step import Step, StepResult
@@ -50,17 +52,22 @@ class StepsAhead:
         if f is None:
             return
         try:
-            f.reply.set_result(self.answer(f.msg, f.step, f.ahead.result(self.runner.batch), f.t0))
+            reply = self.answer(f.msg, f.step, f.ahead.result(self.runner.batch), f.t0)
         except Exception as e:  # noqa: BLE001 -- the reply says so; the stream goes on
             log.exception("step %d: its tokens could not be had; batch reset, asking for a resync", f.msg.step)
             self.runner.reset_batch()
-            f.reply.set_result(self.failed(f.msg, e))
+            reply = self.failed(f.msg, e)
+        try:
+            f.reply.set_result(reply)
+        except InvalidStateError:   # cancelled when its stream ended: nobody is waiting for it
+            pass
 
     def run(self, msg, step: Step, t0: float, queued_behind: Callable[[], bool]):
         """Launch a plain step, settle the one before it, and return this one's reply, or a Future of it when the
         next step was queued before its tokens came back."""
         before = self.flight
-        launched = step_ahead.launch(self.runner, step, before.ahead if before is not None else None)
+        with torch.inference_mode():
+            launched = step_ahead.launch(self.runner, step, before.ahead if before is not None else None)
         self.settle()
         if isinstance(launched, StepResult):
             return self.answer(msg, step, launched, t0)

@@ -99,6 +99,62 @@ def test_an_abort_while_a_step_is_in_flight_drops_its_token_and_frees_its_blocks
     assert e.scheduler.kv.num_free_blocks == free
 
 
+def test_a_handle_freed_while_its_token_is_in_flight_gets_no_token_of_its_old_request(model):
+    # Aborted with a step in flight, the request's handle goes to the next one added; the old request's token,
+    # when it comes back, must not land in the new one's tokens (at its prompt's end, where its hole would be).
+    e = engine(model, True)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    old = e.add_request([5, 6, 7, 8, 9], params)
+    for _ in range(3):
+        e.step()
+    assert e._ahead is not None
+    at = int(e._ahead[2].positions[0])
+    e.abort([old])
+    prompt = list(range(10, 10 + at))
+    new = e.add_request(prompt, params)
+    tokens = []
+    while e.has_unfinished() or e._ahead is not None:
+        tokens += [t for d in e.step() if d.req_id == new for t in d.new_token_ids]
+    assert tokens == engine(model, False).generate([prompt], params)[0].token_ids
+
+
+def test_requests_that_stop_on_eos_get_lockstep_s_tokens(tmp_path):
+    # A stop the scheduler learns a step late: the step in flight sampled a token for a request that ended, and
+    # its handle may already be a new request's (four rows for forty requests).
+    probe = write_tiny_llama(tmp_path / "probe")
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 97, int(rng.integers(30, 90))).tolist() for _ in range(40)]
+    ignore = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    counts = np.bincount([t for c in small(probe, False).generate(prompts, ignore) for t in c.token_ids])
+    eos = int(np.argsort(counts)[-3])      # a token greedy decoding gives often, but not always
+    model = write_tiny_llama(tmp_path / "eos", eos_token_id=eos)
+    params = SamplingParams(max_tokens=20, temperature=0.0)
+    lock = small(model, False).generate(prompts, params)
+    assert sum(c.finish_reason == "stop" for c in lock) >= 5, "too few requests stopped on EOS to test anything"
+    ahead = small(model, True).generate(prompts, params)
+    assert [(c.token_ids, c.finish_reason) for c in ahead] == [(c.token_ids, c.finish_reason) for c in lock]
+
+
+def small(model, run_ahead: bool) -> LLMEngine:
+    return LLMEngine(RunnerConfig(str(model), device=DEVICE, dtype="float32", block_size=4,
+                                  kv_cache_memory=kv_bytes(256), max_num_seqs=4, max_model_len=128),
+                     SchedulerConfig(block_size=4, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64),
+                     run_ahead=run_ahead)
+
+
+def test_a_step_that_resumes_a_constrained_request_does_not_run_ahead(model):
+    from executor_service.input_batch import RequestState
+    from executor_service.step import Step
+
+    e = engine(model, True)
+    parked = RequestState(7, None)
+    e.runner.batch.parked[7] = parked
+    resume = Step(handles=[7], num_tokens=[1], total_tokens=1, resumed=[(7, 4, [1])])
+    assert step_ahead.plain(e.runner, resume)
+    parked.grammar = object()
+    assert not step_ahead.plain(e.runner, resume)
+
+
 def test_holes_never_reach_the_model(model):
     # Eager, so that every step goes through the model's forward (a replayed CUDA graph does not); the graphs'
     # input buffer is filled by the same function, and the token tests above cover it on a GPU.
