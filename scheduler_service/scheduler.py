@@ -15,14 +15,7 @@ from __future__ import annotations
 
 from scheduler_service.adapter_slots import AdapterSlots
 from scheduler_service.config import SchedulerConfig
-from scheduler_service.fair_share import (
-    FairQueue,
-    FleetClock,
-    TenantClock,
-    admission_tenants,
-    kv_victim,
-    slot_victim,
-)
+from scheduler_service.fair_share import FairQueue, FleetClock, TenantClock, admission_tenants, kv_victim, slot_victim
 from scheduler_service.kv_cache.manager import KVCacheManager
 from scheduler_service.output import (
     CachedRequestData,
@@ -35,7 +28,7 @@ from scheduler_service.output import (
 from scheduler_service.output_phase import apply_runner_output
 from scheduler_service.request import Request, RequestStatus
 from scheduler_service.request_checks import check_new_request
-from scheduler_service.speculation import proposals_to_verify
+from scheduler_service.speculation import proposals_to_verify, waits_for_proposals
 from scheduler_service.waiting_phase import admit_waiting
 
 _WAITING = RequestStatus.WAITING
@@ -180,8 +173,10 @@ class Scheduler:
             req = running[i]
             computed = req.num_computed_tokens
             known = len(req.all_token_ids) + req.num_output_placeholders
-            if known >= req.length_limit:
-                i += 1          # its last token is in flight: another step could only waste a token
+            # Its last token is in flight (another step could only waste a token), or its step in flight may offer
+            # proposals, which a step scheduled now would miss.
+            if known >= req.length_limit or (req.num_output_placeholders and waits_for_proposals(req)):
+                i += 1
                 continue
             n = known - computed
             if 0 < threshold < n:

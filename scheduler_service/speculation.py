@@ -20,6 +20,15 @@ from scheduler_service.request import Request
 _MAX_BACKOFF_STEPS = 64
 
 
+def waits_for_proposals(req: Request) -> bool:
+    """Whether `req`, with a step in flight, should wait for that step's answer rather than be scheduled again at
+    once (async scheduling): the answer says how many proposals it may verify, and a step scheduled before it
+    verifies none. Worth a hop only for a request whose proposals have been paying, a token kept a step on
+    average or more: at one stream on a 2-core EPYC, grounded answers took 221 steps with async scheduling
+    and 203 without (55 against 63 tok/s). One backing off, or never offered any, keeps async scheduling."""
+    return req.spec_kept_avg >= 1.0 and not req.spec_backoff
+
+
 def proposals_to_verify(req: Request, computed: int, known: int, token_budget: int, max_model_len: int) -> int:
     """How many proposals `req`, decoding its last known token this step, verifies: what the executor offered,
     within the budget, the request's length limit and the context."""

@@ -200,3 +200,30 @@ def test_the_executor_refuses_proposals_past_its_limit_or_without_speculation():
                 model.run(msg)
         else:
             model.run(msg)
+
+
+def test_a_request_whose_proposals_pay_waits_for_its_step_in_flight_and_one_whose_proposals_fail_does_not():
+    """Async scheduling: a second step for a request is scheduled while its first is in flight, with no
+    proposals (the answer that offers them has not come). A request that keeps proposals waits for the answer
+    instead; one whose proposals fail (backing off) does not wait, nor does one that never speculated."""
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512, block_size=4)
+    sched = Scheduler(cfg, num_blocks=256)
+    for rid in ("paying", "failing", "plain"):
+        sched.add_request(Request(rid, [1, 2, 3], SamplingParams(max_tokens=400, ignore_eos=True)))
+    out = sched.schedule()
+    sched.update_from_output(out, RunnerOutput(["paying", "failing", "plain"], [[7], [7], [7]],
+                                               proposals=[4, 4, 0]))
+    out = sched.schedule()       # "paying" and "failing" verify 4 proposals each: all kept, none kept
+    assert out.spec_tokens == {"paying": 4, "failing": 4}
+    sched.update_from_output(out, RunnerOutput(["paying", "failing", "plain"], [[5] * 5, [5], [5]],
+                                               proposals=[0, 0, 0]))
+    out = sched.schedule()       # nothing to verify this time: plain decodes, and this step stays in flight
+    assert out.num_scheduled_tokens == {"paying": 1, "failing": 1, "plain": 1}
+    r = sched.requests
+    assert r["paying"].spec_kept_avg >= 1 and r["failing"].spec_kept_avg < 1 and r["plain"].spec_kept_avg < 0
+    ahead = sched.schedule()     # scheduled before the answer to `out`
+    assert set(ahead.num_scheduled_tokens) == {"failing", "plain"}
+    sched.update_from_output(out, RunnerOutput(["paying", "failing", "plain"], [[6], [6], [6]], proposals=[3, 0, 0]))
+    sched.update_from_output(ahead, RunnerOutput(["failing", "plain"], [[6], [6]], proposals=[0, 0]))
+    out = sched.schedule()       # the answer offered "paying" 3 proposals, and it verifies them
+    assert out.spec_tokens == {"paying": 3}
