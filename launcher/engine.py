@@ -89,7 +89,7 @@ class LLMEngine:
         """Schedule and run one step. Running ahead, the step is launched and the one before it finished:
         the deltas are that one's."""
         out = self.scheduler.schedule()
-        if out.is_empty and not out.finished_req_ids:
+        if out.is_empty and not out.finished_req_ids and not out.preempted_req_ids:
             return self._finish_ahead()     # what is in flight may be all that is left
         msg, order = encode_step(out, self.handles, epoch=1, step=0)
         step = decode_step(msg)

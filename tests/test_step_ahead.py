@@ -83,6 +83,36 @@ def test_a_request_preempted_while_its_token_is_in_flight_keeps_it(model):
     assert ahead.scheduler.num_preemptions > 0, "the workload did not preempt"
 
 
+def test_a_step_that_only_preempts_still_reaches_the_executor(model):
+    # A step may preempt and schedule nothing (the request that needed the blocks was the victim); the executor
+    # must still park the victims, or their resumption names requests it never parked.
+    rng = np.random.default_rng(0)
+    shared = rng.integers(3, 97, 12).tolist()
+    prompts = [shared + rng.integers(3, 97, 9).tolist(), rng.integers(3, 97, 30).tolist(),
+               rng.integers(3, 97, 5).tolist(), shared + rng.integers(3, 97, 3).tolist(),
+               rng.integers(3, 97, 17).tolist()]
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    got = {}
+    for ahead in (False, True):
+        e = LLMEngine(RunnerConfig(str(model), device=DEVICE, dtype="float32", block_size=4,
+                                   kv_cache_memory=kv_bytes(24), max_num_seqs=32, max_model_len=256),
+                      SchedulerConfig(block_size=4, max_model_len=256, max_num_seqs=32, max_num_batched_tokens=16,
+                                      long_prefill_token_threshold=8), run_ahead=ahead)
+        out: dict[str, list[int]] = {}
+        e.add_request(prompts[0], greedy, "p0")
+        for _ in range(3):                      # p0 alone first, then the others arrive
+            for d in e.step():
+                out.setdefault(d.req_id, []).extend(d.new_token_ids)
+        for i, p in enumerate(prompts[1:], start=1):
+            e.add_request(p, greedy, f"p{i}")
+        while e.has_unfinished() or e._ahead is not None:
+            for d in e.step():
+                out.setdefault(d.req_id, []).extend(d.new_token_ids)
+        assert e.scheduler.num_preemptions > 0
+        got[ahead] = out
+    assert got[True] == got[False]
+
+
 def test_an_abort_while_a_step_is_in_flight_drops_its_token_and_frees_its_blocks(model):
     prompts, params = workload(2)
     e = engine(model, True)
