@@ -27,6 +27,7 @@ import torch
 
 from executor_service.sample_rows import sample_rows
 from executor_service.step import Step, StepResult, logprobs_of
+from observability import tracing
 
 HOLE = -1   # a token sampled on the device that the host has not seen yet
 
@@ -78,6 +79,8 @@ def plain(runner, step: Step) -> bool:
     """Whether `step` may run ahead of the host: nothing in it reads a row's tokens on the host."""
     if runner.spec.cfg.enabled or runner.draft is not None or runner.ranks is not None or runner.lora is not None:
         return False
+    if step.lora_loads or step.lora_rows:   # refused where no adapters are served, on the path that checks them
+        return False
     if any(new.sampling.HasField("structured_output") for new in step.new):
         return False
     b = runner.batch
@@ -90,7 +93,8 @@ def launch(runner, step: Step, before: Ahead | None) -> Ahead | StepResult:
     """Apply the diff and queue the step's forward and sampling; `before`, the step still in flight, gives the
     tokens its holes stand for. A step that samples nothing is answered at once."""
     b = runner.batch
-    inputs = runner._prepare(step)
+    with tracing.phase("prepare_inputs"):
+        inputs = runner._prepare(step)
     if inputs is None:
         return StepResult(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64))
     holes = np.flatnonzero(inputs.input_ids == HOLE)
@@ -103,9 +107,11 @@ def launch(runner, step: Step, before: Ahead | None) -> Ahead | StepResult:
                        before.tokens[torch.from_numpy(src).to(dev, non_blocking=True)])
     rows = inputs.rows[inputs.sample_mask]
     states = [b.states[b.handles[r]] for r in rows]
-    logits = runner.forward(inputs)
-    tokens, logprobs = sample_rows(b, runner.sampler, rows, states, logits, runner.model_config.vocab_size,
-                                   runner.device, keep_on_device=True)
+    with tracing.phase("forward"):
+        logits = runner.forward(inputs)
+    with tracing.phase("sample"):       # queued: the tokens come back later
+        tokens, logprobs = sample_rows(b, runner.sampler, rows, states, logits, runner.model_config.vocab_size,
+                                       runner.device, keep_on_device=True)
     positions = b.num_tokens[rows].copy()
     b.append_sampled(inputs, np.full(len(rows), HOLE, dtype=np.int64))
     done = None

@@ -185,6 +185,17 @@ def test_a_step_that_resumes_a_constrained_request_does_not_run_ahead(model):
     assert not step_ahead.plain(e.runner, resume)
 
 
+def test_a_step_naming_adapters_does_not_run_ahead_so_an_executor_without_them_refuses_it(model):
+    from executor_service.step import Step
+
+    e = engine(model, True)
+    assert e.runner.lora is None
+    assert step_ahead.plain(e.runner, Step(handles=[], num_tokens=[], total_tokens=0))
+    assert not step_ahead.plain(e.runner, Step(handles=[], num_tokens=[], total_tokens=0, lora_rows=[(0, 1)]))
+    assert not step_ahead.plain(e.runner, Step(handles=[], num_tokens=[], total_tokens=0,
+                                               lora_loads=[(0, "a@1", "/x")]))
+
+
 def test_holes_never_reach_the_model(model):
     # Eager, so that every step goes through the model's forward (a replayed CUDA graph does not); the graphs'
     # input buffer is filled by the same function, and the token tests above cover it on a GPU.
