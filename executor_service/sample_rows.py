@@ -49,12 +49,17 @@ def step_result(b: InputBatch, inputs: StepInputs, sampled: np.ndarray, logprobs
     sampling = np.flatnonzero(inputs.sample_mask)
     if logprobs is None:
         return StepResult(sampling, sampled, None, counts, proposals)
-    # Column 0 is the sampled token itself, then the top-n; each request keeps the n it asked for.
-    ids, lps = logprobs.token_ids.tolist(), logprobs.logprobs.tolist()
     owners = sampling.tolist() if counts is None else np.repeat(sampling, counts).tolist()
-    at = range(len(owners)) if keep is None else keep.tolist()
-    per_token: list[list[tuple[int, float]] | None] = []
-    for k, i in zip(at, owners, strict=True):
-        n = logprobs_of(b.states[inputs.handles[i]].sampling_params)
-        per_token.append(None if n is None else list(zip(ids[k][:n + 1], lps[k][:n + 1], strict=True)))
+    wanted = [logprobs_of(b.states[inputs.handles[i]].sampling_params) for i in owners]
+    per_token = logprob_lists(logprobs, wanted, None if keep is None else keep.tolist())
     return StepResult(sampling, sampled, per_token, counts, proposals)
+
+
+def logprob_lists(logprobs, wanted: list[int | None], at: list[int] | None = None) -> list:
+    """Per token, the (token id, logprob) pairs its request asked for, or None: `wanted[j]` is that request's
+    n, and `at[j]` the token's row of `logprobs` (default: j). Column 0 is the sampled token itself, then the
+    top-n; each request keeps the n it asked for."""
+    ids, lps = logprobs.token_ids.tolist(), logprobs.logprobs.tolist()
+    rows = range(len(wanted)) if at is None else at
+    return [None if n is None else list(zip(ids[k][:n + 1], lps[k][:n + 1], strict=True))
+            for k, n in zip(rows, wanted, strict=True)]

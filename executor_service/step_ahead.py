@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from executor_service.sample_rows import sample_rows
+from executor_service.sample_rows import logprob_lists, sample_rows
 from executor_service.step import Step, StepResult, logprobs_of
 from observability import tracing
 
@@ -44,7 +44,6 @@ class Ahead:
     host: torch.Tensor            # their copy on its way to the host (pinned on CUDA)
     done: torch.cuda.Event | None
     logprobs: object | None       # the sampler's LogprobsTensors, when any row asked
-    num_logprobs: list[int | None]
 
     def result(self, batch) -> StepResult:
         """Wait for the tokens, write them over the holes, and give the step's answer."""
@@ -62,10 +61,8 @@ class Ahead:
             # else: it ended: the scheduler drops the token
         if self.logprobs is None:
             return StepResult(self.sampling, tokens)
-        ids, lps = self.logprobs.token_ids.tolist(), self.logprobs.logprobs.tolist()
-        per_token = [None if n is None else list(zip(ids[k][:n + 1], lps[k][:n + 1], strict=True))
-                     for k, n in enumerate(self.num_logprobs)]
-        return StepResult(self.sampling, tokens, per_token)
+        wanted = [logprobs_of(s.sampling_params) for s in self.states]
+        return StepResult(self.sampling, tokens, logprob_lists(self.logprobs, wanted))
 
 
 def filled(ids: torch.Tensor, inputs) -> torch.Tensor:
@@ -89,6 +86,7 @@ def plain(runner, step: Step) -> bool:
     return not any(s.grammar is not None for s in b.states.values())
 
 
+@torch.inference_mode()
 def launch(runner, step: Step, before: Ahead | None) -> Ahead | StepResult:
     """Apply the diff and queue the step's forward and sampling; `before`, the step still in flight, gives the
     tokens its holes stand for. A step that samples nothing is answered at once."""
@@ -123,4 +121,4 @@ def launch(runner, step: Step, before: Ahead | None) -> Ahead | StepResult:
     else:
         host = tokens
     return Ahead(np.flatnonzero(inputs.sample_mask), [b.handles[r] for r in rows.tolist()], states, positions,
-                 tokens, host, done, logprobs, [logprobs_of(s.sampling_params) for s in states])
+                 tokens, host, done, logprobs)

@@ -19,8 +19,6 @@ from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 
-import torch
-
 from executor_service import step_ahead
 from executor_service.step import Step, StepResult
 
@@ -66,8 +64,7 @@ class StepsAhead:
         """Launch a plain step, settle the one before it, and return this one's reply, or a Future of it when the
         next step was queued before its tokens came back."""
         before = self.flight
-        with torch.inference_mode():
-            launched = step_ahead.launch(self.runner, step, before.ahead if before is not None else None)
+        launched = step_ahead.launch(self.runner, step, before.ahead if before is not None else None)
         self.settle()
         if isinstance(launched, StepResult):
             return self.answer(msg, step, launched, t0)

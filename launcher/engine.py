@@ -12,8 +12,6 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import torch
-
 from executor_service import step_ahead
 from executor_service.runner import ModelRunner
 from executor_service.runner_config import RunnerConfig
@@ -94,8 +92,7 @@ class LLMEngine:
         msg, order = encode_step(out, self.handles, epoch=1, step=0)
         step = decode_step(msg)
         if self.run_ahead and step_ahead.plain(self.runner, step):
-            with torch.inference_mode():
-                launched = step_ahead.launch(self.runner, step, self._ahead[2] if self._ahead else None)
+            launched = step_ahead.launch(self.runner, step, self._ahead[2] if self._ahead else None)
             deltas = self._finish_ahead()
             if isinstance(launched, StepResult):    # nothing sampled: answered at once
                 return deltas + self._update(out, order, launched, len(step.handles))
