@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from helpers import record_logits  # noqa: E402
-from tiny_model import kv_bytes, write_tiny_llama  # noqa: E402
+from tiny_model import chunked_and_cached_prompts, kv_bytes, write_tiny_llama  # noqa: E402
 
 from executor_service.attention import AttentionMetadata  # noqa: E402
 from executor_service.kv_tensors import allocate_kv_caches  # noqa: E402
@@ -49,11 +49,7 @@ def reference_logits(model, tokens: list[int]) -> torch.Tensor:
 def test_mixed_batch_with_chunks_prefix_hits_and_preemption_matches_each_request_alone(tiny_dir):
     e = engine(tiny_dir, num_blocks=24, max_num_batched_tokens=16, long_prefill_token_threshold=8)
     seen = record_logits(e)
-    rng = np.random.default_rng(0)
-    shared = rng.integers(3, 97, 12).tolist()
-    prompts = [shared + rng.integers(3, 97, 9).tolist(), rng.integers(3, 97, 30).tolist(),
-               rng.integers(3, 97, 5).tolist(), shared + rng.integers(3, 97, 3).tolist(),
-               rng.integers(3, 97, 17).tolist()]
+    prompts = chunked_and_cached_prompts()
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     e.add_request(prompts[0], greedy, "p0")
     out = {}

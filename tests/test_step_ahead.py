@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from tiny_model import kv_bytes, write_tiny_llama
+from tiny_model import chunked_and_cached_prompts, kv_bytes, write_tiny_llama
 
 from executor_service import step_ahead
 from executor_service.runner_config import RunnerConfig
@@ -86,11 +86,7 @@ def test_a_request_preempted_while_its_token_is_in_flight_keeps_it(model):
 def test_a_step_that_only_preempts_still_reaches_the_executor(model):
     # A step may preempt and schedule nothing (the request that needed the blocks was the victim); the executor
     # must still park the victims, or their resumption names requests it never parked.
-    rng = np.random.default_rng(0)
-    shared = rng.integers(3, 97, 12).tolist()
-    prompts = [shared + rng.integers(3, 97, 9).tolist(), rng.integers(3, 97, 30).tolist(),
-               rng.integers(3, 97, 5).tolist(), shared + rng.integers(3, 97, 3).tolist(),
-               rng.integers(3, 97, 17).tolist()]
+    prompts = chunked_and_cached_prompts()
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     got = {}
     for ahead in (False, True):

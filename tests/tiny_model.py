@@ -45,6 +45,18 @@ def kv_bytes(num_blocks: int, block_size: int = 4) -> int:
     return num_blocks * 2 * TINY["num_hidden_layers"] * block_size * TINY["num_key_value_heads"] * head_dim * 4
 
 
+def chunked_and_cached_prompts(seed: int = 0) -> list[list[int]]:
+    """Five prompts for a 24-block pool and a 16-token budget: p0 and p3 share a 12-token prefix (p3 hits it once
+    p0 is in), p1 is chunked, p2 is short; together they outgrow the pool, so one is preempted."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(3, 97, 12).tolist()
+    return [shared + rng.integers(3, 97, 9).tolist(), rng.integers(3, 97, 30).tolist(),
+            rng.integers(3, 97, 5).tolist(), shared + rng.integers(3, 97, 3).tolist(),
+            rng.integers(3, 97, 17).tolist()]
+
+
 def reference_greedy(model: Path, prompts: list[list[int]], max_tokens: int = 10, budget: int = 16) -> list[list[int]]:
     """Greedy tokens from the in-process engine, configured as the tests configure the tiny-model services
     (blocks of 4, 64 of them, 8 sequences, 128 tokens of context, `budget` tokens per step)."""
