@@ -154,7 +154,10 @@ class KVMoves:
                 pull = executor_pb2.PullBlocksRequest(
                     transfer_id=mv.transfer_id, source=mv.source.address, source_blocks=source_blocks,
                     target_blocks=target_blocks, kv_layout=mv.source.kv_layout, epoch=mv.target_epoch,
-                    after_step=mv.target.last_sent_step, traceparent=tracing.traceparent(span) if span else "",
+                    # Only a step that could write a reserved block is waited for: one in flight when it was
+                    # freed. Blocks never used, or freed before the steps in flight were sent, are written at once.
+                    after_step=min(mv.target.last_sent_step, mv.target.core.kv.pool.last_writer(target_blocks)),
+                    traceparent=tracing.traceparent(span) if span else "",
                     deadline_seconds=self.settings.kv_transfer_seconds, source_epoch=mv.source_epoch,
                     source_after_step=mv.source_after_step)
                 ended = False      # from here the target may write, until it says it stopped

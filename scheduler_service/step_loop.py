@@ -83,6 +83,7 @@ class StepLoop:
             step_span(self.lifecycles, out, start_ns, self.address, self.step, self.epoch, core.kv.usage)
         msg.traceparent = tracing.traceparent(span) if span is not None else ""
         self.last_sent_step, self.step, size = self.step, self.step + 1, msg.ByteSize()
+        core.kv.pool.clock = self.last_sent_step
         self.wire_bytes += size
         self.wire_request_steps += len(order)
         self.lifecycles.metrics.wire_bytes.observe(size)

@@ -59,6 +59,19 @@ def test_freed_uncached_blocks_are_reused_first_and_cached_ones_last_tail_first(
     assert ids(pool.free_queue.blocks()) == [3, 4, 5, 6, 7, 2, 1]
 
 
+def test_a_block_freed_while_steps_were_in_flight_names_the_newest_of_them_as_its_last_writer():
+    pool = BlockPool(num_blocks=8)
+    a = pool.get_new_blocks(2)                         # 1, 2
+    b = pool.get_new_blocks(2)                         # 3, 4
+    pool.clock = 5                                     # steps up to 5 sent: they may write a's and b's blocks
+    pool.free_blocks(reversed(a))
+    pool.clock = 9
+    pool.free_blocks(reversed(b))
+    assert pool.last_writer([1, 2]) == 5 and pool.last_writer([3]) == 9 and pool.last_writer([1, 4]) == 9
+    assert pool.last_writer([5, 6, 7]) == -1           # never handed out: no step can write them
+    assert pool.last_writer([]) == -1
+
+
 def test_a_freed_block_keeps_its_hash_until_it_is_reused_lazy_eviction():
     pool = BlockPool(3)
     (b,) = pool.get_new_blocks(1)

@@ -49,6 +49,9 @@ class BlockPool:
         self.null_block = self.free_queue.popleft()
         self.null_block.is_null = True
         self._cached: dict[bytes, KVCacheBlock | dict[int, KVCacheBlock]] = {}
+        # The newest step sent to the executor (its step loop sets it): a block freed now may still be written
+        # by it, and by no later one.
+        self.clock = -1
 
     @property
     def num_free_blocks(self) -> int:
@@ -129,12 +132,17 @@ class BlockPool:
                 continue
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
+                block.freed_at = self.clock
                 if block.block_hash is None:
                     reuse_first.append(block)
                 else:
                     reuse_last.append(block)
         self.free_queue.prepend_n(reuse_first)
         self.free_queue.append_n(reuse_last)
+
+    def last_writer(self, block_ids: list[int]) -> int:
+        """The newest step that may still write any of these blocks (freed while it was in flight); -1: none."""
+        return max((self.blocks[b].freed_at for b in block_ids), default=-1)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash (after a weight update, say). Refused while any request holds a block."""

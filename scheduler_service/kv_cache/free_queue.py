@@ -10,7 +10,7 @@ from __future__ import annotations
 
 
 class KVCacheBlock:
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free", "is_null")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free", "is_null", "freed_at")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
@@ -20,6 +20,7 @@ class KVCacheBlock:
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
         self.is_null = False
+        self.freed_at = -1          # the newest step sent when it was last freed (BlockPool.clock); -1: never
 
     def __repr__(self) -> str:
         return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, cached={self.block_hash is not None})"
