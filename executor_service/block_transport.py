@@ -7,9 +7,14 @@ a GPU fleet can fill it with NIXL/UCX or NCCL send/recv without touching the sch
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
+
+import grpc
 
 from security import tls
 from stepwire.internal import executor_pb2, executor_pb2_grpc
@@ -23,8 +28,10 @@ CHUNK_BYTES = 4 << 20
 class Chunk:
     first: int              # index into the pulled list of the chunk's first block
     count: int              # blocks in it
-    data: bytes             # kv_blocks.BlockBytes.read's layout
-    xxh3: int               # of `data`, as the source computed it
+    data: bytes | memoryview    # kv_blocks.BlockBytes.read's layout
+    xxh3: int                   # of `data`, as the source computed it
+    # Called once `data` is written where it goes: a transport that lends its buffer (shared_blocks) refills it.
+    done: Callable[[], Awaitable[None]] | None = None
 
 
 class BlockSource(Protocol):
@@ -37,12 +44,57 @@ class BlockSource(Protocol):
         ...
 
 
-class GrpcBlockSource:
-    """The peer executor's ReadBlocks, dialled as the scheduler dials executors (same server name, same files)."""
+class PeerChannels:
+    """Channels to the peers this executor pulled from lately, kept: a connection (and its TLS handshake) costs
+    as much as a short pull. A channel is dialled again after `max_age` (certificates rotate) or a failure."""
 
-    def __init__(self, address: str, files: tls.TLSFiles | None, server_name: str, max_message: int):
-        # `max_message`: the largest chunk the source sends (a chunk holds one block at least, whatever its size).
-        self.channel = tls.channel(address, files, server_name, [("grpc.max_receive_message_length", max_message)])
+    def __init__(self, files: tls.TLSFiles | None, server_name: str, max_message: int, max_age: float = 300.0,
+                 size: int = 32):
+        # `max_message`: the largest chunk a source sends (a chunk holds one block at least, whatever its size).
+        self.options = [("grpc.max_receive_message_length", max_message)]
+        self.files, self.server_name, self.max_age, self.size = files, server_name, max_age, size
+        self.channels: OrderedDict[str, tuple[grpc.aio.Channel, float]] = OrderedDict()
+
+    def get(self, address: str) -> grpc.aio.Channel:
+        ch, born = self.channels.pop(address, (None, 0.0))
+        if ch is not None and time.monotonic() - born > self.max_age:
+            _retire(ch)
+            ch = None
+        if ch is None:
+            ch, born = tls.channel(address, self.files, self.server_name, self.options), time.monotonic()
+        self.channels[address] = (ch, born)
+        while len(self.channels) > self.size:
+            _retire(self.channels.popitem(last=False)[1][0])
+        return ch
+
+    def drop(self, address: str) -> None:
+        ch, _ = self.channels.pop(address, (None, 0.0))
+        if ch is not None:
+            _retire(ch)
+
+    async def close(self) -> None:
+        for ch, _ in self.channels.values():
+            await ch.close()
+        self.channels.clear()
+
+
+def _retire(ch: grpc.aio.Channel) -> None:
+    # A pull may still be reading through it: it gets until its deadline would have passed anyway.
+    task = asyncio.ensure_future(ch.close(grace=RETIRE_GRACE))
+    _retiring.add(task)
+    task.add_done_callback(_retiring.discard)
+
+
+RETIRE_GRACE = 120.0
+_retiring: set[asyncio.Task] = set()
+
+
+class GrpcBlockSource:
+    """The peer executor's ReadBlocks, over a channel dialled as the scheduler dials executors (same server
+    name, same files)."""
+
+    def __init__(self, address: str, channel: grpc.aio.Channel):
+        self.address, self.channel = address, channel
 
     async def read(self, transfer_id: str, block_ids: list[int], kv_layout: str, epoch: int, seconds: float,
                    after_step: int | None = None):
@@ -54,4 +106,4 @@ class GrpcBlockSource:
             yield Chunk(msg.first, msg.count, msg.data, msg.xxh3)
 
     async def close(self) -> None:
-        await self.channel.close()
+        pass            # the channel is PeerChannels'

@@ -18,10 +18,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
-from executor_service.block_transport import CHUNK_BYTES, GrpcBlockSource
+from executor_service import shared_blocks
+from executor_service.block_transport import CHUNK_BYTES, PeerChannels
 from executor_service.kv_blocks import BlockBytes, digest
+from executor_service.shared_block_source import BadChunk, Mappings, SharedBlockSource
+from executor_service.step_progress import StepProgress
 from observability import tracing
 from stepwire.contract.metadata import PULL_ENDED
 from stepwire.internal import executor_pb2
@@ -29,37 +33,6 @@ from stepwire.internal import executor_pb2
 log = logging.getLogger("stepwire.executor")
 MAX_ID_LEN = 128
 ADDRESS = re.compile(r"^[A-Za-z0-9.\-_\[\]:]{1,255}:[0-9]{1,5}$")
-
-
-class StepProgress:
-    """Where this executor's Step stream is: the epoch of the newest stream (from its metadata, then from its
-    steps; None until known), the last step of it that ran, and a generation that changes whenever a newer
-    stream or epoch begins. Its lock is also the gate a pull's writes pass: a new epoch waits for the write
-    under way, and no write of an older generation follows it."""
-
-    def __init__(self):
-        self.epoch: int | None = None
-        self.step = -1
-        self.generation = 0
-        self.changed = asyncio.Condition()
-
-    async def begin(self, epoch: int | None) -> None:
-        """A new stream (epoch from its metadata, if any) or a newer epoch on this one: before any step of it."""
-        async with self.changed:
-            self.generation += 1
-            self.epoch, self.step = epoch, -1
-            self.changed.notify_all()
-
-    async def changed_from(self, generation: int) -> None:
-        async with self.changed:
-            await self.changed.wait_for(lambda: self.generation != generation)
-
-    async def ran(self, epoch: int, step: int) -> None:
-        if epoch != self.epoch:
-            return
-        async with self.changed:
-            self.step = step
-            self.changed.notify_all()
 
 
 class _Refused(Exception):
@@ -70,17 +43,19 @@ class _Refused(Exception):
 
 class BlockMover:
     def __init__(self, kv_caches, kv_layout: str, tls_files, server_name: str, metrics, progress: StepProgress,
-                 source_factory=GrpcBlockSource):
+                 shared_dir: str = ""):
         self.blocks = BlockBytes.of(kv_caches)
         self.layout = kv_layout
-        self.tls_files = tls_files
-        self.server_name = server_name
         self.metrics = metrics
         self.progress = progress
-        self.source_factory = source_factory
+        # Blocks to and from executors on this host go through shared memory there (shared_blocks).
+        shared = bool(shared_dir and kv_layout)
+        self.lender = shared_blocks.Lender(shared_dir, self.blocks.size, self.blocks.num_blocks) if shared else None
+        self.mappings = Mappings(shared_dir) if shared else None
         # Copies and digests off the event loop and off the torch thread that runs the steps.
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-transfer")
         self.per_chunk = max(1, CHUNK_BYTES // self.blocks.size)
+        self.channels = PeerChannels(tls_files, server_name, self.per_chunk * self.blocks.size + (1 << 20))
 
     def _check(self, transfer_id: str, kv_layout: str) -> None:
         if len(transfer_id) > MAX_ID_LEN:
@@ -96,21 +71,26 @@ class BlockMover:
 
     # ------------------------------------------------------------------ source
 
+    async def _admit(self, request: executor_pb2.ReadBlocksRequest, context) -> list[int]:
+        """The blocks a peer may read, once the step that fills them (`after_step`) ran here."""
+        self._check(request.transfer_id, request.kv_layout)
+        ids = list(request.blocks)
+        try:
+            self.blocks.check_ids(ids, "blocks")
+        except ValueError as e:
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
+        if not ids:
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "no blocks")
+        if self.progress.epoch != request.epoch:
+            raise _Refused(grpc.StatusCode.FAILED_PRECONDITION, f"epoch {request.epoch} is not this executor's "
+                           f"step stream's: the blocks were pinned under another")
+        if request.HasField("after_step"):
+            await self._ran(request.epoch, request.after_step, context.time_remaining())
+        return ids
+
     async def read(self, request: executor_pb2.ReadBlocksRequest, context):
         try:
-            self._check(request.transfer_id, request.kv_layout)
-            ids = list(request.blocks)
-            try:
-                self.blocks.check_ids(ids, "blocks")
-            except ValueError as e:
-                raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
-            if not ids:
-                raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "no blocks")
-            if self.progress.epoch != request.epoch:
-                raise _Refused(grpc.StatusCode.FAILED_PRECONDITION, f"epoch {request.epoch} is not this executor's "
-                               f"step stream's: the blocks were pinned under another")
-            if request.HasField("after_step"):
-                await self._ran(request.epoch, request.after_step, context.time_remaining())
+            ids = await self._admit(request, context)
         except _Refused as e:
             await context.abort(e.code, str(e))
         size, starts = self.blocks.size, range(0, len(ids), self.per_chunk)
@@ -129,6 +109,32 @@ class BlockMover:
         finally:
             if not reading.done():       # the reader went away: let the read-ahead finish, unobserved
                 reading.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    async def read_shared(self, requests, context):
+        """ReadBlocks for a reader on this host: the chunks go through a segment of shared memory."""
+        first = await anext(requests, None)
+        try:
+            if first is None or first.WhichOneof("kind") != "request":
+                raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be the request")
+            if self.lender is None:
+                raise _Refused(grpc.StatusCode.UNIMPLEMENTED, "this executor shares no memory: use ReadBlocks")
+            ids = await self._admit(first.request, context)
+        except _Refused as e:
+            await context.abort(e.code, str(e))
+
+        async def fill(part: list[int], buffer) -> int:
+            return await self._run(self._fill, part, buffer)
+        try:
+            async for msg in shared_blocks.send(requests, ids, self.lender, self.blocks.size, fill, self.metrics):
+                yield msg
+        except shared_blocks.NoRoom as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except shared_blocks.BadAck as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    def _fill(self, ids: list[int], buffer) -> int:
+        self.blocks.read_into(ids, buffer)
+        return digest(buffer)
 
     async def _ran(self, epoch: int, step: int, seconds: float | None) -> None:
         """Wait until `step` of `epoch` ran here: blocks a prefix pull reads may be filled by a step still in flight."""
@@ -162,7 +168,7 @@ class BlockMover:
 
     async def _pull_or_abort(self, request, context):
         try:
-            n, seconds = await self._pull(request, context)
+            n, seconds, transport = await self._pull(request, context)
         except _Refused as e:
             self.metrics.kv_pull_failures.inc()
             log.warning("KV pull %s from %s refused: %s", request.transfer_id[:MAX_ID_LEN], request.source[:255], e)
@@ -170,11 +176,12 @@ class BlockMover:
             context.set_trailing_metadata(((PULL_ENDED, "1"),))
             await context.abort(e.code, str(e))
         self.metrics.kv_blocks_in.inc(n)
-        self.metrics.kv_bytes_in.inc(n * self.blocks.size)
-        return executor_pb2.PullBlocksResponse(bytes=n * self.blocks.size, seconds=seconds)
+        self.metrics.kv_bytes_in.labels(transport).inc(n * self.blocks.size)
+        trace.get_current_span().set_attribute("stepwire.kv.transport", transport)
+        return executor_pb2.PullBlocksResponse(bytes=n * self.blocks.size, seconds=seconds, transport=transport)
 
-    async def _pull(self, request, context) -> tuple[int, float]:
-        """(blocks written, seconds from the first request to the source to the last write)."""
+    async def _pull(self, request, context) -> tuple[int, float, str]:
+        """(blocks written, seconds from the first request to the source to the last write, transport)."""
         self._check(request.transfer_id, request.kv_layout)
         src, dst = list(request.source_blocks), list(request.target_blocks)
         if not src or len(src) != len(dst):
@@ -226,10 +233,9 @@ class BlockMover:
         raise copy.exception()
 
     async def _copy(self, request, src: list[int], dst: list[int], generation: int,
-                    deadline: float) -> tuple[int, float]:
+                    deadline: float) -> tuple[int, float, str]:
         t0 = time.perf_counter()     # the copy alone: not the wait for this executor's steps before it
-        source = self.source_factory(request.source, self.tls_files, self.server_name,
-                                     self.per_chunk * self.blocks.size + (1 << 20))
+        source = SharedBlockSource(request.source, self.channels.get(request.source), self.mappings, self.blocks.size)
         size, got = self.blocks.size, 0
         writing = None         # one chunk is checked and written while the next one arrives; in order
         try:
@@ -248,9 +254,12 @@ class BlockMover:
             if writing is not None:
                 await writing
         except grpc.RpcError as e:
+            self.channels.drop(request.source)          # dialled afresh next time: the peer may be another now
             code = grpc.StatusCode.DEADLINE_EXCEEDED if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else \
                 grpc.StatusCode.UNAVAILABLE
             raise _Refused(code, f"source {request.source}: {e.code().name}: {e.details()}") from None
+        except BadChunk as e:
+            raise _Refused(grpc.StatusCode.DATA_LOSS, f"source {request.source}: {e}") from None
         finally:
             if writing is not None and not writing.done():
                 writing.cancel()
@@ -258,22 +267,30 @@ class BlockMover:
             await source.close()
         if got != len(dst):
             raise _Refused(grpc.StatusCode.DATA_LOSS, f"source sent {got} of {len(dst)} blocks")
-        return got, time.perf_counter() - t0
+        return got, time.perf_counter() - t0, source.transport
 
     async def _check_and_write(self, chunk, ids: list[int], generation: int) -> None:
-        if await self._run(digest, chunk.data) != chunk.xxh3:
-            raise _Refused(grpc.StatusCode.DATA_LOSS, f"blocks {chunk.first}..{chunk.first + chunk.count - 1}: "
-                           "checksum does not match; nothing of them was written")
         p = self.progress
         async with p.changed:
             if p.generation != generation:
                 raise asyncio.CancelledError        # a newer stream: nothing more is written
-            write = asyncio.get_running_loop().run_in_executor(self.pool, self.blocks.write, ids, chunk.data)
+            # Checked and written in one go on one thread: the chunk is read from memory once, and hops once.
+            write = asyncio.get_running_loop().run_in_executor(self.pool, self._checked_write, chunk, ids)
             try:
                 await asyncio.shield(write)
             except asyncio.CancelledError:
                 await write          # never release the gate while the thread still writes
                 raise
+        if chunk.done is not None:
+            await chunk.done()
+
+    def _checked_write(self, chunk, ids: list[int]) -> None:
+        if digest(chunk.data) != chunk.xxh3:
+            raise _Refused(grpc.StatusCode.DATA_LOSS, f"blocks {chunk.first}..{chunk.first + chunk.count - 1}: "
+                           "checksum does not match; nothing of them was written")
+        self.blocks.write(ids, chunk.data)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
+        if self.lender is not None:
+            self.lender.close()

@@ -24,7 +24,8 @@ class ExecutorMetrics:
         # KV blocks that moved between executors (kv_transfer.py): in are pulled here, out were read from here.
         self.kv_blocks_in = Counter("stepwire:executor_kv_blocks_in", "KV blocks pulled from a peer and written "
                                     "here.", registry=r)
-        self.kv_bytes_in = Counter("stepwire:executor_kv_bytes_in", "Bytes of those blocks.", registry=r)
+        self.kv_bytes_in = Counter("stepwire:executor_kv_bytes_in", "Bytes of those blocks, by how they came: "
+                                   "shared_memory (a peer on this host) or grpc.", ["transport"], registry=r)
         self.kv_blocks_out = Counter("stepwire:executor_kv_blocks_out", "KV blocks read from here by a peer.",
                                      registry=r)
         self.kv_bytes_out = Counter("stepwire:executor_kv_bytes_out", "Bytes of those blocks.", registry=r)

@@ -22,6 +22,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from executor_service import kv_tensors
 from executor_service.drain import drain
 from executor_service.kv_transfer import BlockMover
 from executor_service.runner import ModelRunner
@@ -46,6 +47,7 @@ SERVICE = executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name
 # KV blocks move executor to executor: the scheduler asks one to pull, and only a peer executor may read them.
 ROLES = {f"/{SERVICE}/Describe": frozenset({SCHEDULER}), f"/{SERVICE}/Step": frozenset({SCHEDULER}),
          f"/{SERVICE}/PullBlocks": frozenset({SCHEDULER}), f"/{SERVICE}/ReadBlocks": frozenset({EXECUTOR}),
+         f"/{SERVICE}/ReadBlocksShared": frozenset({EXECUTOR}),
          f"/{SERVICE}/CheckAdapter": frozenset({SCHEDULER})}
 
 
@@ -88,7 +90,9 @@ async def serve(settings: ExecutorSettings) -> int:
         await loop.run_in_executor(worker, torch.set_num_threads, threads)
     service.runner = runner = await loop.run_in_executor(worker, ModelRunner, runner_config)
     service.mover = BlockMover(runner.kv_caches, runner.kv_layout, tls, settings.peer_server_name, service.metrics,
-                               service.progress)
+                               service.progress, settings.kv_shared_memory_dir)
+    if settings.kv_cache_resident:
+        kv_tensors.make_resident(runner.kv_caches)
     if runner.ranks is not None:
         runner.ranks.watch(lambda why: loop.call_soon_threadsafe(service.fail, why))
     for name in ("", SERVICE):

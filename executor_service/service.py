@@ -24,12 +24,13 @@ import grpc
 
 from executor_service import step_ahead
 from executor_service.collectives import RankFailure
-from executor_service.kv_transfer import BlockMover, StepProgress
+from executor_service.kv_transfer import BlockMover
 from executor_service.lora_adapter import AdapterError
 from executor_service.metrics import ExecutorMetrics
 from executor_service.runner import ModelRunner
 from executor_service.step import BadStep
 from executor_service.step_checks import Limits, check_step
+from executor_service.step_progress import StepProgress
 from executor_service.step_queue import Abort, read_steps
 from executor_service.step_span import traced
 from executor_service.steps_ahead import StepsAhead
@@ -134,6 +135,12 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "executor is not serving")
         async for chunk in self.mover.read(request, context):
             yield chunk
+
+    async def ReadBlocksShared(self, request_iterator, context):
+        if self.failure is not None or self.mover is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "executor is not serving")
+        async for msg in self.mover.read_shared(request_iterator.__aiter__(), context):
+            yield msg
 
     async def Step(self, request_iterator, context):
         await self._ready(context)

@@ -38,6 +38,7 @@ class MoveCounts:
     failures: int = 0
     blocks: int = 0
     bytes: int = 0
+    shared_memory_bytes: int = 0   # of `bytes`, those the target read through shared memory (same host)
     seconds: float = 0.0           # summed over transfers, as the target executors timed their copies
     busy_seconds: float = 0.0      # wall time with at least one transfer under way: what aggregate rates divide by
     tokens: int = 0                # moved with their KV or pulled: not recomputed
@@ -53,11 +54,12 @@ def record(counts: MoveCounts, m, mv: Move, ok: bool, reply, why: str, num_block
         c.transfers += 1
         c.blocks += num_blocks
         c.bytes += reply.bytes
+        c.shared_memory_bytes += reply.bytes if reply.transport == "shared_memory" else 0
         c.seconds += reply.seconds
         c.tokens += mv.num_tokens
         c.prefix_pulls += mv.kind == "prefix"
         m.kv_transfer_blocks.inc(num_blocks)
-        m.kv_transfer_bytes.inc(reply.bytes)
+        m.kv_transfer_bytes.labels(reply.transport or "grpc").inc(reply.bytes)
         m.kv_transfer_seconds.observe(reply.seconds)
         m.recompute_avoided.inc(mv.num_tokens)
         if mv.kind == "prefix":
@@ -70,7 +72,8 @@ def record(counts: MoveCounts, m, mv: Move, ok: bool, reply, why: str, num_block
     if span is not None:
         span.set_attribute("stepwire.kv.outcome", outcome)
         if reply is not None:
-            span.set_attributes({"stepwire.kv.bytes": reply.bytes, "stepwire.kv.pull_seconds": reply.seconds})
+            span.set_attributes({"stepwire.kv.bytes": reply.bytes, "stepwire.kv.pull_seconds": reply.seconds,
+                                 "stepwire.kv.transport": reply.transport})
         if not ok and why:
             span.set_status(Status(StatusCode.ERROR, why))
         span.end()

@@ -50,7 +50,8 @@ class SchedulerMetrics:
                                     "outcome (done, failed: recomputed instead, aborted).", ["outcome"], registry=r)
         self.kv_transfer_blocks = Counter("stepwire:kv_transfer_blocks", "KV blocks moved between executors.",
                                           registry=r)
-        self.kv_transfer_bytes = Counter("stepwire:kv_transfer_bytes", "Bytes of those blocks.", registry=r)
+        self.kv_transfer_bytes = Counter("stepwire:kv_transfer_bytes", "Bytes of those blocks, by how they went: "
+                                         "shared_memory (one host) or grpc.", ["transport"], registry=r)
         self.kv_transfer_seconds = Histogram("stepwire:kv_transfer_seconds", "One request's KV transfer, as the "
                                              "executor that pulled it timed it.", buckets=LATENCY, registry=r)
         self.recompute_avoided = Counter("stepwire:recompute_avoided_tokens", "Tokens that moved with their KV "

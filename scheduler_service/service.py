@@ -149,7 +149,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                                            kv_transfer_blocks=moves.blocks, kv_transfer_bytes=moves.bytes,
                                            kv_transfer_seconds=moves.seconds, recompute_avoided_tokens=moves.tokens,
                                            num_prefix_pulls=moves.prefix_pulls, num_rebalanced=fleet.num_rebalanced,
-                                           kv_transfer_busy_seconds=moves.busy_seconds)
+                                           kv_transfer_busy_seconds=moves.busy_seconds,
+                                           kv_transfer_shared_memory_bytes=moves.shared_memory_bytes)
         for link in fleet.links.values():
             e = resp.executors.add(address=link.address, connected=link.connected, epoch=link.epoch,
                                    num_steps=link.step, wire_bytes=link.wire_bytes,

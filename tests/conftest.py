@@ -33,6 +33,18 @@ def _float32_unless_a_test_says_otherwise() -> None:
 _float32_unless_a_test_says_otherwise()
 
 
+def _kv_cache_left_to_fault_in() -> None:
+    """The suite starts dozens of executors, most with the default 1 GiB KV budget, three workers at a time:
+    resident, their caches would hold over 10 GiB and cost seconds of a core each on a fresh VM. They leave
+    their pages to the first write, as before; test_kv_cache_resident checks the default itself."""
+    import os
+
+    os.environ.setdefault("STEPWIRE_EXECUTOR_KV_CACHE_RESIDENT", "false")
+
+
+_kv_cache_left_to_fault_in()
+
+
 def _one_core_per_test_worker() -> None:
     """`make test` runs the tests in more workers than cores (pytest-xdist), each starting its own services: an
     executor (or this process) taking a torch thread per core would have the workers' threads fight over each

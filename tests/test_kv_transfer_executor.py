@@ -89,6 +89,7 @@ def test_blocks_pulled_from_a_peer_continue_the_request_as_if_it_had_never_moved
     moved = -(-computed // 4)
     dst = list(range(40, 40 + moved))
     reply = pull(stub["b"], pair["stack"]["a"].address, src[:moved], dst, layout, b.epoch, a.epoch)
+    assert reply.transport == "shared_memory"                  # both executors on this host, both on /dev/shm
     assert reply.bytes == len(read(stub["a"], src[:moved], layout, a.epoch)) > 0
     assert read(stub["b"], dst, layout, b.epoch) == read(stub["a"], src[:moved], layout, a.epoch)
     # B goes on from the pulled KV alone: only the last sampled token is computed, and the tokens are A's.

@@ -200,12 +200,14 @@ class PullBlocksRequest(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., source: _Optional[str] = ..., source_blocks: _Optional[_Iterable[int]] = ..., target_blocks: _Optional[_Iterable[int]] = ..., kv_layout: _Optional[str] = ..., epoch: _Optional[int] = ..., after_step: _Optional[int] = ..., traceparent: _Optional[str] = ..., deadline_seconds: _Optional[float] = ..., source_epoch: _Optional[int] = ..., source_after_step: _Optional[int] = ...) -> None: ...
 
 class PullBlocksResponse(_message.Message):
-    __slots__ = ("bytes", "seconds")
+    __slots__ = ("bytes", "seconds", "transport")
     BYTES_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     bytes: int
     seconds: float
-    def __init__(self, bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+    transport: str
+    def __init__(self, bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class ReadBlocksRequest(_message.Message):
     __slots__ = ("transfer_id", "blocks", "kv_layout", "epoch", "after_step")
@@ -232,3 +234,33 @@ class BlockChunk(_message.Message):
     data: bytes
     xxh3: int
     def __init__(self, first: _Optional[int] = ..., count: _Optional[int] = ..., data: _Optional[bytes] = ..., xxh3: _Optional[int] = ...) -> None: ...
+
+class SharedRead(_message.Message):
+    __slots__ = ("request", "mapped", "done_slot")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    MAPPED_FIELD_NUMBER: _ClassVar[int]
+    DONE_SLOT_FIELD_NUMBER: _ClassVar[int]
+    request: ReadBlocksRequest
+    mapped: bool
+    done_slot: int
+    def __init__(self, request: _Optional[_Union[ReadBlocksRequest, _Mapping]] = ..., mapped: _Optional[bool] = ..., done_slot: _Optional[int] = ...) -> None: ...
+
+class SharedSegment(_message.Message):
+    __slots__ = ("name", "slots", "slot_bytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    slots: int
+    slot_bytes: int
+    def __init__(self, name: _Optional[str] = ..., slots: _Optional[int] = ..., slot_bytes: _Optional[int] = ...) -> None: ...
+
+class SharedChunk(_message.Message):
+    __slots__ = ("segment", "chunk", "slot")
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    segment: SharedSegment
+    chunk: BlockChunk
+    slot: int
+    def __init__(self, segment: _Optional[_Union[SharedSegment, _Mapping]] = ..., chunk: _Optional[_Union[BlockChunk, _Mapping]] = ..., slot: _Optional[int] = ...) -> None: ...

@@ -54,6 +54,11 @@ class ExecutorStub:
                 request_serializer=stepwire_dot_internal_dot_executor__pb2.ReadBlocksRequest.SerializeToString,
                 response_deserializer=stepwire_dot_internal_dot_executor__pb2.BlockChunk.FromString,
                 _registered_method=True)
+        self.ReadBlocksShared = channel.stream_stream(
+                '/stepwire.internal.Executor/ReadBlocksShared',
+                request_serializer=stepwire_dot_internal_dot_executor__pb2.SharedRead.SerializeToString,
+                response_deserializer=stepwire_dot_internal_dot_executor__pb2.SharedChunk.FromString,
+                _registered_method=True)
         self.CheckAdapter = channel.unary_unary(
                 '/stepwire.internal.Executor/CheckAdapter',
                 request_serializer=stepwire_dot_internal_dot_executor__pb2.CheckAdapterRequest.SerializeToString,
@@ -91,6 +96,15 @@ class ExecutorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReadBlocksShared(self, request_iterator, context):
+        """ReadBlocks between executors on one host: the chunks travel through a segment of shared memory the source
+        creates, and the stream carries only where each lies, its digest and the reader's "done with it".
+        UNIMPLEMENTED or RESOURCE_EXHAUSTED: use ReadBlocks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def CheckAdapter(self, request, context):
         """Read and check a LoRA adapter without keeping it (docs/lora.md): INVALID_ARGUMENT says what is wrong with
         it, FAILED_PRECONDITION that this executor serves no adapters.
@@ -121,6 +135,11 @@ def add_ExecutorServicer_to_server(servicer, server):
                     servicer.ReadBlocks,
                     request_deserializer=stepwire_dot_internal_dot_executor__pb2.ReadBlocksRequest.FromString,
                     response_serializer=stepwire_dot_internal_dot_executor__pb2.BlockChunk.SerializeToString,
+            ),
+            'ReadBlocksShared': grpc.stream_stream_rpc_method_handler(
+                    servicer.ReadBlocksShared,
+                    request_deserializer=stepwire_dot_internal_dot_executor__pb2.SharedRead.FromString,
+                    response_serializer=stepwire_dot_internal_dot_executor__pb2.SharedChunk.SerializeToString,
             ),
             'CheckAdapter': grpc.unary_unary_rpc_method_handler(
                     servicer.CheckAdapter,
@@ -236,6 +255,33 @@ class Executor:
             '/stepwire.internal.Executor/ReadBlocks',
             stepwire_dot_internal_dot_executor__pb2.ReadBlocksRequest.SerializeToString,
             stepwire_dot_internal_dot_executor__pb2.BlockChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadBlocksShared(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/stepwire.internal.Executor/ReadBlocksShared',
+            stepwire_dot_internal_dot_executor__pb2.SharedRead.SerializeToString,
+            stepwire_dot_internal_dot_executor__pb2.SharedChunk.FromString,
             options,
             channel_credentials,
             insecure,

@@ -224,7 +224,7 @@ class ExecutorStats(_message.Message):
     def __init__(self, address: _Optional[str] = ..., connected: _Optional[bool] = ..., epoch: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., wire_request_steps: _Optional[int] = ..., max_model_len: _Optional[int] = ..., forward_seconds: _Optional[float] = ..., draining: _Optional[bool] = ..., num_migrated_out: _Optional[int] = ..., num_routed: _Optional[int] = ..., num_recomputed_tokens: _Optional[int] = ..., kv_layout: _Optional[str] = ..., role: _Optional[str] = ..., lora_slots: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("executors", "num_requests", "num_waiting_for_executor", "num_migrations", "num_kv_transfers", "num_kv_transfer_failures", "kv_transfer_blocks", "kv_transfer_bytes", "kv_transfer_seconds", "recompute_avoided_tokens", "num_prefix_pulls", "num_rebalanced", "kv_transfer_busy_seconds")
+    __slots__ = ("executors", "num_requests", "num_waiting_for_executor", "num_migrations", "num_kv_transfers", "num_kv_transfer_failures", "kv_transfer_blocks", "kv_transfer_bytes", "kv_transfer_seconds", "recompute_avoided_tokens", "num_prefix_pulls", "num_rebalanced", "kv_transfer_busy_seconds", "kv_transfer_shared_memory_bytes")
     EXECUTORS_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FOR_EXECUTOR_FIELD_NUMBER: _ClassVar[int]
@@ -238,6 +238,7 @@ class StatsResponse(_message.Message):
     NUM_PREFIX_PULLS_FIELD_NUMBER: _ClassVar[int]
     NUM_REBALANCED_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_SHARED_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     executors: _containers.RepeatedCompositeFieldContainer[ExecutorStats]
     num_requests: int
     num_waiting_for_executor: int
@@ -251,4 +252,5 @@ class StatsResponse(_message.Message):
     num_prefix_pulls: int
     num_rebalanced: int
     kv_transfer_busy_seconds: float
-    def __init__(self, executors: _Optional[_Iterable[_Union[ExecutorStats, _Mapping]]] = ..., num_requests: _Optional[int] = ..., num_waiting_for_executor: _Optional[int] = ..., num_migrations: _Optional[int] = ..., num_kv_transfers: _Optional[int] = ..., num_kv_transfer_failures: _Optional[int] = ..., kv_transfer_blocks: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., recompute_avoided_tokens: _Optional[int] = ..., num_prefix_pulls: _Optional[int] = ..., num_rebalanced: _Optional[int] = ..., kv_transfer_busy_seconds: _Optional[float] = ...) -> None: ...
+    kv_transfer_shared_memory_bytes: int
+    def __init__(self, executors: _Optional[_Iterable[_Union[ExecutorStats, _Mapping]]] = ..., num_requests: _Optional[int] = ..., num_waiting_for_executor: _Optional[int] = ..., num_migrations: _Optional[int] = ..., num_kv_transfers: _Optional[int] = ..., num_kv_transfer_failures: _Optional[int] = ..., kv_transfer_blocks: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., recompute_avoided_tokens: _Optional[int] = ..., num_prefix_pulls: _Optional[int] = ..., num_rebalanced: _Optional[int] = ..., kv_transfer_busy_seconds: _Optional[float] = ..., kv_transfer_shared_memory_bytes: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,223 @@
+"""KV blocks between two executors on one host, through shared memory instead of through gRPC.
+
+Python's gRPC moves bytes at about a tenth of what memory copies them at, and on a loaded host far less: every
+chunk is copied into `bytes`, serialized, sent through the kernel, parsed and copied again. Between executors
+that share a shared-memory directory (`stepwire serve`, or pods given one host path), the source gathers each
+chunk straight into a slot of its segment there, and the stream (`ReadBlocksShared`) carries only the slot,
+the chunk's place and its digest; the reader checks the digest on the slot, writes the blocks from it into its
+cache, and hands the slot back. Everything else (who may read, ids, layout, epochs, steps to wait for, digests,
+deadlines) is what `ReadBlocks` does.
+
+Each source makes one segment at start, resident from then on (a fresh page costs a fault per 4 KiB, which on
+a fresh VM is slower than the copy itself), and lends each transfer a ring of its slots; readers keep their
+mapping of it. The source creates the segment and holds a lock on it for its life, the reader only maps it
+read-only: a peer can make this executor read a file of the directory under our pattern, never write one. A
+segment whose lock is free belongs to no live executor and is removed at the next start. Where the reader
+cannot map it (another host, another pod's /dev/shm), or the source has no segment, no free slots or predates
+this, the read goes through `ReadBlocks` as before. This file is the source's side; shared_block_source.py is
+the reader's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import logging
+import mmap
+import os
+import re
+import secrets
+from pathlib import Path
+
+from stepwire.internal import executor_pb2
+
+log = logging.getLogger("stepwire.executor")
+NAME = re.compile(r"^stepwire-kv-[0-9a-f]{32}$")
+RING = 3                      # slots one transfer holds: the source fills them while the reader writes one
+SLOT_BYTES = 8 << 20          # a slot holds this much, or one block where a block is larger
+SEGMENT_BYTES = 48 << 20     # a segment holds this much (Docker's /dev/shm is 64 MiB), and RING slots at least
+MAX_SLOTS = 64
+
+
+def shape(block_size: int, num_blocks: int) -> tuple[int, int, int]:
+    """(blocks per slot, slots, slot bytes) of a source's segment: no larger than its whole cache needs."""
+    per_slot = max(1, min(SLOT_BYTES // block_size, -(-num_blocks // RING)))
+    slot_bytes = per_slot * block_size
+    return per_slot, min(MAX_SLOTS, max(RING, SEGMENT_BYTES // slot_bytes)), slot_bytes
+
+
+class Segment:
+    """A file of `slots` slots of `slot_bytes` in a shared-memory directory, mapped and resident."""
+
+    def __init__(self, path: Path, fd: int, slots: int, slot_bytes: int, writable: bool):
+        self.path, self.slots, self.slot_bytes, self.fd = path, slots, slot_bytes, fd
+        self.map = mmap.mmap(fd, slots * slot_bytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                             prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
+        self.view = memoryview(self.map)
+
+    @classmethod
+    def create(cls, directory: str, slots: int, slot_bytes: int) -> Segment:
+        path = Path(directory) / f"stepwire-kv-{secrets.token_hex(16)}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)        # held for life: the segment is in use
+            # Reserved now, so a full tmpfs is an error here and not a SIGBUS at the first write into a slot.
+            os.posix_fallocate(fd, 0, slots * slot_bytes)
+            return cls(path, fd, slots, slot_bytes, writable=True)
+        except OSError:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
+
+    @classmethod
+    def open(cls, directory: str, name: str, slots: int, slot_bytes: int) -> Segment:
+        if not NAME.match(name) or not RING <= slots <= MAX_SLOTS or slot_bytes <= 0:
+            raise ValueError(f"not a segment: {name[:64]!r}, {slots} slots of {slot_bytes} bytes")
+        fd = os.open(Path(directory) / name, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            if os.fstat(fd).st_size != slots * slot_bytes:
+                raise ValueError(f"segment {name} is not {slots} slots of {slot_bytes} bytes")
+            return cls(Path(directory) / name, fd, slots, slot_bytes, writable=False)
+        finally:
+            os.close(fd)            # the mapping stays; only the source keeps its descriptor, for the lock
+
+    def slot(self, i: int, length: int) -> memoryview:
+        return self.view[i * self.slot_bytes:i * self.slot_bytes + length]
+
+    def close(self) -> None:
+        # A chunk still referenced keeps the mapping: it is unmapped when the last view of it is dropped.
+        with contextlib.suppress(BufferError):
+            self.view.release()
+            self.map.close()
+
+
+def sweep(directory: str) -> None:
+    """Remove the segments of executors that are gone: nobody holds their lock."""
+    with contextlib.suppress(OSError):
+        for f in Path(directory).glob("stepwire-kv-*"):
+            if not NAME.match(f.name):
+                continue
+            with contextlib.suppress(OSError):
+                fd = os.open(f, os.O_RDONLY | os.O_NOFOLLOW)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    f.unlink()
+                except BlockingIOError:
+                    pass                 # a live executor's
+                finally:
+                    os.close(fd)
+
+
+class Lender:
+    """The source's segment, and which of its slots are free. None of it where the directory has no room."""
+
+    def __init__(self, directory: str, block_size: int, num_blocks: int):
+        self.per_slot, slots, slot_bytes = shape(block_size, num_blocks)
+        sweep(directory)
+        try:
+            self.segment: Segment | None = Segment.create(directory, slots, slot_bytes)
+        except OSError as e:
+            log.warning("no shared memory for KV transfers in %s (%s): peers on this host read through gRPC",
+                        directory, e)
+            self.segment = None
+        self.free = list(range(slots)) if self.segment else []
+
+    def borrow(self, n: int) -> list[int] | None:
+        if len(self.free) < n:
+            return None
+        ring, self.free = self.free[:n], self.free[n:]
+        return ring
+
+    def close(self) -> None:
+        if self.segment is not None:
+            self.segment.path.unlink(missing_ok=True)
+            self.segment.close()
+            os.close(self.segment.fd)
+
+
+class NoRoom(Exception):
+    """No slots to lend now: the reader goes through ReadBlocks."""
+
+
+class BadAck(Exception):
+    """The reader handed back a slot it did not hold."""
+
+
+async def send(requests, ids: list[int], lender: Lender, block_size: int, fill, metrics):
+    """The source's side of an admitted ReadBlocksShared: yields SharedChunk messages. `fill(ids, buffer)`
+    gathers blocks into a slot off the event loop and returns their digest."""
+    per, segment = lender.per_slot, lender.segment
+    ring = lender.borrow(min(RING, -(-len(ids) // per))) if segment is not None else None
+    if ring is None:
+        raise NoRoom("no shared-memory slots free here")
+    free: asyncio.Queue[int] = asyncio.Queue()
+    lent: set[int] = set()
+    acks = filler = None
+    try:
+        yield executor_pb2.SharedChunk(segment=executor_pb2.SharedSegment(
+            name=segment.path.name, slots=segment.slots, slot_bytes=segment.slot_bytes))
+        answer = await anext(requests, None)
+        if answer is None or answer.WhichOneof("kind") != "mapped" or not answer.mapped:
+            return
+        for i in ring:
+            free.put_nowait(i)
+        acks = asyncio.ensure_future(_returned(requests, free, lent))
+        filled: asyncio.Queue = asyncio.Queue()
+        # Slots are filled as they come back, while the chunks filled before are on their way.
+        filler = asyncio.ensure_future(_fill_all(ids, per, block_size, segment, free, acks, fill, filled))
+        for first in range(0, len(ids), per):
+            item = await filled.get()
+            if isinstance(item, BaseException):
+                raise item                        # a fill failed, or the reader went away
+            slot, count, xxh3 = item
+            lent.add(slot)
+            metrics.kv_blocks_out.inc(count)
+            metrics.kv_bytes_out.inc(count * block_size)
+            yield executor_pb2.SharedChunk(slot=slot, chunk=executor_pb2.BlockChunk(first=first, count=count,
+                                                                                     xxh3=xxh3))
+        # Ended only once the reader closed its side after writing the last chunk: until then it may read any
+        # slot of the ring, which therefore goes back to the lender only now.
+        await acks
+    finally:
+        for task in (acks, filler):
+            if task is not None:
+                task.cancel()
+        if filler is not None:
+            await asyncio.wait({filler})     # no thread still filling a slot when the ring goes back
+        lender.free += ring
+
+
+async def _fill_all(ids, per, block_size, segment, free, acks, fill, filled: asyncio.Queue) -> None:
+    """(slot, blocks, digest) into `filled` for each chunk in order, or what stopped it."""
+    try:
+        for first in range(0, len(ids), per):
+            part = ids[first:first + per]
+            slot = await _next_free(free, acks)
+            filled.put_nowait((slot, len(part), await fill(part, segment.slot(slot, len(part) * block_size))))
+    except BaseException as e:
+        filled.put_nowait(e if not isinstance(e, asyncio.CancelledError) else asyncio.CancelledError())
+        raise
+
+
+async def _returned(requests, free: asyncio.Queue, lent: set[int]) -> None:
+    async for msg in requests:
+        slot = msg.done_slot if msg.WhichOneof("kind") == "done_slot" else -1
+        if slot not in lent:
+            raise BadAck(f"slot {slot} is not the reader's to hand back")
+        lent.discard(slot)
+        free.put_nowait(slot)
+
+
+async def _next_free(free: asyncio.Queue, acks: asyncio.Future) -> int:
+    """The next slot the reader handed back; its side of the stream ending or misbehaving ends the read."""
+    if not free.empty():
+        return free.get_nowait()
+    get = asyncio.ensure_future(free.get())
+    await asyncio.wait({get, acks}, return_when=asyncio.FIRST_COMPLETED)
+    if get.done():
+        return get.result()
+    get.cancel()
+    if not acks.cancelled() and acks.exception() is not None:
+        raise acks.exception()
+    raise asyncio.CancelledError        # the reader closed its side: nobody takes the rest
