@@ -78,7 +78,9 @@ def run(args, mode: str, prompt_ids: list[list[int]]) -> dict:
 
     tmp = Path(tempfile.mkdtemp(prefix=f"kv-{mode}-"))
     executor = {"--model": args.model, "--metrics-address": "", "--threads": 1, "--max-num-seqs": 16,
-                "--kv-cache-memory": 2 << 30, "--drain-seconds": 120}
+                "--kv-cache-memory": 2 << 30, "--drain-seconds": 120, "--deterministic": args.deterministic}
+    if mode == "grpc":            # the transfer run again, with the blocks through gRPC even on one host
+        executor["--kv-shared-memory-dir"] = ""
     sched = {"--metrics-address": "", "--retry-seconds": 0.2, "--drain-seconds": 0, "--max-num-seqs": 16,
              "--no-kv-transfer": mode == "recompute"}
     with Stack([Service("executor", "executor-0", dict(executor)), Service("executor", "executor-1", dict(executor)),
@@ -121,7 +123,9 @@ def run(args, mode: str, prompt_ids: list[list[int]]) -> dict:
         return {"tokens": tokens, "errors": errors, "longest_gap": max(gaps, default=0.0),
                 "recomputed": sum(e.num_recomputed_tokens for e in s.executors), "transfers": s.num_kv_transfers,
                 "failures": s.num_kv_transfer_failures, "bytes": s.kv_transfer_bytes,
-                "seconds": s.kv_transfer_seconds, "busy": s.kv_transfer_busy_seconds, "moved_from": moved_on}
+                "seconds": s.kv_transfer_seconds, "busy": s.kv_transfer_busy_seconds, "moved_from": moved_on,
+                "transports": {t for t, n in (("shared_memory", s.kv_transfer_shared_memory_bytes),
+                                              ("grpc", s.kv_transfer_bytes - s.kv_transfer_shared_memory_bytes)) if n}}
 
 
 def run_pd(args, roles: list[str], short: list[list[int]], long: list[list[int]]) -> dict:
@@ -254,8 +258,10 @@ def main() -> None:
     ap.add_argument("--history-tokens", type=int, default=1536)
     ap.add_argument("--turn-tokens", type=int, default=256)
     ap.add_argument("--only", choices=["drain", "pd", "pull"])
-    ap.add_argument("--deterministic", action="store_true", help="pd: executors in deterministic mode, whose "
+    ap.add_argument("--deterministic", action="store_true", help="drain and pd: executors in deterministic mode, whose "
                     "tokens do not depend on the batch (the default mode's may, by a rounding)")
+    ap.add_argument("--compare-grpc", action="store_true", help="drain: the transfer run once more with the "
+                    "blocks through gRPC (--kv-shared-memory-dir ''), for its rate beside shared memory's")
     ap.add_argument("--model", default=str(MODEL))
     args = ap.parse_args()
     import json
@@ -289,9 +295,10 @@ def pd(args, vocab: int) -> None:
 def drain(args, vocab: int) -> None:
     ids = prompts(args.streams, args.context_tokens, vocab)
     copy = copy_gbps()
-    runs = {mode: run(args, mode, ids) for mode in ("reference", "transfer", "recompute")}
+    modes = ("reference", "transfer", "recompute", *(("grpc",) if args.compare_grpc else ()))
+    runs = {mode: run(args, mode, ids) for mode in modes}
     ref = runs["reference"]["tokens"]
-    identical = all(runs[m]["tokens"] == ref and not any(runs[m]["errors"]) for m in ("transfer", "recompute"))
+    identical = all(runs[m]["tokens"] == ref and not any(runs[m]["errors"]) for m in modes[1:])
     t, r = runs["transfer"], runs["recompute"]
     print(f"{'run':<10} {'longest gap s':>13} {'recomputed':>10} {'transfers':>9} {'failed':>6} {'MB moved':>8}")
     for mode, x in runs.items():
@@ -301,8 +308,13 @@ def drain(args, vocab: int) -> None:
         if any(x["errors"]):
             print(f"{mode}: errors {x['errors']}")
     gbps = t["bytes"] / t["busy"] / 1e9 if t["busy"] else 0.0
-    print(f"# transfer run: {t['bytes'] / 1e6:.1f} MB in {t['busy']:.2f} s with a transfer under way; one pull saw "
-          f"{t['bytes'] / t['seconds'] / 1e9 if t['seconds'] else 0.0:.2f} GB/s")
+    for mode in ("transfer", "grpc"):
+        if mode in runs:
+            x = runs[mode]
+            rate = x["bytes"] / x["busy"] / 1e9 if x["busy"] else 0.0
+            print(f"# {mode} run ({', '.join(sorted(x['transports'])) or 'no pull'}): {x['bytes'] / 1e6:.1f} MB in "
+                  f"{x['busy']:.3f} s with a transfer under way, {rate:.2f} GB/s; one pull saw "
+                  f"{x['bytes'] / x['seconds'] / 1e9 if x['seconds'] else 0.0:.2f} GB/s")
     stall = t["longest_gap"] / r["longest_gap"] if r["longest_gap"] else float("nan")
     print(f"RESULT kv_transfer recomputed_tokens={t['recomputed']} stall_ratio={stall:.2f} "
           f"identical={'yes' if identical else 'no'} gbps={gbps:.2f} copy_gbps={copy:.2f}")
