@@ -44,6 +44,17 @@ class BlockSource(Protocol):
         ...
 
 
+async def on_thread(pool, fn, *args):
+    """`fn(*args)` on `pool`; cancelled, it still waits for the thread to end before it raises: a copy into a
+    slot or a block must not go on after whoever cancelled it reuses them."""
+    running = asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+    try:
+        return await asyncio.shield(running)
+    except asyncio.CancelledError:
+        await asyncio.wait({running})
+        raise
+
+
 class PeerChannels:
     """Channels to the peers this executor pulled from lately, kept: a connection (and its TLS handshake) costs
     as much as a short pull. A channel is dialled again after `max_age` (certificates rotate) or a failure."""

@@ -22,7 +22,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from executor_service import shared_blocks
-from executor_service.block_transport import CHUNK_BYTES, PeerChannels
+from executor_service.block_transport import CHUNK_BYTES, PeerChannels, on_thread
 from executor_service.kv_blocks import BlockBytes, digest
 from executor_service.shared_block_source import BadChunk, Mappings, SharedBlockSource
 from executor_service.step_progress import StepProgress
@@ -32,6 +32,7 @@ from stepwire.internal import executor_pb2
 
 log = logging.getLogger("stepwire.executor")
 MAX_ID_LEN = 128
+LEND_SECONDS = 60.0     # the longest a reader may hold slots of this executor's shared memory
 ADDRESS = re.compile(r"^[A-Za-z0-9.\-_\[\]:]{1,255}:[0-9]{1,5}$")
 
 
@@ -123,14 +124,19 @@ class BlockMover:
             await context.abort(e.code, str(e))
 
         async def fill(part: list[int], buffer) -> int:
-            return await self._run(self._fill, part, buffer)
+            return await on_thread(self.pool, self._fill, part, buffer)
+        remaining = context.time_remaining()
+        seconds = min(remaining if remaining is not None else LEND_SECONDS, LEND_SECONDS)
         try:
-            async for msg in shared_blocks.send(requests, ids, self.lender, self.blocks.size, fill, self.metrics):
+            async for msg in shared_blocks.send(requests, ids, self.lender, self.blocks.size, fill, self.metrics,
+                                                seconds):
                 yield msg
         except shared_blocks.NoRoom as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except shared_blocks.BadAck as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except shared_blocks.SlowReader as e:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
 
     def _fill(self, ids: list[int], buffer) -> int:
         self.blocks.read_into(ids, buffer)
@@ -275,12 +281,7 @@ class BlockMover:
             if p.generation != generation:
                 raise asyncio.CancelledError        # a newer stream: nothing more is written
             # Checked and written in one go on one thread: the chunk is read from memory once, and hops once.
-            write = asyncio.get_running_loop().run_in_executor(self.pool, self._checked_write, chunk, ids)
-            try:
-                await asyncio.shield(write)
-            except asyncio.CancelledError:
-                await write          # never release the gate while the thread still writes
-                raise
+            await on_thread(self.pool, self._checked_write, chunk, ids)     # the gate is held until it ends
         if chunk.done is not None:
             await chunk.done()
 

@@ -28,6 +28,7 @@ import mmap
 import os
 import re
 import secrets
+import time
 from pathlib import Path
 
 from stepwire.internal import executor_pb2
@@ -145,9 +146,23 @@ class BadAck(Exception):
     """The reader handed back a slot it did not hold."""
 
 
-async def send(requests, ids: list[int], lender: Lender, block_size: int, fill, metrics):
+class SlowReader(Exception):
+    """The reader held the ring longer than a transfer may take."""
+
+
+async def _within(awaitable, seconds: float):
+    try:
+        return await asyncio.wait_for(awaitable, seconds)
+    except TimeoutError:
+        raise SlowReader(f"the reader did not finish within {seconds:.0f}s") from None
+
+
+async def send(requests, ids: list[int], lender: Lender, block_size: int, fill, metrics, seconds: float):
     """The source's side of an admitted ReadBlocksShared: yields SharedChunk messages. `fill(ids, buffer)`
-    gathers blocks into a slot off the event loop and returns their digest."""
+    gathers blocks into a slot off the event loop and returns their digest. A reader that takes longer than
+    `seconds` in all (whatever its own deadline says) loses the read and its ring: SlowReader."""
+    deadline = time.monotonic() + seconds
+    left = lambda: max(deadline - time.monotonic(), 0.0)  # noqa: E731
     per, segment = lender.per_slot, lender.segment
     ring = lender.borrow(min(RING, -(-len(ids) // per))) if segment is not None else None
     if ring is None:
@@ -158,7 +173,7 @@ async def send(requests, ids: list[int], lender: Lender, block_size: int, fill, 
     try:
         yield executor_pb2.SharedChunk(segment=executor_pb2.SharedSegment(
             name=segment.path.name, slots=segment.slots, slot_bytes=segment.slot_bytes))
-        answer = await anext(requests, None)
+        answer = await _within(anext(requests, None), left())
         if answer is None or answer.WhichOneof("kind") != "mapped" or not answer.mapped:
             return
         for i in ring:
@@ -168,7 +183,7 @@ async def send(requests, ids: list[int], lender: Lender, block_size: int, fill, 
         # Slots are filled as they come back, while the chunks filled before are on their way.
         filler = asyncio.ensure_future(_fill_all(ids, per, block_size, segment, free, acks, fill, filled))
         for first in range(0, len(ids), per):
-            item = await filled.get()
+            item = await _within(filled.get(), left())
             if isinstance(item, BaseException):
                 raise item                        # a fill failed, or the reader went away
             slot, count, xxh3 = item
@@ -179,7 +194,7 @@ async def send(requests, ids: list[int], lender: Lender, block_size: int, fill, 
                                                                                      xxh3=xxh3))
         # Ended only once the reader closed its side after writing the last chunk: until then it may read any
         # slot of the ring, which therefore goes back to the lender only now.
-        await acks
+        await _within(asyncio.shield(acks), left())
     finally:
         for task in (acks, filler):
             if task is not None:
