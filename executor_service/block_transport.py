@@ -8,6 +8,7 @@ a GPU fleet can fill it with NIXL/UCX or NCCL send/recv without touching the sch
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -37,10 +38,8 @@ class Chunk:
 class BlockSource(Protocol):
     def read(self, transfer_id: str, block_ids: list[int], kv_layout: str, epoch: int, seconds: float,
              after_step: int | None = None) -> AsyncIterator[Chunk]:
-        """`after_step`: the source sends nothing before that step of `epoch` ran there (None: no wait)."""
-        ...
-
-    async def close(self) -> None:
+        """`after_step`: the source sends nothing before that step of `epoch` ran there (None: no wait).
+        Closing the iterator early ends the read at once."""
         ...
 
 
@@ -51,7 +50,9 @@ async def on_thread(pool, fn, *args):
     try:
         return await asyncio.shield(running)
     except asyncio.CancelledError:
-        await asyncio.wait({running})
+        while not running.done():           # however often it is cancelled meanwhile: a copy is short
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait({running})
         raise
 
 
@@ -115,6 +116,3 @@ class GrpcBlockSource:
                                                               after_step=after_step), timeout=seconds)
         async for msg in call:
             yield Chunk(msg.first, msg.count, msg.data, msg.xxh3)
-
-    async def close(self) -> None:
-        pass            # the channel is PeerChannels'

@@ -101,15 +101,17 @@ class BlockBytes:
             self._gather(block_ids, out)
         return out.view(torch.uint8).cpu().numpy().tobytes()
 
-    def read_into(self, block_ids: list[int], buffer) -> None:
-        """The same bytes as `read`, written into a writable buffer (a slot of shared memory) instead."""
+    def read_into(self, block_ids: list[int], buffer) -> int:
+        """The same bytes as `read`, written into a writable buffer (a slot of shared memory) instead; returns
+        their digest."""
         if self.rows is not None:
             self._gather_rows(block_ids, np.frombuffer(buffer, dtype=np.uint8, count=len(block_ids) * self.size))
-            return
-        out = self._shaped(buffer, len(block_ids))
-        gathered = torch.empty(out.shape, dtype=out.dtype, device=self.caches[0][0].device)
-        self._gather(block_ids, gathered)
-        out.copy_(gathered)
+        else:
+            out = self._shaped(buffer, len(block_ids))
+            gathered = torch.empty(out.shape, dtype=out.dtype, device=self.caches[0][0].device)
+            self._gather(block_ids, gathered)
+            out.copy_(gathered)
+        return digest(buffer[:len(block_ids) * self.size])
 
     def _gather_rows(self, block_ids: list[int], out: np.ndarray) -> None:
         # numpy's fancy indexing copies each block with one memcpy: a third of torch's index_select's time for

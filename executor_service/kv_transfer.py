@@ -12,6 +12,7 @@ Step stream epoch in which the scheduler reserved its blocks, and stops writing 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import re
 import time
@@ -32,7 +33,7 @@ from stepwire.internal import executor_pb2
 
 log = logging.getLogger("stepwire.executor")
 MAX_ID_LEN = 128
-LEND_SECONDS = 60.0     # the longest a reader may hold slots of this executor's shared memory
+LEND_SECONDS = 300.0    # the longest a reader may hold slots of this executor's shared memory
 ADDRESS = re.compile(r"^[A-Za-z0-9.\-_\[\]:]{1,255}:[0-9]{1,5}$")
 
 
@@ -52,7 +53,7 @@ class BlockMover:
         # Blocks to and from executors on this host go through shared memory there (shared_blocks).
         shared = bool(shared_dir and kv_layout)
         self.lender = shared_blocks.Lender(shared_dir, self.blocks.size, self.blocks.num_blocks) if shared else None
-        self.mappings = Mappings(shared_dir) if shared else None
+        self.mappings = Mappings(shared_dir, self.blocks.size) if shared else None
         # Copies and digests off the event loop and off the torch thread that runs the steps.
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-transfer")
         self.per_chunk = max(1, CHUNK_BYTES // self.blocks.size)
@@ -123,10 +124,8 @@ class BlockMover:
         except _Refused as e:
             await context.abort(e.code, str(e))
 
-        async def fill(part: list[int], buffer) -> int:
-            return await on_thread(self.pool, self._fill, part, buffer)
-        remaining = context.time_remaining()
-        seconds = min(remaining if remaining is not None else LEND_SECONDS, LEND_SECONDS)
+        fill = functools.partial(on_thread, self.pool, self.blocks.read_into)
+        seconds = min(context.time_remaining() or LEND_SECONDS, LEND_SECONDS)
         try:
             async for msg in shared_blocks.send(requests, ids, self.lender, self.blocks.size, fill, self.metrics,
                                                 seconds):
@@ -137,10 +136,6 @@ class BlockMover:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except shared_blocks.SlowReader as e:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
-
-    def _fill(self, ids: list[int], buffer) -> int:
-        self.blocks.read_into(ids, buffer)
-        return digest(buffer)
 
     async def _ran(self, epoch: int, step: int, seconds: float | None) -> None:
         """Wait until `step` of `epoch` ran here: blocks a prefix pull reads may be filled by a step still in flight."""
@@ -175,7 +170,10 @@ class BlockMover:
     async def _pull_or_abort(self, request, context):
         try:
             n, seconds, transport = await self._pull(request, context)
-        except _Refused as e:
+        except Exception as e:   # noqa: BLE001 -- whatever ended it, the copy has stopped: say so
+            if not isinstance(e, _Refused):
+                log.exception("KV pull %s: unexpected error", request.transfer_id[:MAX_ID_LEN])
+                e = _Refused(grpc.StatusCode.INTERNAL, f"unexpected error: {e}")
             self.metrics.kv_pull_failures.inc()
             log.warning("KV pull %s from %s refused: %s", request.transfer_id[:MAX_ID_LEN], request.source[:255], e)
             # Said by this executor, so the scheduler knows that nothing more is written: the blocks may be reused.
@@ -244,10 +242,10 @@ class BlockMover:
         source = SharedBlockSource(request.source, self.channels.get(request.source), self.mappings, self.blocks.size)
         size, got = self.blocks.size, 0
         writing = None         # one chunk is checked and written while the next one arrives; in order
+        after = request.source_after_step if request.HasField("source_after_step") else None
+        chunks = source.read(request.transfer_id, src, self.layout, request.source_epoch,
+                             max(deadline - time.monotonic(), 0.001), after)
         try:
-            after = request.source_after_step if request.HasField("source_after_step") else None
-            chunks = source.read(request.transfer_id, src, self.layout, request.source_epoch,
-                                 max(deadline - time.monotonic(), 0.001), after)
             async for chunk in chunks:
                 count = chunk.count
                 if chunk.first != got or count == 0 or got + count > len(dst) or len(chunk.data) != count * size:
@@ -261,6 +259,8 @@ class BlockMover:
                 await writing
         except grpc.RpcError as e:
             self.channels.drop(request.source)          # dialled afresh next time: the peer may be another now
+            if self.mappings is not None:
+                self.mappings.drop(request.source)
             code = grpc.StatusCode.DEADLINE_EXCEEDED if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else \
                 grpc.StatusCode.UNAVAILABLE
             raise _Refused(code, f"source {request.source}: {e.code().name}: {e.details()}") from None
@@ -270,7 +270,7 @@ class BlockMover:
             if writing is not None and not writing.done():
                 writing.cancel()
                 await asyncio.wait({writing})
-            await source.close()
+            await chunks.aclose()           # ends its call now, so that the source gets its slots back at once
         if got != len(dst):
             raise _Refused(grpc.StatusCode.DATA_LOSS, f"source sent {got} of {len(dst)} blocks")
         return got, time.perf_counter() - t0, source.transport

@@ -24,10 +24,11 @@ FALL_BACK = (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
 class Mappings:
-    """The reader's mappings of its sources' segments, the most recently used kept."""
+    """The reader's mappings of its sources' segments, one a source, the most recently used kept. A mapping
+    is dropped, never closed: a pull may still read through it, and it is unmapped with its last view."""
 
-    def __init__(self, directory: str):
-        self.directory = directory
+    def __init__(self, directory: str, block_size: int):
+        self.directory, self.block_size = directory, block_size
         self.maps: OrderedDict[str, Segment] = OrderedDict()
         self.lock = threading.Lock()        # pulls map on threads of their own
         # Sources whose segment did not map here (another host or pod), and when: asked through ReadBlocks
@@ -42,18 +43,20 @@ class Mappings:
             self.elsewhere.clear()
         self.elsewhere[address] = time.monotonic()
 
-    def get(self, s: executor_pb2.SharedSegment) -> Segment:
+    def get(self, address: str, s: executor_pb2.SharedSegment) -> Segment:
         with self.lock:
-            return self._get(s)
+            seg = self.maps.pop(address, None)
+            # A source that restarted has a new segment: its old one goes (and its memory, once unmapped).
+            if seg is None or (seg.path.name, seg.slots, seg.slot_bytes) != (s.name, s.slots, s.slot_bytes):
+                seg = Segment.open(self.directory, s.name, s.slots, s.slot_bytes, self.block_size)
+            self.maps[address] = seg
+            while len(self.maps) > MAPPINGS:
+                self.maps.popitem(last=False)
+            return seg
 
-    def _get(self, s: executor_pb2.SharedSegment) -> Segment:
-        seg = self.maps.pop(s.name, None)
-        if seg is None or (seg.slots, seg.slot_bytes) != (s.slots, s.slot_bytes):
-            seg = Segment.open(self.directory, s.name, s.slots, s.slot_bytes)
-        self.maps[s.name] = seg
-        while len(self.maps) > MAPPINGS:
-            self.maps.popitem(last=False)[1].close()
-        return seg
+    def drop(self, address: str) -> None:
+        with self.lock:
+            self.maps.pop(address, None)
 
 
 class SharedBlockSource(GrpcBlockSource):
@@ -95,14 +98,16 @@ class SharedBlockSource(GrpcBlockSource):
             await call.write(executor_pb2.SharedRead(request=request))
             first = await call.read()
         except grpc.aio.AioRpcError as e:
-            if e.code() in FALL_BACK:
+            # A source that refuses at once (UNIMPLEMENTED) may end the call under the first write, which then
+            # says only INTERNAL. Nothing was read yet: ReadBlocks asks again, and says what is wrong if anything is.
+            if e.code() in FALL_BACK or e.code() == grpc.StatusCode.INTERNAL:
                 return None
             raise
         if first is grpc.aio.EOF or first.WhichOneof("kind") != "segment":
             call.cancel()
             raise BadChunk("the source announced no segment")
         try:
-            segment = await asyncio.to_thread(self.mappings.get, first.segment)
+            segment = await asyncio.to_thread(self.mappings.get, self.address, first.segment)
         except (OSError, ValueError) as e:
             log.info("KV reads from %s go through gRPC for %ds: its shared memory is not this executor's (%s)",
                      self.address, UNMAPPABLE_SECONDS, e)

@@ -28,6 +28,7 @@ import mmap
 import os
 import re
 import secrets
+import stat
 import time
 from pathlib import Path
 
@@ -39,6 +40,7 @@ RING = 3                      # slots one transfer holds: the source fills them 
 SLOT_BYTES = 8 << 20          # a slot holds this much, or one block where a block is larger
 SEGMENT_BYTES = 48 << 20     # a segment holds this much (Docker's /dev/shm is 64 MiB), and RING slots at least
 MAX_SLOTS = 64
+STALE_SECONDS = 600           # a half-made segment this old belongs to no creation under way
 
 
 def shape(block_size: int, num_blocks: int) -> tuple[int, int, int]:
@@ -59,23 +61,30 @@ class Segment:
 
     @classmethod
     def create(cls, directory: str, slots: int, slot_bytes: int) -> Segment:
-        path = Path(directory) / f"stepwire-kv-{secrets.token_hex(16)}"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        # Made whole under a name no sweep touches, then named: a sweep never sees it unlocked.
+        name = f"stepwire-kv-{secrets.token_hex(16)}"
+        path, tmp = Path(directory) / name, Path(directory) / f".{name}.tmp"
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)        # held for life: the segment is in use
             # Reserved now, so a full tmpfs is an error here and not a SIGBUS at the first write into a slot.
             os.posix_fallocate(fd, 0, slots * slot_bytes)
+            os.rename(tmp, path)
             return cls(path, fd, slots, slot_bytes, writable=True)
         except OSError:
             os.close(fd)
-            path.unlink(missing_ok=True)
+            tmp.unlink(missing_ok=True)
             raise
 
     @classmethod
-    def open(cls, directory: str, name: str, slots: int, slot_bytes: int) -> Segment:
-        if not NAME.match(name) or not RING <= slots <= MAX_SLOTS or slot_bytes <= 0:
+    def open(cls, directory: str, name: str, slots: int, slot_bytes: int, block_size: int) -> Segment:
+        """A peer's segment, as it announced it: only a regular file of ours of the size our own segment would
+        have at most, so a peer can make us map neither a FIFO nor a device nor gigabytes."""
+        largest = max(SLOT_BYTES, block_size)
+        if not NAME.match(name) or not RING <= slots <= MAX_SLOTS or not 0 < slot_bytes <= largest \
+                or slot_bytes % block_size or slots * slot_bytes > max(SEGMENT_BYTES, RING * largest):
             raise ValueError(f"not a segment: {name[:64]!r}, {slots} slots of {slot_bytes} bytes")
-        fd = os.open(Path(directory) / name, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = _open_own(Path(directory) / name)
         try:
             if os.fstat(fd).st_size != slots * slot_bytes:
                 raise ValueError(f"segment {name} is not {slots} slots of {slot_bytes} bytes")
@@ -93,14 +102,30 @@ class Segment:
             self.map.close()
 
 
+def _open_own(path: Path) -> int:
+    """A read-only descriptor of `path` if it is a regular file of this user's (the directory is everyone's:
+    anyone may put a FIFO there, which a plain open would wait on for ever)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        os.close(fd)
+        raise ValueError(f"{path.name} is not a regular file of this user's")
+    return fd
+
+
 def sweep(directory: str) -> None:
-    """Remove the segments of executors that are gone: nobody holds their lock."""
+    """Remove the segments of executors that are gone (nobody holds their lock), and files a creation that
+    died half way left."""
     with contextlib.suppress(OSError):
+        for f in Path(directory).glob(".stepwire-kv-*.tmp"):
+            with contextlib.suppress(OSError):
+                if time.time() - f.lstat().st_mtime > STALE_SECONDS:
+                    f.unlink()
         for f in Path(directory).glob("stepwire-kv-*"):
             if not NAME.match(f.name):
                 continue
-            with contextlib.suppress(OSError):
-                fd = os.open(f, os.O_RDONLY | os.O_NOFOLLOW)
+            with contextlib.suppress(OSError, ValueError):
+                fd = _open_own(f)
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                     f.unlink()
@@ -199,8 +224,10 @@ async def send(requests, ids: list[int], lender: Lender, block_size: int, fill, 
         for task in (acks, filler):
             if task is not None:
                 task.cancel()
-        if filler is not None:
-            await asyncio.wait({filler})     # no thread still filling a slot when the ring goes back
+        # No thread may still fill a slot when the ring goes back: waited for through any further cancellation.
+        while filler is not None and not filler.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait({filler})
         lender.free += ring
 
 
@@ -230,10 +257,14 @@ async def _next_free(free: asyncio.Queue, acks: asyncio.Future) -> int:
     if not free.empty():
         return free.get_nowait()
     get = asyncio.ensure_future(free.get())
-    await asyncio.wait({get, acks}, return_when=asyncio.FIRST_COMPLETED)
-    if get.done():
+    try:
+        await asyncio.wait({get, acks}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        got = get.done()
+        if not got:
+            get.cancel()
+    if got:
         return get.result()
-    get.cancel()
     if not acks.cancelled() and acks.exception() is not None:
         raise acks.exception()
     raise asyncio.CancelledError        # the reader closed its side: nobody takes the rest

@@ -1,11 +1,14 @@
 """The source's side of KV blocks through shared memory (executor_service/shared_blocks.py), in process: a
-reader that stalls or hands back a slot it does not hold loses the read, and the ring always comes back."""
+reader that stalls or hands back a slot it does not hold loses the read, and the ring always comes back; the
+directory is everyone's, so what is in it is checked before it is opened, swept or mapped."""
 
 import asyncio
+import os
+import threading
 
 import pytest
 
-from executor_service.shared_blocks import BadAck, Lender, SlowReader, send
+from executor_service.shared_blocks import BadAck, Lender, Segment, SlowReader, send, sweep
 from stepwire.internal import executor_pb2
 
 
@@ -77,3 +80,32 @@ def test_a_reader_that_hands_every_slot_back_and_closes_ends_the_read_cleanly(tm
     assert [m.chunk.first for m in got[1:]] == [0, per, 2 * per] and all(m.chunk.xxh3 == 7 for m in got[1:])
     assert sorted(lender.free) == sorted(free)
     lender.close()
+
+
+def test_a_sweep_removes_segments_nobody_holds_and_leaves_live_ones_fifos_and_strangers_alone(tmp_path):
+    live = Lender(str(tmp_path), block_size=1024, num_blocks=64)
+    dead = tmp_path / f"stepwire-kv-{'a' * 32}"
+    dead.write_bytes(b"\0" * 4096)
+    fifo = tmp_path / f"stepwire-kv-{'b' * 32}"
+    os.mkfifo(fifo)
+    other = tmp_path / "stepwire-kv-not-ours"
+    other.write_bytes(b"x")
+    done = threading.Event()
+    threading.Thread(target=lambda: (sweep(str(tmp_path)), done.set()), daemon=True).start()
+    assert done.wait(10), "the sweep waited on a FIFO"
+    assert not dead.exists() and fifo.exists() and other.exists() and live.segment.path.exists()
+    live.close()
+
+
+@pytest.mark.parametrize("case", ["a FIFO", "too large", "not blocks", "an odd name"])
+def test_a_reader_maps_only_a_regular_file_of_ours_of_a_size_our_own_segment_could_have(tmp_path, case):
+    name = f"stepwire-kv-{'c' * 32}"
+    slots, slot_bytes = 4, {"too large": 64 << 20, "not blocks": 8000}.get(case, 8192)
+    if case == "a FIFO":
+        os.mkfifo(tmp_path / name)
+    else:           # the size it announces: only the checks of the announcement itself refuse it
+        with open(tmp_path / name, "wb") as f:
+            f.truncate(slots * slot_bytes)
+    assert Segment.open(str(tmp_path), name, 4, 8192, 1024) if case == "an odd name" else True
+    with pytest.raises(ValueError):
+        Segment.open(str(tmp_path), "../" + name if case == "an odd name" else name, slots, slot_bytes, 1024)
