@@ -193,20 +193,24 @@ async def send(requests, ids: list[int], lender: Lender, block_size: int, fill, 
     if ring is None:
         raise NoRoom("no shared-memory slots free here")
     free: asyncio.Queue[int] = asyncio.Queue()
+    for i in ring:
+        free.put_nowait(i)
     lent: set[int] = set()
-    acks = filler = None
+    ended = asyncio.get_running_loop().create_future()     # the reader's side of the call: how it ended
+    filled: asyncio.Queue = asyncio.Queue()
+    # Slots are filled as they come back, while the chunks filled before are on their way; the first ones
+    # while the reader maps the segment (wasted if it cannot).
+    filler = asyncio.ensure_future(_fill_all(ids, per, block_size, segment, free, ended, fill, filled))
+    acks = None
     try:
         yield executor_pb2.SharedChunk(segment=executor_pb2.SharedSegment(
             name=segment.path.name, slots=segment.slots, slot_bytes=segment.slot_bytes))
         answer = await _within(anext(requests, None), left())
         if answer is None or answer.WhichOneof("kind") != "mapped" or not answer.mapped:
             return
-        for i in ring:
-            free.put_nowait(i)
         acks = asyncio.ensure_future(_returned(requests, free, lent))
-        filled: asyncio.Queue = asyncio.Queue()
-        # Slots are filled as they come back, while the chunks filled before are on their way.
-        filler = asyncio.ensure_future(_fill_all(ids, per, block_size, segment, free, acks, fill, filled))
+        acks.add_done_callback(lambda t: ended.done() or ended.set_result(
+            None if t.cancelled() else t.exception()))
         for first in range(0, len(ids), per):
             item = await _within(filled.get(), left())
             if isinstance(item, BaseException):
@@ -231,12 +235,12 @@ async def send(requests, ids: list[int], lender: Lender, block_size: int, fill, 
         lender.free += ring
 
 
-async def _fill_all(ids, per, block_size, segment, free, acks, fill, filled: asyncio.Queue) -> None:
+async def _fill_all(ids, per, block_size, segment, free, ended, fill, filled: asyncio.Queue) -> None:
     """(slot, blocks, digest) into `filled` for each chunk in order, or what stopped it."""
     try:
         for first in range(0, len(ids), per):
             part = ids[first:first + per]
-            slot = await _next_free(free, acks)
+            slot = await _next_free(free, ended)
             filled.put_nowait((slot, len(part), await fill(part, segment.slot(slot, len(part) * block_size))))
     except BaseException as e:
         filled.put_nowait(e if not isinstance(e, asyncio.CancelledError) else asyncio.CancelledError())
@@ -252,19 +256,19 @@ async def _returned(requests, free: asyncio.Queue, lent: set[int]) -> None:
         free.put_nowait(slot)
 
 
-async def _next_free(free: asyncio.Queue, acks: asyncio.Future) -> int:
+async def _next_free(free: asyncio.Queue, ended: asyncio.Future) -> int:
     """The next slot the reader handed back; its side of the stream ending or misbehaving ends the read."""
     if not free.empty():
         return free.get_nowait()
     get = asyncio.ensure_future(free.get())
     try:
-        await asyncio.wait({get, acks}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({get, ended}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         got = get.done()
         if not got:
             get.cancel()
     if got:
         return get.result()
-    if not acks.cancelled() and acks.exception() is not None:
-        raise acks.exception()
+    if ended.result() is not None:
+        raise ended.result()
     raise asyncio.CancelledError        # the reader closed its side: nobody takes the rest
