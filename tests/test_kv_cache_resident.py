@@ -9,6 +9,7 @@ pytest.importorskip("torch")
 
 from tiny_model import write_tiny_llama  # noqa: E402
 
+from executor_service.kv_tensors import MADV_POPULATE_WRITE  # noqa: E402
 from launcher.processes import Service, Stack  # noqa: E402
 
 pytestmark = pytest.mark.processes
@@ -20,7 +21,22 @@ def rss(pid: int) -> int:
         return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmRSS"))
 
 
-@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="MADV_POPULATE_WRITE is Linux's")
+def populate_write_works() -> bool:
+    """MADV_POPULATE_WRITE is Linux's, from 5.14."""
+    import ctypes
+    import mmap
+    import sys
+    if not sys.platform.startswith("linux"):
+        return False
+    buf = mmap.mmap(-1, 1 << 16)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    ok = libc.madvise(addr, 1 << 16, MADV_POPULATE_WRITE) == 0
+    return ok
+
+
+@pytest.mark.skipif(not populate_write_works(), reason="this kernel has no MADV_POPULATE_WRITE (Linux 5.14)")
 def test_the_kv_cache_is_resident_soon_after_start_by_default_and_only_then(tmp_path):
     model = write_tiny_llama(tmp_path / "llama")
     flags = {"--model": model, "--kv-cache-memory": BUDGET, "--metrics-address": "", "--threads": 1}
