@@ -47,7 +47,10 @@ def shape(block_size: int, num_blocks: int) -> tuple[int, int, int]:
     """(blocks per slot, slots, slot bytes) of a source's segment: no larger than its whole cache needs."""
     per_slot = max(1, min(SLOT_BYTES // block_size, -(-num_blocks // RING)))
     slot_bytes = per_slot * block_size
-    return per_slot, min(MAX_SLOTS, max(RING, SEGMENT_BYTES // slot_bytes)), slot_bytes
+    # Never more slots than it takes to hold the whole cache at once (and one): transfers under way at once
+    # never move more blocks than there are.
+    enough = -(-num_blocks // per_slot) + 1
+    return per_slot, max(RING, min(MAX_SLOTS, SEGMENT_BYTES // slot_bytes, enough)), slot_bytes
 
 
 class Segment:

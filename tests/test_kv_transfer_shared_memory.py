@@ -95,7 +95,7 @@ class Reader:
 
 
 def a_pull_still_goes_through_shared_memory(trio) -> None:
-    """More pulls than the segment has rings: none may find its slots gone (lent to a reader that left)."""
+    """More pulls than the segment has slots: none may find them gone (lent to a reader that left)."""
     stub, layout = trio["stub"], trio["layout"]
     a = filled_source(trio)
     b = Stream(stub["b"], fresh_epoch())
@@ -135,10 +135,13 @@ def test_a_reader_that_breaks_the_protocol_is_refused_and_takes_no_slot_with_it(
 def test_a_reader_that_stops_answering_or_leaves_gives_its_slots_back(trio, case):
     stub, layout = trio["stub"], trio["layout"]
     a = filled_source(trio)
-    for _ in range(4):        # more readers than the segment has rings
+    slots = None
+    for _ in range(5):        # more readers than the segment has slots (4: the whole cache at once, and one)
         r = Reader(stub["a"], timeout=1)
         r.send(request=executor_pb2.ReadBlocksRequest(blocks=list(range(1, 8)), kv_layout=layout, epoch=a.epoch))
-        assert next(r.replies).WhichOneof("kind") == "segment"
+        first = next(r.replies)
+        assert first.WhichOneof("kind") == "segment"
+        slots = first.segment.slots
         if case == "gone after the first chunk":
             r.send(mapped=True)
             assert next(r.replies).WhichOneof("kind") == "chunk"
@@ -146,6 +149,7 @@ def test_a_reader_that_stops_answering_or_leaves_gives_its_slots_back(trio, case
         with pytest.raises(grpc.RpcError):
             list(r.replies)
         r.close()
+    assert slots == 4                 # each reader held one slot: had they kept them, the last found none
     a.close()
     time.sleep(0.5)
     a_pull_still_goes_through_shared_memory(trio)
