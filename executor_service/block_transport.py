@@ -84,11 +84,6 @@ class PeerChannels:
         if ch is not None:
             _retire(ch)
 
-    async def close(self) -> None:
-        for ch, _ in self.channels.values():
-            await ch.close()
-        self.channels.clear()
-
 
 def _retire(ch: grpc.aio.Channel) -> None:
     # A pull may still be reading through it: it gets until its deadline would have passed anyway.

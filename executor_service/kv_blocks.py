@@ -87,31 +87,31 @@ class BlockBytes:
         return raw.view(k0.dtype).view(len(self.caches), 2, n, *k0.shape[1:])
 
     def read(self, block_ids: list[int]) -> bytes:
-        """The blocks' bytes, layer-major ([layers, keys|values, blocks, ...]): each layer's gather lands in
-        place, one copy from the cache."""
-        k0 = self.caches[0][0]
-        shape = (len(self.caches), 2, len(block_ids), *k0.shape[1:])
+        """The blocks' bytes, layer-major ([layers, keys|values, blocks, ...]), one copy from the cache into a
+        buffer and one out of it."""
+        n = len(block_ids) * self.size
         # One buffer per reading thread, reused: a fresh one per chunk costs its page faults every time.
         out = getattr(_scratch, "out", None)
-        if out is None or out.shape != shape or out.dtype != k0.dtype or out.device != k0.device:
-            out = _scratch.out = torch.empty(shape, dtype=k0.dtype, device=k0.device)
-        if self.rows is not None:
-            self._gather_rows(block_ids, out.view(torch.uint8).numpy())
-        else:
-            self._gather(block_ids, out)
-        return out.view(torch.uint8).cpu().numpy().tobytes()
+        if out is None or len(out) < n:
+            out = _scratch.out = bytearray(n)
+        view = memoryview(out)[:n]
+        self._gather_into(block_ids, view)
+        return bytes(view)
 
     def read_into(self, block_ids: list[int], buffer) -> int:
         """The same bytes as `read`, written into a writable buffer (a slot of shared memory) instead; returns
         their digest."""
+        self._gather_into(block_ids, buffer)
+        return digest(buffer[:len(block_ids) * self.size])
+
+    def _gather_into(self, block_ids: list[int], buffer) -> None:
         if self.rows is not None:
             self._gather_rows(block_ids, np.frombuffer(buffer, dtype=np.uint8, count=len(block_ids) * self.size))
-        else:
-            out = self._shaped(buffer, len(block_ids))
-            gathered = torch.empty(out.shape, dtype=out.dtype, device=self.caches[0][0].device)
-            self._gather(block_ids, gathered)
-            out.copy_(gathered)
-        return digest(buffer[:len(block_ids) * self.size])
+            return
+        out = self._shaped(buffer, len(block_ids))
+        gathered = torch.empty(out.shape, dtype=out.dtype, device=self.caches[0][0].device)
+        self._gather(block_ids, gathered)
+        out.copy_(gathered)
 
     def _gather_rows(self, block_ids: list[int], out: np.ndarray) -> None:
         # numpy's fancy indexing copies each block with one memcpy: a third of torch's index_select's time for

@@ -20,7 +20,9 @@ from stepwire.internal import executor_pb2, executor_pb2_grpc
 log = logging.getLogger("stepwire.executor")
 MAPPINGS = 16                 # segments a reader keeps mapped (one per source it pulled from lately)
 UNMAPPABLE_SECONDS = 300
-FALL_BACK = (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.RESOURCE_EXHAUSTED)
+# UNIMPLEMENTED: a source without shared memory, or one that predates it; RESOURCE_EXHAUSTED: no free slot;
+# INTERNAL: such a refusal that ended the call under the reader's first write, which then says only that.
+FALL_BACK = (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INTERNAL)
 
 
 class Mappings:
@@ -98,9 +100,8 @@ class SharedBlockSource(GrpcBlockSource):
             await call.write(executor_pb2.SharedRead(request=request))
             first = await call.read()
         except grpc.aio.AioRpcError as e:
-            # A source that refuses at once (UNIMPLEMENTED) may end the call under the first write, which then
-            # says only INTERNAL. Nothing was read yet: ReadBlocks asks again, and says what is wrong if anything is.
-            if e.code() in FALL_BACK or e.code() == grpc.StatusCode.INTERNAL:
+            # Nothing was read yet: ReadBlocks asks again, and says what is wrong if anything is.
+            if e.code() in FALL_BACK:
                 return None
             raise
         if first is grpc.aio.EOF or first.WhichOneof("kind") != "segment":

@@ -57,7 +57,8 @@ class Segment:
     """A file of `slots` slots of `slot_bytes` in a shared-memory directory, mapped and resident."""
 
     def __init__(self, path: Path, fd: int, slots: int, slot_bytes: int, writable: bool):
-        self.path, self.slots, self.slot_bytes, self.fd = path, slots, slot_bytes, fd
+        self.path, self.slots, self.slot_bytes = path, slots, slot_bytes
+        self.fd = fd if writable else None       # the creator's, kept open for its lock
         self.map = mmap.mmap(fd, slots * slot_bytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
                              prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
         self.view = memoryview(self.map)
@@ -103,6 +104,9 @@ class Segment:
         with contextlib.suppress(BufferError):
             self.view.release()
             self.map.close()
+        if self.fd is not None:
+            os.close(self.fd)                    # and with it the lock
+            self.fd = None
 
 
 def _open_own(path: Path) -> int:
@@ -163,7 +167,6 @@ class Lender:
         if self.segment is not None:
             self.segment.path.unlink(missing_ok=True)
             self.segment.close()
-            os.close(self.segment.fd)
 
 
 class NoRoom(Exception):
