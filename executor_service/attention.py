@@ -64,6 +64,13 @@ class AttentionMetadata:
     paged: object | None = None
 
 
+def write_slots(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+    """x [T, KVH, D] into `cache` at flat slots (block * block_size + offset). A layer's cache is a strided
+    view of the block-major cache (kv_tensors), which no flat view of slots covers: the slot is split."""
+    block_size = cache.shape[1]
+    cache.index_put_((torch.div(slots, block_size, rounding_mode="floor"), slots % block_size), x)
+
+
 class PagedAttention:
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
         self.num_heads = num_heads
@@ -75,9 +82,8 @@ class PagedAttention:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D]; caches [num_blocks, block_size, KVH, D]. Returns [T, H, D]."""
-        kvh, d = self.num_kv_heads, self.head_dim
-        k_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v)
+        write_slots(k_cache, meta.slot_mapping, k)
+        write_slots(v_cache, meta.slot_mapping, v)
         if meta.paged is not None:
             return meta.paged.attend(q, k_cache, v_cache, self.scale)
         if self.plan is not None:

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -29,10 +29,9 @@ CHUNK_BYTES = 4 << 20
 class Chunk:
     first: int              # index into the pulled list of the chunk's first block
     count: int              # blocks in it
-    data: bytes | memoryview    # kv_blocks.BlockBytes.read's layout
-    xxh3: int                   # of `data`, as the source computed it
-    # Called once `data` is written where it goes: a transport that lends its buffer (shared_blocks) refills it.
-    done: Callable[[], Awaitable[None]] | None = None
+    # kv_blocks.BlockBytes.read's bytes, or where they are still (mapped_block_source.MappedBlocks)
+    data: bytes | memoryview | object
+    xxh3: int | asyncio.Future  # of those bytes, as the source computed it (mapped: still to come)
 
 
 class BlockSource(Protocol):
@@ -45,7 +44,7 @@ class BlockSource(Protocol):
 
 async def on_thread(pool, fn, *args):
     """`fn(*args)` on `pool`; cancelled, it still waits for the thread to end before it raises: a copy into a
-    slot or a block must not go on after whoever cancelled it reuses them."""
+    block must not go on after whoever cancelled it reuses it."""
     running = asyncio.get_running_loop().run_in_executor(pool, fn, *args)
     try:
         return await asyncio.shield(running)

@@ -1,4 +1,5 @@
-"""KV-cache tensors: per layer, keys and values of shape [num_blocks, block_size, num_kv_heads, head_dim].
+"""KV-cache tensors: one block-major tensor for the whole cache, and per layer keys and values of shape
+[num_blocks, block_size, num_kv_heads, head_dim] viewed into it.
 
 `num_kv_heads` is this rank's: a tensor-parallel rank caches only the heads it computes.
 """
@@ -14,6 +15,7 @@ import threading
 import numpy as np
 import torch
 
+from executor_service import shared_cache
 from executor_service.model_config import ModelConfig
 
 log = logging.getLogger("stepwire.executor")
@@ -34,15 +36,44 @@ def num_blocks_for_budget(cfg: ModelConfig, num_kv_heads: int, budget_bytes: int
     return int(n)
 
 
+def allocate_kv_blocks(cfg: ModelConfig, num_kv_heads: int, num_blocks: int, block_size: int, device, dtype,
+                       memory=None) -> torch.Tensor:
+    """The whole cache as one tensor [num_blocks, layers, keys|values, block_size, num_kv_heads, head_dim]:
+    block-major, so that one block of every layer is one run of bytes. A block that moves to another executor
+    is then one memcpy (a layer-major cache made it 2 x layers copies of a few KiB each, a third as fast), and
+    a source's cache in shared memory can be read in place. `memory`: a writable buffer of exactly that many
+    bytes to place it in (shared_cache.Segment's mapping), else fresh memory."""
+    shape = (num_blocks, cfg.num_layers, 2, block_size, num_kv_heads, cfg.head_dim)
+    if memory is not None:
+        return torch.frombuffer(memory, dtype=torch.uint8).view(dtype).view(shape)
+    if torch.device(device).type == "cpu":
+        return _lazily_zeroed(shape, dtype)
+    return torch.zeros(shape, device=device, dtype=dtype)
+
+
+def layer_views(blocks: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, keys and values [num_blocks, block_size, num_kv_heads, head_dim]: strided views of `blocks`
+    (a block's rows of one layer are contiguous, consecutive blocks are not)."""
+    return [(blocks[:, layer, 0], blocks[:, layer, 1]) for layer in range(blocks.shape[1])]
+
+
 def allocate_kv_caches(cfg: ModelConfig, num_kv_heads: int, num_blocks: int, block_size: int, device, dtype
                        ) -> list[tuple]:
-    shape = (num_blocks, block_size, num_kv_heads, cfg.head_dim)
-    zeros = _lazily_zeroed if torch.device(device).type == "cpu" else torch.zeros
-    return [(zeros(shape, device=device, dtype=dtype), zeros(shape, device=device, dtype=dtype))
-            for _ in range(cfg.num_layers)]
+    return layer_views(allocate_kv_blocks(cfg, num_kv_heads, num_blocks, block_size, device, dtype))
 
 
-def _lazily_zeroed(shape: tuple, device, dtype: torch.dtype) -> torch.Tensor:
+def allocate_shared(cfg: ModelConfig, num_kv_heads: int, num_blocks: int, block_size: int, device, dtype,
+                    directory: str) -> tuple[torch.Tensor, shared_cache.Segment | None]:
+    """`allocate_kv_blocks`, in a file of the shared-memory `directory` (a CPU cache, a directory given, room
+    there), with the file; else in plain memory, and None."""
+    segment = None
+    if torch.device(device).type == "cpu" and directory:
+        segment = shared_cache.create(directory, num_blocks * bytes_per_block(cfg, num_kv_heads, block_size, dtype))
+    return (allocate_kv_blocks(cfg, num_kv_heads, num_blocks, block_size, device, dtype,
+                               segment.map if segment else None), segment)
+
+
+def _lazily_zeroed(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
     """Zeros from calloc (numpy's zeros): a large allocation is fresh pages the kernel zeroes when a block is
     first written, where torch.zeros writes every byte at start. The default budget is gigabytes: a second
     of CPU at every executor start, and resident memory for blocks never used. 64-byte aligned, as torch's own
@@ -53,14 +84,14 @@ def _lazily_zeroed(shape: tuple, device, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(buf[off:off + nbytes]).view(dtype).view(shape)
 
 
-def make_resident(caches) -> threading.Thread | None:
+def make_resident(blocks: torch.Tensor) -> threading.Thread | None:
     """Fault every page of the CPU caches in, on a thread of its own, while the executor serves.
 
     `_lazily_zeroed` leaves the pages to the first write, which then pays a page fault per 4 KiB (on a fresh
     VM, 9 us each: slower than the copy that triggers it). A step that writes new tokens pays little, but a
     pull of a long context into blocks never used pays it for every page. MADV_POPULATE_WRITE leaves the
     contents alone, so blocks already in use are safe; without it (another OS, an older kernel) nothing is done."""
-    tensors = [t for kv in caches for t in kv if t.device.type == "cpu"]
+    tensors = [blocks] if blocks.device.type == "cpu" else []
     if not tensors or not sys.platform.startswith("linux"):
         return None
 

@@ -12,7 +12,6 @@ Step stream epoch in which the scheduler reserved its blocks, and stops writing 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import re
 import time
@@ -22,10 +21,9 @@ import grpc
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
-from executor_service import shared_blocks
 from executor_service.block_transport import CHUNK_BYTES, PeerChannels, on_thread
 from executor_service.kv_blocks import BlockBytes, digest
-from executor_service.shared_block_source import BadChunk, Mappings, SharedBlockSource
+from executor_service.mapped_block_source import BadChunk, MappedBlocks, MappedBlockSource, Mappings
 from executor_service.step_progress import StepProgress
 from observability import tracing
 from stepwire.contract.metadata import PULL_ENDED
@@ -33,7 +31,7 @@ from stepwire.internal import executor_pb2
 
 log = logging.getLogger("stepwire.executor")
 MAX_ID_LEN = 128
-LEND_SECONDS = 300.0    # the longest a reader may hold slots of this executor's shared memory
+MAPPED_CHUNK_BYTES = 16 << 20     # a digest covers this much of a mapped read: one message, one hop to a thread
 ADDRESS = re.compile(r"^[A-Za-z0-9.\-_\[\]:]{1,255}:[0-9]{1,5}$")
 
 
@@ -44,16 +42,18 @@ class _Refused(Exception):
 
 
 class BlockMover:
-    def __init__(self, kv_caches, kv_layout: str, tls_files, server_name: str, metrics, progress: StepProgress,
-                 shared_dir: str = ""):
-        self.blocks = BlockBytes.of(kv_caches)
+    def __init__(self, kv_blocks, kv_layout: str, tls_files, server_name: str, metrics, progress: StepProgress,
+                 shared_dir: str = "", segment=None):
+        self.blocks = BlockBytes.of(kv_blocks)
         self.layout = kv_layout
         self.metrics = metrics
         self.progress = progress
-        # Blocks to and from executors on this host go through shared memory there (shared_blocks).
-        shared = bool(shared_dir and kv_layout)
-        self.lender = shared_blocks.Lender(shared_dir, self.blocks.size, self.blocks.num_blocks) if shared else None
-        self.mappings = Mappings(shared_dir, self.blocks.size) if shared else None
+        # Peers on this host read blocks from our cache in place where it is in shared memory (`segment`,
+        # shared_cache), and we from theirs.
+        self.segment = segment if kv_layout else None
+        readable = bool(shared_dir and kv_layout and self.blocks.rows is not None)
+        self.mappings = Mappings(shared_dir, self.blocks.size) if readable else None
+        self.per_mapped = max(1, MAPPED_CHUNK_BYTES // self.blocks.size)
         # Copies and digests off the event loop and off the torch thread that runs the steps.
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-transfer")
         self.per_chunk = max(1, CHUNK_BYTES // self.blocks.size)
@@ -112,30 +112,25 @@ class BlockMover:
             if not reading.done():       # the reader went away: let the read-ahead finish, unobserved
                 reading.add_done_callback(lambda f: f.cancelled() or f.exception())
 
-    async def read_shared(self, requests, context):
-        """ReadBlocks for a reader on this host: the chunks go through a segment of shared memory."""
-        first = await anext(requests, None)
+    async def read_mapped(self, request: executor_pb2.ReadBlocksRequest, context):
+        """ReadBlocks for a reader on this host: it copies the blocks from our cache file itself, and gets
+        their digests, read here in place, one chunk at a time."""
         try:
-            if first is None or first.WhichOneof("kind") != "request":
-                raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be the request")
-            if self.lender is None:
-                raise _Refused(grpc.StatusCode.UNIMPLEMENTED, "this executor shares no memory: use ReadBlocks")
-            ids = await self._admit(first.request, context)
+            if self.segment is None:
+                raise _Refused(grpc.StatusCode.UNIMPLEMENTED, "this executor's KV cache is not in shared memory: "
+                               "use ReadBlocks")
+            ids = await self._admit(request, context)
         except _Refused as e:
             await context.abort(e.code, str(e))
-
-        fill = functools.partial(on_thread, self.pool, self.blocks.read_into)
-        seconds = min(context.time_remaining() or LEND_SECONDS, LEND_SECONDS)
-        try:
-            async for msg in shared_blocks.send(requests, ids, self.lender, self.blocks.size, fill, self.metrics,
-                                                seconds):
-                yield msg
-        except shared_blocks.NoRoom as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        except shared_blocks.BadAck as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except shared_blocks.SlowReader as e:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
+        yield executor_pb2.MappedChunk(file=executor_pb2.CacheFile(
+            name=self.segment.name, num_blocks=self.blocks.num_blocks, chunk_blocks=self.per_mapped))
+        size, per = self.blocks.size, self.per_mapped
+        for first in range(0, len(ids), per):
+            part = ids[first:first + per]
+            xxh3 = await self._run(self.blocks.digest, part)
+            self.metrics.kv_blocks_out.inc(len(part))
+            self.metrics.kv_bytes_out.inc(len(part) * size)
+            yield executor_pb2.MappedChunk(chunk=executor_pb2.BlockChunk(first=first, count=len(part), xxh3=xxh3))
 
     async def _ran(self, epoch: int, step: int, seconds: float | None) -> None:
         """Wait until `step` of `epoch` ran here: blocks a prefix pull reads may be filled by a step still in flight."""
@@ -239,24 +234,31 @@ class BlockMover:
     async def _copy(self, request, src: list[int], dst: list[int], generation: int,
                     deadline: float) -> tuple[int, float, str]:
         t0 = time.perf_counter()     # the copy alone: not the wait for this executor's steps before it
-        source = SharedBlockSource(request.source, self.channels.get(request.source), self.mappings, self.blocks.size)
+        source = MappedBlockSource(request.source, self.channels.get(request.source), self.mappings)
         size, got = self.blocks.size, 0
         writing = None         # one chunk is checked and written while the next one arrives; in order
+        copied = []            # (chunk, digest of what was copied) of a mapped read, checked once the source's came
         after = request.source_after_step if request.HasField("source_after_step") else None
         chunks = source.read(request.transfer_id, src, self.layout, request.source_epoch,
                              max(deadline - time.monotonic(), 0.001), after)
         try:
             async for chunk in chunks:
                 count = chunk.count
-                if chunk.first != got or count == 0 or got + count > len(dst) or len(chunk.data) != count * size:
+                n = len(chunk.data.ids) * size if isinstance(chunk.data, MappedBlocks) else len(chunk.data)
+                if chunk.first != got or count == 0 or got + count > len(dst) or n != count * size:
                     raise _Refused(grpc.StatusCode.DATA_LOSS, f"chunk at block {chunk.first} of {count} blocks "
-                                   f"and {len(chunk.data)} bytes does not follow block {got} of {len(dst)}")
+                                   f"and {n} bytes does not follow block {got} of {len(dst)}")
                 if writing is not None:
-                    await writing
+                    copied.append(await writing)
                 writing = asyncio.ensure_future(self._check_and_write(chunk, dst[got:got + count], generation))
                 got += count
             if writing is not None:
-                await writing
+                copied.append(await writing)
+            # The source's digests all came in before the read ended.
+            bad = [c for c, xxh3 in copied if xxh3 is not None and xxh3 != c.xxh3.result()]
+            if bad:
+                raise _Refused(grpc.StatusCode.DATA_LOSS, f"blocks {bad[0].first}..{bad[0].first + bad[0].count - 1}"
+                               " changed in the source's cache while they were read")
         except grpc.RpcError as e:
             self.channels.drop(request.source)          # dialled afresh next time: the peer may be another now
             if self.mappings is not None:
@@ -270,22 +272,25 @@ class BlockMover:
             if writing is not None and not writing.done():
                 writing.cancel()
                 await asyncio.wait({writing})
-            await chunks.aclose()           # ends its call now, so that the source gets its slots back at once
+            await chunks.aclose()           # ends its call now
         if got != len(dst):
             raise _Refused(grpc.StatusCode.DATA_LOSS, f"source sent {got} of {len(dst)} blocks")
         return got, time.perf_counter() - t0, source.transport
 
-    async def _check_and_write(self, chunk, ids: list[int], generation: int) -> None:
+    async def _check_and_write(self, chunk, ids: list[int], generation: int) -> tuple:
         p = self.progress
         async with p.changed:
             if p.generation != generation:
                 raise asyncio.CancelledError        # a newer stream: nothing more is written
             # Checked and written in one go on one thread: the chunk is read from memory once, and hops once.
-            await on_thread(self.pool, self._checked_write, chunk, ids)     # the gate is held until it ends
-        if chunk.done is not None:
-            await chunk.done()
+            return chunk, await on_thread(self.pool, self._checked_write, chunk, ids)   # the gate is held till then
 
-    def _checked_write(self, chunk, ids: list[int]) -> None:
+    def _checked_write(self, chunk, ids: list[int]) -> int | None:
+        if isinstance(chunk.data, MappedBlocks):
+            # Copied from the source's cache while the source digests it, and checked against that digest once
+            # it came: a chunk that fails fails the pull, and the scheduler never lets a failed pull's blocks be
+            # read. Returns the digest of what was copied.
+            return self.blocks.copy_from(chunk.data.rows, chunk.data.ids, ids)
         if digest(chunk.data) != chunk.xxh3:
             raise _Refused(grpc.StatusCode.DATA_LOSS, f"blocks {chunk.first}..{chunk.first + chunk.count - 1}: "
                            "checksum does not match; nothing of them was written")
@@ -293,5 +298,3 @@ class BlockMover:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
-        if self.lender is not None:
-            self.lender.close()

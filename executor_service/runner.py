@@ -17,7 +17,7 @@ from executor_service.attention import GatherScratch, build_attention_metadata
 from executor_service.collectives import Collectives, RankFailure, join, leave
 from executor_service.input_batch import InputBatch, RequestState, StepInputs, ramps
 from executor_service.kv_blocks import layout
-from executor_service.kv_tensors import allocate_kv_caches, num_blocks_for_budget
+from executor_service.kv_tensors import allocate_shared, layer_views, num_blocks_for_budget
 from executor_service.loader import load_model
 from executor_service.lora_manager import LoraManager
 from executor_service.memory import keep_freed_memory
@@ -54,8 +54,7 @@ class ModelRunner:
         check_combinations(cfg)
         spec = SpecConfig(cfg.speculative_method, cfg.num_speculative_tokens, cfg.prompt_lookup_min,
                           cfg.prompt_lookup_max, cfg.speculative_max_batch, cfg.speculative_model)
-        spec.check()
-        self.spec = Speculator(spec)
+        self.spec = Speculator(spec)          # which checks it
         # The in-process engine honours the executor's dtype variable too, so both run alike where it is set.
         dtype = cfg.dtype or os.environ.get("STEPWIRE_EXECUTOR_DTYPE") or default_dtype(cfg.device)
         if dtype not in DTYPES:
@@ -116,8 +115,10 @@ class ModelRunner:
         # Every rank sizes its cache by the rank with the most KV heads, so all hold the same blocks: one pool.
         self.num_blocks = num_blocks_for_budget(self.model_config, part.max_kv_heads, cfg.kv_cache_memory,
                                                 cfg.block_size, self.dtype)
-        self.kv_caches = allocate_kv_caches(self.model_config, part.num_kv_heads, self.num_blocks, cfg.block_size,
-                                            self.device, self.dtype)
+        self.kv_blocks, self.kv_segment = allocate_shared(          # one rank's in shared memory, where there is room
+            self.model_config, part.num_kv_heads, self.num_blocks, cfg.block_size, self.device, self.dtype,
+            cfg.kv_shared_memory_dir if size == 1 else "")
+        self.kv_caches = layer_views(self.kv_blocks)
         # Blocks move only between executors whose blocks are the same bytes, and (deterministic mode) the same
         # kernels wrote them: a batch-invariant executor continuing KV written by another would not be.
         self.kv_layout = layout(self.model_config, part.num_kv_heads, cfg.block_size, self.dtype, size, cfg.model)

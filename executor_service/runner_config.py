@@ -76,6 +76,7 @@ class RunnerConfig:
     device: str = "cpu"
     dtype: str | None = None                 # None: default_dtype(device)
     kv_cache_memory: int = 1 << 30           # bytes for all layers' K and V
+    kv_shared_memory_dir: str = ""           # the CPU cache as a file there, read in place by peers (shared_cache.py)
     block_size: int = 16
     max_num_seqs: int = 256
     max_model_len: int | None = None         # None: the model's max_position_embeddings

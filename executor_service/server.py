@@ -22,7 +22,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from executor_service import kv_tensors
+from executor_service import kv_tensors, shared_cache
 from executor_service.drain import drain
 from executor_service.kv_transfer import BlockMover
 from executor_service.runner import ModelRunner
@@ -47,7 +47,7 @@ SERVICE = executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name
 # KV blocks move executor to executor: the scheduler asks one to pull, and only a peer executor may read them.
 ROLES = {f"/{SERVICE}/Describe": frozenset({SCHEDULER}), f"/{SERVICE}/Step": frozenset({SCHEDULER}),
          f"/{SERVICE}/PullBlocks": frozenset({SCHEDULER}), f"/{SERVICE}/ReadBlocks": frozenset({EXECUTOR}),
-         f"/{SERVICE}/ReadBlocksShared": frozenset({EXECUTOR}),
+         f"/{SERVICE}/ReadBlocksMapped": frozenset({EXECUTOR}),
          f"/{SERVICE}/CheckAdapter": frozenset({SCHEDULER})}
 
 
@@ -89,10 +89,10 @@ async def serve(settings: ExecutorSettings) -> int:
     if threads:
         await loop.run_in_executor(worker, torch.set_num_threads, threads)
     service.runner = runner = await loop.run_in_executor(worker, ModelRunner, runner_config)
-    service.mover = BlockMover(runner.kv_caches, runner.kv_layout, tls, settings.peer_server_name, service.metrics,
-                               service.progress, settings.kv_shared_memory_dir)
+    service.mover = BlockMover(runner.kv_blocks, runner.kv_layout, tls, settings.peer_server_name, service.metrics,
+                               service.progress, settings.kv_shared_memory_dir, runner.kv_segment)
     if settings.kv_cache_resident:
-        kv_tensors.make_resident(runner.kv_caches)
+        kv_tensors.make_resident(runner.kv_blocks)
     if runner.ranks is not None:
         runner.ranks.watch(lambda why: loop.call_soon_threadsafe(service.fail, why))
     for name in ("", SERVICE):
@@ -110,6 +110,7 @@ async def serve(settings: ExecutorSettings) -> int:
         return 1
     service.mover.close()
     await loop.run_in_executor(worker, runner.close)
+    shared_cache.remove(runner.kv_segment)      # an executor that dies leaves it to the next one's sweep
     log.info("executor stopped")
     return 0
 

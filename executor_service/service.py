@@ -136,10 +136,10 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
         async for chunk in self.mover.read(request, context):
             yield chunk
 
-    async def ReadBlocksShared(self, request_iterator, context):
+    async def ReadBlocksMapped(self, request, context):
         if self.failure is not None or self.mover is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "executor is not serving")
-        async for msg in self.mover.read_shared(request_iterator.__aiter__(), context):
+        async for msg in self.mover.read_mapped(request, context):
             yield msg
 
     async def Step(self, request_iterator, context):

@@ -28,9 +28,10 @@ class ExecutorSettings(RoleSettings):
                          "core), or the cores shared out between the ranks of a tensor-parallel CPU executor")
     peer_server_name: str = Field("stepwire-executor", description="with TLS: the name a peer executor's "
                                   "certificate must carry when this one pulls KV blocks from it (dialled by IP)")
-    kv_shared_memory_dir: str = Field("/dev/shm", description="a directory of shared memory: KV blocks that move "
-                                      "between executors that share it (one host, one pod or a host path) go "
-                                      "through it instead of through gRPC; empty: always gRPC")
+    kv_shared_memory_dir: str = Field("/dev/shm", description="a directory of shared memory: a CPU executor's KV "
+                                      "cache is a file there, reserved at start, and executors that share it (one "
+                                      "host, one pod or a host path) copy blocks from each other's instead of "
+                                      "through gRPC; empty, or no room there: plain memory, always gRPC")
     kv_cache_resident: bool = Field(True, description="on the CPU, fault the whole KV cache in on a background "
                                     "thread after start, as a GPU's is: a block's first write otherwise costs a page "
                                     "fault per 4 KiB, and the budget's memory is held from the start, not found "

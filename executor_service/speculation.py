@@ -84,6 +84,7 @@ class Speculator:
     """One executor's speculation: what it proposes for a row, what a step's samples keep, and its tallies."""
 
     def __init__(self, cfg: SpecConfig):
+        cfg.check()
         self.cfg = cfg
         self.proposed = 0       # proposals verified since start
         self.accepted = 0       # of which kept

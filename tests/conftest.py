@@ -40,6 +40,9 @@ def _kv_cache_left_to_fault_in() -> None:
     import os
 
     os.environ.setdefault("STEPWIRE_EXECUTOR_KV_CACHE_RESIDENT", "false")
+    # In shared memory (the default, --kv-shared-memory-dir), a cache is reserved whole at start: the same
+    # memory and time. The tests of KV in shared memory choose a directory themselves.
+    os.environ.setdefault("STEPWIRE_EXECUTOR_KV_SHARED_MEMORY_DIR", "")
 
 
 _kv_cache_left_to_fault_in()

@@ -342,6 +342,13 @@ def test_the_drain_periods_nest_inside_the_grace_periods(rendered):
     assert scheduler_drain < executor_drain < executor["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
 
 
+def test_executor_pods_keep_their_kv_cache_out_of_their_own_small_dev_shm(rendered):
+    """A pod's /dev/shm is 64 MiB and no other pod maps it: the cache stays plain memory, read through gRPC."""
+    for name, objects in rendered.items():
+        for d in (o for o in objects if o["kind"] == "Deployment" and "executor" in o["metadata"]["name"]):
+            assert flag(container(d)["args"], "--kv-shared-memory-dir") == "", name
+
+
 def test_the_image_holds_every_package_the_services_import_and_the_extras_they_need():
     text = (ROOT / "deploy" / "docker" / "Dockerfile").read_text()
     copied = set(re.findall(r"^COPY (\w+) \./\1$", text, re.M))

@@ -136,9 +136,8 @@ def executor_call(stub, method: str, epoch: int):
         return lambda: stub.PullBlocks(pull, timeout=5)
     if method == "ReadBlocks":    # were it taken, a stranger would read other tenants' KV
         return lambda: list(stub.ReadBlocks(executor_pb2.ReadBlocksRequest(blocks=[1]), timeout=5))
-    if method == "ReadBlocksShared":     # the same, through the executor's shared memory
-        read = executor_pb2.SharedRead(request=executor_pb2.ReadBlocksRequest(blocks=[1]))
-        return lambda: list(stub.ReadBlocksShared(iter([read]), timeout=5))
+    if method == "ReadBlocksMapped":     # the same, from the executor's cache in shared memory
+        return lambda: list(stub.ReadBlocksMapped(executor_pb2.ReadBlocksRequest(blocks=[1]), timeout=5))
     # A newer epoch than the scheduler's: were it taken, the executor would drop its batch and end the
     # scheduler's stream, and the scheduler would come back with a new epoch.
     step = executor_pb2.StepRequest(epoch=epoch + 1000, step=1)
@@ -160,7 +159,7 @@ def logged(stack, service: str, *parts: str) -> bool:
 
 @pytest.mark.parametrize(("method", "role"), [
     *((m, r) for m in ("Describe", "Step", "PullBlocks") for r in ("gateway", "executor", "operator")),
-    *((m, r) for m in ("ReadBlocks", "ReadBlocksShared") for r in ("gateway", "scheduler", "operator"))])
+    *((m, r) for m in ("ReadBlocks", "ReadBlocksMapped") for r in ("gateway", "scheduler", "operator"))])
 def test_an_executor_refuses_every_role_but_the_one_a_method_serves_and_nothing_changes(stack, role, method):
     before = executor_seen_by_the_scheduler(stack)
     with channel_as(stack, stack["certs"] / role, "executor") as channel:

@@ -102,7 +102,7 @@ def test_every_method_of_each_internal_service_names_the_roles_it_admits():
     # Only the scheduler drives an executor; a peer executor may only read KV blocks (for a pull it was asked for).
     assert {m: r for m, r in executor.ROLES.items() if r != {"scheduler"}} == \
         {"/stepwire.internal.Executor/ReadBlocks": {"executor"},
-         "/stepwire.internal.Executor/ReadBlocksShared": {"executor"}}
+         "/stepwire.internal.Executor/ReadBlocksMapped": {"executor"}}
     assert scheduler.ROLES["/stepwire.internal.Scheduler/Stats"] == {"operator"}
 
 

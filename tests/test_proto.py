@@ -31,10 +31,10 @@ def test_the_contract_has_the_services_the_design_names():
     # Adapters, LoadAdapter and UnloadAdapter for gateways (behind their API keys) and the operator.
     assert methods(scheduler_pb2, "Scheduler") == {"Submit", "Session", "Limits", "Stats", "Adapters",
                                                    "LoadAdapter", "UnloadAdapter"}
-    # PullBlocks for the scheduler, ReadBlocks (and ReadBlocksShared, on one host) for a peer executor: KV bytes
+    # PullBlocks for the scheduler, ReadBlocks (and ReadBlocksMapped, on one host) for a peer executor: KV bytes
     # never pass the scheduler; CheckAdapter for the scheduler, which checks an adapter on an executor before it
     # registers it.
-    assert methods(executor_pb2, "Executor") == {"Describe", "Step", "PullBlocks", "ReadBlocks", "ReadBlocksShared",
+    assert methods(executor_pb2, "Executor") == {"Describe", "Step", "PullBlocks", "ReadBlocks", "ReadBlocksMapped",
                                                  "CheckAdapter"}
     step = executor_pb2.StepRequest.DESCRIPTOR
     assert "traceparent" in step.fields_by_name and "epoch" in step.fields_by_name

@@ -235,32 +235,20 @@ class BlockChunk(_message.Message):
     xxh3: int
     def __init__(self, first: _Optional[int] = ..., count: _Optional[int] = ..., data: _Optional[bytes] = ..., xxh3: _Optional[int] = ...) -> None: ...
 
-class SharedRead(_message.Message):
-    __slots__ = ("request", "mapped", "done_slot")
-    REQUEST_FIELD_NUMBER: _ClassVar[int]
-    MAPPED_FIELD_NUMBER: _ClassVar[int]
-    DONE_SLOT_FIELD_NUMBER: _ClassVar[int]
-    request: ReadBlocksRequest
-    mapped: bool
-    done_slot: int
-    def __init__(self, request: _Optional[_Union[ReadBlocksRequest, _Mapping]] = ..., mapped: _Optional[bool] = ..., done_slot: _Optional[int] = ...) -> None: ...
-
-class SharedSegment(_message.Message):
-    __slots__ = ("name", "slots", "slot_bytes")
+class CacheFile(_message.Message):
+    __slots__ = ("name", "num_blocks", "chunk_blocks")
     NAME_FIELD_NUMBER: _ClassVar[int]
-    SLOTS_FIELD_NUMBER: _ClassVar[int]
-    SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     name: str
-    slots: int
-    slot_bytes: int
-    def __init__(self, name: _Optional[str] = ..., slots: _Optional[int] = ..., slot_bytes: _Optional[int] = ...) -> None: ...
+    num_blocks: int
+    chunk_blocks: int
+    def __init__(self, name: _Optional[str] = ..., num_blocks: _Optional[int] = ..., chunk_blocks: _Optional[int] = ...) -> None: ...
 
-class SharedChunk(_message.Message):
-    __slots__ = ("segment", "chunk", "slot")
-    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+class MappedChunk(_message.Message):
+    __slots__ = ("file", "chunk")
+    FILE_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
-    SLOT_FIELD_NUMBER: _ClassVar[int]
-    segment: SharedSegment
+    file: CacheFile
     chunk: BlockChunk
-    slot: int
-    def __init__(self, segment: _Optional[_Union[SharedSegment, _Mapping]] = ..., chunk: _Optional[_Union[BlockChunk, _Mapping]] = ..., slot: _Optional[int] = ...) -> None: ...
+    def __init__(self, file: _Optional[_Union[CacheFile, _Mapping]] = ..., chunk: _Optional[_Union[BlockChunk, _Mapping]] = ...) -> None: ...

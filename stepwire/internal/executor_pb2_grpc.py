@@ -54,10 +54,10 @@ class ExecutorStub:
                 request_serializer=stepwire_dot_internal_dot_executor__pb2.ReadBlocksRequest.SerializeToString,
                 response_deserializer=stepwire_dot_internal_dot_executor__pb2.BlockChunk.FromString,
                 _registered_method=True)
-        self.ReadBlocksShared = channel.stream_stream(
-                '/stepwire.internal.Executor/ReadBlocksShared',
-                request_serializer=stepwire_dot_internal_dot_executor__pb2.SharedRead.SerializeToString,
-                response_deserializer=stepwire_dot_internal_dot_executor__pb2.SharedChunk.FromString,
+        self.ReadBlocksMapped = channel.unary_stream(
+                '/stepwire.internal.Executor/ReadBlocksMapped',
+                request_serializer=stepwire_dot_internal_dot_executor__pb2.ReadBlocksRequest.SerializeToString,
+                response_deserializer=stepwire_dot_internal_dot_executor__pb2.MappedChunk.FromString,
                 _registered_method=True)
         self.CheckAdapter = channel.unary_unary(
                 '/stepwire.internal.Executor/CheckAdapter',
@@ -96,10 +96,10 @@ class ExecutorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def ReadBlocksShared(self, request_iterator, context):
-        """ReadBlocks between executors on one host: the chunks travel through a segment of shared memory the source
-        creates, and the stream carries only where each lies, its digest and the reader's "done with it".
-        UNIMPLEMENTED or RESOURCE_EXHAUSTED: use ReadBlocks.
+    def ReadBlocksMapped(self, request, context):
+        """ReadBlocks between executors on one host: the source's KV cache is a file of shared memory, which the
+        reader maps and copies the blocks from; the stream carries the file's name, then each chunk's digest.
+        UNIMPLEMENTED: this source's cache is not in shared memory; use ReadBlocks.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -136,10 +136,10 @@ def add_ExecutorServicer_to_server(servicer, server):
                     request_deserializer=stepwire_dot_internal_dot_executor__pb2.ReadBlocksRequest.FromString,
                     response_serializer=stepwire_dot_internal_dot_executor__pb2.BlockChunk.SerializeToString,
             ),
-            'ReadBlocksShared': grpc.stream_stream_rpc_method_handler(
-                    servicer.ReadBlocksShared,
-                    request_deserializer=stepwire_dot_internal_dot_executor__pb2.SharedRead.FromString,
-                    response_serializer=stepwire_dot_internal_dot_executor__pb2.SharedChunk.SerializeToString,
+            'ReadBlocksMapped': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadBlocksMapped,
+                    request_deserializer=stepwire_dot_internal_dot_executor__pb2.ReadBlocksRequest.FromString,
+                    response_serializer=stepwire_dot_internal_dot_executor__pb2.MappedChunk.SerializeToString,
             ),
             'CheckAdapter': grpc.unary_unary_rpc_method_handler(
                     servicer.CheckAdapter,
@@ -266,7 +266,7 @@ class Executor:
             _registered_method=True)
 
     @staticmethod
-    def ReadBlocksShared(request_iterator,
+    def ReadBlocksMapped(request,
             target,
             options=(),
             channel_credentials=None,
@@ -276,12 +276,12 @@ class Executor:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.stream_stream(
-            request_iterator,
+        return grpc.experimental.unary_stream(
+            request,
             target,
-            '/stepwire.internal.Executor/ReadBlocksShared',
-            stepwire_dot_internal_dot_executor__pb2.SharedRead.SerializeToString,
-            stepwire_dot_internal_dot_executor__pb2.SharedChunk.FromString,
+            '/stepwire.internal.Executor/ReadBlocksMapped',
+            stepwire_dot_internal_dot_executor__pb2.ReadBlocksRequest.SerializeToString,
+            stepwire_dot_internal_dot_executor__pb2.MappedChunk.FromString,
             options,
             channel_credentials,
             insecure,

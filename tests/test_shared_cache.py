@@ -1,0 +1,89 @@
+"""The KV cache as a file of shared memory (executor_service/shared_cache.py), in process: created whole and
+locked, removed at stop; a cache that does not fit is plain memory; the directory is everyone's, so what is in
+it is checked before it is opened, swept or mapped; a reader copies blocks from a peer's file and gets the
+digest the source computes in place."""
+
+import os
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from executor_service import shared_cache  # noqa: E402
+from executor_service.kv_blocks import BlockBytes, as_rows, digest  # noqa: E402
+from executor_service.kv_tensors import allocate_kv_blocks, allocate_shared, layer_views  # noqa: E402
+from executor_service.shared_cache import Segment, sweep  # noqa: E402
+
+CFG = SimpleNamespace(num_layers=3, head_dim=8)       # all a cache's shape takes of a model's config
+
+
+def filled(blocks: torch.Tensor, seed: int) -> torch.Tensor:
+    blocks.copy_(torch.randn(blocks.shape, generator=torch.Generator().manual_seed(seed)).to(blocks.dtype))
+    return blocks
+
+
+def test_a_cache_in_shared_memory_is_a_locked_file_of_its_exact_size_removed_at_stop(tmp_path):
+    blocks, segment = allocate_shared(CFG, 2, 10, 4, "cpu", torch.bfloat16, str(tmp_path))
+    assert segment is not None and segment.path.parent == tmp_path
+    assert segment.path.stat().st_size == blocks.numel() * blocks.element_size()
+    filled(blocks, 0)
+    # What the model writes through a layer's view is what a peer finds in the file, block-major.
+    k0 = layer_views(blocks)[1][0]
+    k0[3].fill_(1.5)
+    peer = Segment.open(str(tmp_path), segment.name, 10, BlockBytes.of(blocks).size)
+    rows = as_rows(peer.map, BlockBytes.of(blocks).size)
+    assert rows[3].tobytes() == BlockBytes.of(blocks).read([3])
+    sweep(str(tmp_path))                          # locked: a live executor's
+    assert segment.path.exists()
+    shared_cache.remove(segment)
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_cache_that_does_not_fit_the_directory_is_plain_memory(tmp_path):
+    blocks, segment = allocate_shared(CFG, 2, 10, 4, "cpu", torch.float32, str(tmp_path / "missing"))
+    assert segment is None and blocks.shape == (10, 3, 2, 4, 2, 8)
+    blocks, segment = allocate_shared(CFG, 2, 10, 4, "cpu", torch.float32, "")
+    assert segment is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_copy_from_a_peers_cache_gives_the_bytes_and_digest_that_a_grpc_read_gives(tmp_path, dtype):
+    src = BlockBytes.of(filled(allocate_kv_blocks(CFG, 2, 12, 4, "cpu", dtype), 1))
+    dst = BlockBytes.of(filled(allocate_kv_blocks(CFG, 2, 12, 4, "cpu", dtype), 2))
+    others = dst.read([1, 2, 3, 4, 5])
+    data = src.read([7, 9, 11])
+    assert src.digest([7, 9, 11]) == digest(data)
+    assert dst.copy_from(src.rows, [7, 9, 11], [6, 10, 8]) == digest(data)
+    assert dst.read([6, 10, 8]) == data and dst.read([1, 2, 3, 4, 5]) == others
+
+
+def test_a_sweep_removes_files_nobody_holds_and_leaves_live_ones_fifos_and_strangers_alone(tmp_path):
+    live = shared_cache.create(str(tmp_path), 1 << 16)
+    dead = tmp_path / f"stepwire-kv-{'a' * 32}"
+    dead.write_bytes(b"\0" * 4096)
+    fifo = tmp_path / f"stepwire-kv-{'b' * 32}"
+    os.mkfifo(fifo)
+    other = tmp_path / "stepwire-kv-not-ours"
+    other.write_bytes(b"x")
+    done = threading.Event()
+    threading.Thread(target=lambda: (sweep(str(tmp_path)), done.set()), daemon=True).start()
+    assert done.wait(10), "the sweep waited on a FIFO"
+    assert not dead.exists() and fifo.exists() and other.exists() and live.path.exists()
+    shared_cache.remove(live)
+
+
+@pytest.mark.parametrize("case", ["a FIFO", "shorter than announced", "too many blocks", "an odd name"])
+def test_a_reader_maps_only_a_regular_file_of_ours_of_exactly_the_announced_size(tmp_path, case):
+    name, block = f"stepwire-kv-{'c' * 32}", 1024
+    if case == "a FIFO":
+        os.mkfifo(tmp_path / name)
+    else:
+        with open(tmp_path / name, "wb") as f:
+            f.truncate(4 * block)
+    if case == "an odd name":
+        assert Segment.open(str(tmp_path), name, 4, block).size == 4 * block     # the same file, named right
+    blocks = {"shorter than announced": 5, "too many blocks": shared_cache.MAX_BLOCKS + 1}.get(case, 4)
+    with pytest.raises(ValueError):
+        Segment.open(str(tmp_path), "../" + name if case == "an odd name" else name, blocks, block)
