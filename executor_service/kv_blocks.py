@@ -18,6 +18,7 @@ import torch
 import xxhash
 
 from executor_service.model_config import ModelConfig
+from executor_service.shared_cache import as_rows
 
 
 def layout(cfg: ModelConfig, num_kv_heads: int, block_size: int, dtype: torch.dtype, tensor_parallel_size: int,
@@ -55,9 +56,7 @@ class BlockBytes:
 
     blocks: torch.Tensor
     size: int
-    # On the CPU, the cache as a numpy array of one opaque element per block: a block's copy is one memcpy,
-    # where torch's per-call cost dominates for a chunk's few blocks.
-    rows: np.ndarray | None = None
+    rows: np.ndarray | None = None         # on the CPU: shared_cache.as_rows of the cache
 
     @classmethod
     def of(cls, blocks: torch.Tensor) -> BlockBytes:
@@ -81,24 +80,6 @@ class BlockBytes:
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.blocks.device)
         return self._flat().index_select(0, idx).cpu().numpy().tobytes()
 
-    def digest(self, block_ids: list[int]) -> int:
-        """XXH3-64 of `read(block_ids)`, read in place (a source in shared memory)."""
-        h = xxhash.xxh3_64()
-        for i in block_ids:
-            h.update(self.rows[i:i + 1].view(np.uint8))
-        return h.intdigest()
-
-    def copy_from(self, source: np.ndarray, source_ids: list[int], block_ids: list[int]) -> int:
-        """Blocks of another cache's `rows` (a peer's, mapped) into these; returns the digest of what was
-        written, read back from here: a source that changed them meanwhile does not pass for the one that
-        was digested."""
-        h = xxhash.xxh3_64()
-        for s, d in zip(source_ids, block_ids, strict=True):
-            dst = self.rows[d:d + 1].view(np.uint8)
-            dst[:] = source[s:s + 1].view(np.uint8)
-            h.update(dst)
-        return h.intdigest()
-
     def write(self, block_ids: list[int], data: bytes | memoryview) -> None:
         n = len(block_ids)
         if len(data) != n * self.size:
@@ -118,11 +99,6 @@ class BlockBytes:
             raise ValueError(f"{what}: block ids {bad[:5]} outside 1..{num_blocks - 1}")
         if len(set(block_ids)) != len(block_ids):
             raise ValueError(f"{what}: a block id appears twice")
-
-
-def as_rows(data, size: int) -> np.ndarray:
-    """A buffer of whole blocks as one numpy element per block."""
-    return np.frombuffer(data, dtype=np.dtype((np.void, size)), count=len(data) // size)
 
 
 def digest(data: bytes | memoryview) -> int:

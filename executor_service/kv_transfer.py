@@ -4,8 +4,9 @@ peer into blocks it reserved here) and ReadBlocks (a peer fetches blocks from he
 Bytes are copied on a thread of their own, so a transfer overlaps the forward passes on both sides: the blocks
 it reads are pinned by the scheduler and no step writes them; the blocks it writes were reserved by the
 scheduler after the last step that could still write them, and the pull waits for that step (`after`) before
-its first write. Every chunk's digest is checked before it is written; a pull that fails part way leaves
-blocks the scheduler frees unread, so a failure is never wrong KV, only a recompute. A pull belongs to the
+its first write. Every chunk's digest is checked, before it is written (gRPC) or on what was copied (shared
+memory); a pull that fails part way leaves blocks the scheduler frees unread, so a failure is never wrong KV,
+only a recompute. A pull belongs to the
 Step stream epoch in which the scheduler reserved its blocks, and stops writing when a newer one begins.
 """
 
@@ -22,8 +23,9 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from executor_service.block_transport import CHUNK_BYTES, PeerChannels, on_thread
+from executor_service.copy_engine import CopyEngine, EngineDied
 from executor_service.kv_blocks import BlockBytes, digest
-from executor_service.mapped_block_source import BadChunk, MappedBlocks, MappedBlockSource, Mappings
+from executor_service.mapped_block_source import BadChunk, MappedBlocks, MappedBlockSource, Mappings, digests
 from executor_service.step_progress import StepProgress
 from observability import tracing
 from stepwire.contract.metadata import PULL_ENDED
@@ -31,7 +33,6 @@ from stepwire.internal import executor_pb2
 
 log = logging.getLogger("stepwire.executor")
 MAX_ID_LEN = 128
-MAPPED_CHUNK_BYTES = 16 << 20     # a digest covers this much of a mapped read: one message, one hop to a thread
 ADDRESS = re.compile(r"^[A-Za-z0-9.\-_\[\]:]{1,255}:[0-9]{1,5}$")
 
 
@@ -49,11 +50,11 @@ class BlockMover:
         self.metrics = metrics
         self.progress = progress
         # Peers on this host read blocks from our cache in place where it is in shared memory (`segment`,
-        # shared_cache), and we from theirs.
-        self.segment = segment if kv_layout else None
-        readable = bool(shared_dir and kv_layout and self.blocks.rows is not None)
-        self.mappings = Mappings(shared_dir, self.blocks.size) if readable else None
-        self.per_mapped = max(1, MAPPED_CHUNK_BYTES // self.blocks.size)
+        # shared_cache), and we from theirs; our copy engine digests and copies them, off this interpreter.
+        self.segment = segment if kv_layout and shared_dir else None
+        self.engine = self.segment and CopyEngine(str(segment.path), self.blocks.num_blocks, self.blocks.size,
+                                                  shared_dir)
+        self.mappings = self.engine and Mappings(self.engine)
         # Copies and digests off the event loop and off the torch thread that runs the steps.
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-transfer")
         self.per_chunk = max(1, CHUNK_BYTES // self.blocks.size)
@@ -122,15 +123,11 @@ class BlockMover:
             ids = await self._admit(request, context)
         except _Refused as e:
             await context.abort(e.code, str(e))
-        yield executor_pb2.MappedChunk(file=executor_pb2.CacheFile(
-            name=self.segment.name, num_blocks=self.blocks.num_blocks, chunk_blocks=self.per_mapped))
-        size, per = self.blocks.size, self.per_mapped
-        for first in range(0, len(ids), per):
-            part = ids[first:first + per]
-            xxh3 = await self._run(self.blocks.digest, part)
-            self.metrics.kv_blocks_out.inc(len(part))
-            self.metrics.kv_bytes_out.inc(len(part) * size)
-            yield executor_pb2.MappedChunk(chunk=executor_pb2.BlockChunk(first=first, count=len(part), xxh3=xxh3))
+        try:
+            async for msg in digests(ids, self.segment.name, self.blocks, self.engine, self._run, self.metrics):
+                yield msg
+        except EngineDied as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
 
     async def _ran(self, epoch: int, step: int, seconds: float | None) -> None:
         """Wait until `step` of `epoch` ran here: blocks a prefix pull reads may be filled by a step still in flight."""
@@ -237,7 +234,7 @@ class BlockMover:
         source = MappedBlockSource(request.source, self.channels.get(request.source), self.mappings)
         size, got = self.blocks.size, 0
         writing = None         # one chunk is checked and written while the next one arrives; in order
-        copied = []            # (chunk, digest of what was copied) of a mapped read, checked once the source's came
+        copied = []            # (chunk, digests of what was copied) of a mapped read, checked once the source's came
         after = request.source_after_step if request.HasField("source_after_step") else None
         chunks = source.read(request.transfer_id, src, self.layout, request.source_epoch,
                              max(deadline - time.monotonic(), 0.001), after)
@@ -255,14 +252,11 @@ class BlockMover:
             if writing is not None:
                 copied.append(await writing)
             # The source's digests all came in before the read ended.
-            bad = [c for c, xxh3 in copied if xxh3 is not None and xxh3 != c.xxh3.result()]
-            if bad:
-                raise _Refused(grpc.StatusCode.DATA_LOSS, f"blocks {bad[0].first}..{bad[0].first + bad[0].count - 1}"
-                               " changed in the source's cache while they were read")
+            if any(got is not None and got != [d.result() for d in c.data.digests] for c, got in copied):
+                raise _Refused(grpc.StatusCode.DATA_LOSS, "blocks changed in the source's cache while they were read")
         except grpc.RpcError as e:
             self.channels.drop(request.source)          # dialled afresh next time: the peer may be another now
-            if self.mappings is not None:
-                self.mappings.drop(request.source)
+            self.mappings and self.mappings.drop(request.source)
             code = grpc.StatusCode.DEADLINE_EXCEEDED if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else \
                 grpc.StatusCode.UNAVAILABLE
             raise _Refused(code, f"source {request.source}: {e.code().name}: {e.details()}") from None
@@ -285,12 +279,15 @@ class BlockMover:
             # Checked and written in one go on one thread: the chunk is read from memory once, and hops once.
             return chunk, await on_thread(self.pool, self._checked_write, chunk, ids)   # the gate is held till then
 
-    def _checked_write(self, chunk, ids: list[int]) -> int | None:
+    def _checked_write(self, chunk, ids: list[int]) -> list[int] | None:
         if isinstance(chunk.data, MappedBlocks):
             # Copied from the source's cache while the source digests it, and checked against that digest once
-            # it came: a chunk that fails fails the pull, and the scheduler never lets a failed pull's blocks be
-            # read. Returns the digest of what was copied.
-            return self.blocks.copy_from(chunk.data.rows, chunk.data.ids, ids)
+            # it came (a failed pull's blocks are never read). Returns the digest of what was copied.
+            m = chunk.data
+            try:
+                return self.engine.copy(m.cache.name, m.cache.num_blocks, m.ids, ids, m.per)
+            except (EngineDied, ValueError) as e:
+                raise _Refused(grpc.StatusCode.UNAVAILABLE, f"blocks from shared memory: {e}") from None
         if digest(chunk.data) != chunk.xxh3:
             raise _Refused(grpc.StatusCode.DATA_LOSS, f"blocks {chunk.first}..{chunk.first + chunk.count - 1}: "
                            "checksum does not match; nothing of them was written")
@@ -298,3 +295,5 @@ class BlockMover:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
+        if self.engine is not None:
+            self.engine.close()

@@ -1,7 +1,7 @@
 """The reading side of KV blocks in shared memory (shared_cache.py): an executor pulling blocks from a peer on
-its host maps the peer's cache read-only, keeps the mapping for the next pull, and copies the blocks from it;
-where the cache does not map here (another host or pod) or the peer's is not in shared memory, it reads
-through `ReadBlocks` (gRPC)."""
+its host has its copy engine (copy_engine.py) map the peer's cache read-only, keep the mapping for the next
+pull, and copy the blocks from it; where the cache does not map here (another host or pod) or the peer's is
+not in shared memory, it reads through `ReadBlocks` (gRPC)."""
 
 from __future__ import annotations
 
@@ -13,41 +13,42 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import grpc
-import numpy as np
 
 from executor_service.block_transport import Chunk, GrpcBlockSource
-from executor_service.kv_blocks import as_rows
-from executor_service.shared_cache import Segment
+from executor_service.copy_engine import CopyEngine
+from executor_service.copy_worker import MAPPINGS
 from stepwire.internal import executor_pb2, executor_pb2_grpc
 
 log = logging.getLogger("stepwire.executor")
-MAPPINGS = 16                 # caches a reader keeps mapped (one per source it pulled from lately)
 UNMAPPABLE_SECONDS = 300
+CHUNK_BYTES = 16 << 20        # a digest covers this much of a mapped read: one message, one request to the engine
 
 
 @dataclass(frozen=True)
 class Mapped:
-    """A source's cache, mapped here: its blocks as `rows` (kv_blocks.as_rows)."""
+    """A source's cache, mapped by the copy engine."""
 
     name: str
     num_blocks: int
-    rows: np.ndarray
 
 
 @dataclass(frozen=True)
 class MappedBlocks:
-    """A chunk's bytes, still in the source's cache: blocks `ids` of `rows` (Chunk.data of this transport)."""
+    """A pull's bytes, still in the source's cache (Chunk.data of this transport): its blocks `ids`, and the
+    source's digest of each `per` of them, to come."""
 
-    rows: np.ndarray
+    cache: Mapped
     ids: list[int]
+    per: int
+    digests: list[asyncio.Future]
 
 
 class Mappings:
-    """The reader's mappings of its sources' caches, one a source, the most recently used kept. A mapping is
-    dropped, never closed: a pull may still copy from it, and it is unmapped with its last view."""
+    """Which cache the copy engine mapped for each source lately (it keeps as many, and maps one again when the
+    source's changed: a source that restarted)."""
 
-    def __init__(self, directory: str, block_size: int):
-        self.directory, self.block_size = directory, block_size
+    def __init__(self, engine: CopyEngine):
+        self.engine = engine
         self.maps: OrderedDict[str, Mapped] = OrderedDict()
         self.lock = threading.Lock()        # pulls map on threads of their own
         # Sources whose cache did not map here (another host or pod), and when: asked through ReadBlocks
@@ -65,11 +66,9 @@ class Mappings:
     def get(self, address: str, f: executor_pb2.CacheFile) -> Mapped:
         with self.lock:
             m = self.maps.pop(address, None)
-            # A source that restarted has a new file: its old one goes (and its memory, once unmapped).
-            if m is None or (m.name, m.num_blocks) != (f.name, f.num_blocks):
-                segment = Segment.open(self.directory, f.name, f.num_blocks, self.block_size)
-                m = Mapped(f.name, f.num_blocks, as_rows(segment.map, self.block_size))
-                segment.close()            # the rows keep the mapping
+            if m is None or m != Mapped(f.name, f.num_blocks):
+                m = Mapped(f.name, f.num_blocks)
+                self.engine.map(m.name, m.num_blocks)          # ValueError where it does not map here
             self.maps[address] = m
             while len(self.maps) > MAPPINGS:
                 self.maps.popitem(last=False)
@@ -101,15 +100,15 @@ class MappedBlockSource(GrpcBlockSource):
             return
         call, cache, per = mapped
         self.transport = "shared_memory"
-        # Every chunk at once, its digest to come: the reader copies while the source digests.
+        # The whole pull as one chunk, its digests to come: the engine copies it in one go (each round trip
+        # through this interpreter waits on a GIL the step loop holds) while the source digests.
         bounds = [(first, min(per, len(block_ids) - first)) for first in range(0, len(block_ids), per)]
         loop = asyncio.get_running_loop()
         digests = [loop.create_future() for _ in bounds]
         reading = asyncio.ensure_future(_digests(call, bounds, digests))
         reading.add_done_callback(lambda t: t.cancelled() or t.exception())   # raised below, if the pull gets there
         try:
-            for (first, count), xxh3 in zip(bounds, digests, strict=True):
-                yield Chunk(first, count, MappedBlocks(cache.rows, block_ids[first:first + count]), xxh3)
+            yield Chunk(0, len(block_ids), MappedBlocks(cache, block_ids, per, digests), 0)
             await reading
         finally:
             reading.cancel()
@@ -156,3 +155,17 @@ async def _digests(call, bounds: list[tuple[int, int]], digests: list[asyncio.Fu
 
 class BadChunk(Exception):
     """A source that does not follow the protocol: the pull ends with DATA_LOSS."""
+
+
+async def digests(ids: list[int], name: str, blocks, engine: CopyEngine, run, metrics):
+    """The source's side of an admitted ReadBlocksMapped: its cache file (`name`), then each chunk's digest,
+    read in place by its engine (`run` calls it off the event loop)."""
+    per = max(1, CHUNK_BYTES // blocks.size)
+    yield executor_pb2.MappedChunk(file=executor_pb2.CacheFile(name=name, num_blocks=blocks.num_blocks,
+                                                               chunk_blocks=per))
+    for first in range(0, len(ids), per):
+        part = ids[first:first + per]
+        xxh3 = await run(engine.digest, part)
+        metrics.kv_blocks_out.inc(len(part))
+        metrics.kv_bytes_out.inc(len(part) * blocks.size)
+        yield executor_pb2.MappedChunk(chunk=executor_pb2.BlockChunk(first=first, count=len(part), xxh3=xxh3))

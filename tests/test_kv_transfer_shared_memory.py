@@ -161,3 +161,46 @@ def test_a_hostile_source_is_read_through_grpc_or_refused_and_its_blocks_never_c
         stop()
         a.close()
         b.close()
+
+
+def engines_of(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        kids = [int(k) for k in f.read().split()]
+    return [k for k in kids if b"copy_worker" in open(f"/proc/{k}/cmdline", "rb").read()]
+
+
+def gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
+def test_an_executor_that_stops_or_is_killed_leaves_no_copy_engine_and_its_file_goes(tmp_path, how):
+    """Its engine reads the end of its pipe and ends; a killed executor's file is swept by the next one."""
+    import time
+    model = write_tiny_llama(tmp_path / "llama")
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    flags = {"--model": model, "--block-size": 4, "--kv-cache-memory": kv_bytes(16), "--metrics-address": "",
+             "--threads": 1, "--kv-shared-memory-dir": shm}
+    with Stack([Service("executor", "a", flags=flags)], tmp_path) as stack:
+        pid = stack.procs["a"].pid
+        (engine,) = engines_of(pid)
+        assert len(list(shm.iterdir())) == 1
+        if how == "SIGTERM":
+            stack.terminate("a")
+            stack.wait("a")
+        else:
+            stack.kill("a")
+        deadline = time.monotonic() + 10
+        while not gone(engine) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert gone(engine)
+    if how == "SIGTERM":
+        assert not list(shm.iterdir())
+    else:
+        with Stack([Service("executor", "b", flags=flags)], tmp_path) as stack:
+            assert len(list(shm.iterdir())) == 1          # its own: the dead one's was swept

@@ -1,7 +1,7 @@
 """The KV cache as a file of shared memory (executor_service/shared_cache.py), in process: created whole and
 locked, removed at stop; a cache that does not fit is plain memory; the directory is everyone's, so what is in
-it is checked before it is opened, swept or mapped; a reader copies blocks from a peer's file and gets the
-digest the source computes in place."""
+it is checked before it is opened, swept or mapped; the copy engine copies blocks from a peer's file and digests
+them as a gRPC read would, and a dead engine fails one copy and starts again."""
 
 import os
 import threading
@@ -12,9 +12,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from executor_service import shared_cache  # noqa: E402
-from executor_service.kv_blocks import BlockBytes, as_rows, digest  # noqa: E402
-from executor_service.kv_tensors import allocate_kv_blocks, allocate_shared, layer_views  # noqa: E402
-from executor_service.shared_cache import Segment, sweep  # noqa: E402
+from executor_service.copy_engine import CopyEngine, EngineDied  # noqa: E402
+from executor_service.kv_blocks import BlockBytes, digest  # noqa: E402
+from executor_service.kv_tensors import allocate_shared, layer_views  # noqa: E402
+from executor_service.shared_cache import Segment, as_rows, sweep  # noqa: E402
 
 CFG = SimpleNamespace(num_layers=3, head_dim=8)       # all a cache's shape takes of a model's config
 
@@ -49,14 +50,34 @@ def test_a_cache_that_does_not_fit_the_directory_is_plain_memory(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_a_copy_from_a_peers_cache_gives_the_bytes_and_digest_that_a_grpc_read_gives(tmp_path, dtype):
-    src = BlockBytes.of(filled(allocate_kv_blocks(CFG, 2, 12, 4, "cpu", dtype), 1))
-    dst = BlockBytes.of(filled(allocate_kv_blocks(CFG, 2, 12, 4, "cpu", dtype), 2))
-    others = dst.read([1, 2, 3, 4, 5])
-    data = src.read([7, 9, 11])
-    assert src.digest([7, 9, 11]) == digest(data)
-    assert dst.copy_from(src.rows, [7, 9, 11], [6, 10, 8]) == digest(data)
-    assert dst.read([6, 10, 8]) == data and dst.read([1, 2, 3, 4, 5]) == others
+def test_the_copy_engine_copies_from_a_peers_cache_the_bytes_and_digests_a_grpc_read_gives(tmp_path, dtype):
+    src_blocks, src_file = allocate_shared(CFG, 2, 12, 4, "cpu", dtype, str(tmp_path))
+    dst_blocks, dst_file = allocate_shared(CFG, 2, 12, 4, "cpu", dtype, str(tmp_path))
+    src, dst = BlockBytes.of(filled(src_blocks, 1)), BlockBytes.of(filled(dst_blocks, 2))
+    engine = CopyEngine(str(dst_file.path), 12, dst.size, str(tmp_path))
+    try:
+        others, data = dst.read([1, 2, 3, 4, 5]), src.read([7, 9, 11])
+        engine.map(src_file.name, 12)
+        # Digested as the source digests, `per` blocks at a time.
+        assert engine.copy(src_file.name, 12, [7, 9, 11], [6, 10, 8], 2) == [digest(data[:2 * src.size]),
+                                                                             digest(data[2 * src.size:])]
+        assert dst.read([6, 10, 8]) == data and dst.read([1, 2, 3, 4, 5]) == others
+        assert engine.digest([6, 10, 8]) == digest(data)            # its own blocks, read in place
+        with pytest.raises(ValueError):
+            engine.copy(src_file.name, 12, [12], [1], 1)              # past the peer's cache
+        with pytest.raises(ValueError):
+            engine.map(f"stepwire-kv-{'d' * 32}", 12)             # not there: the caller reads through gRPC
+        # An engine that dies (a peer's file shrunk under it: SIGBUS) fails the copy under way, not the executor,
+        # and the next request starts it again.
+        engine.proc.kill()
+        with pytest.raises(EngineDied):
+            engine.copy(src_file.name, 12, [7], [6], 1)
+        assert engine.digest([6, 10, 8]) == digest(data)
+    finally:
+        engine.close()
+        shared_cache.remove(src_file)
+        shared_cache.remove(dst_file)
+    assert engine.proc is None and not list(tmp_path.iterdir())
 
 
 def test_a_sweep_removes_files_nobody_holds_and_leaves_live_ones_fifos_and_strangers_alone(tmp_path):
@@ -87,3 +108,13 @@ def test_a_reader_maps_only_a_regular_file_of_ours_of_exactly_the_announced_size
     blocks = {"shorter than announced": 5, "too many blocks": shared_cache.MAX_BLOCKS + 1}.get(case, 4)
     with pytest.raises(ValueError):
         Segment.open(str(tmp_path), "../" + name if case == "an odd name" else name, blocks, block)
+
+
+def test_the_copy_engine_imports_neither_torch_nor_grpc():
+    """It starts with its executor and must start fast and small; and a GIL of its own is its point."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", "import sys, executor_service.copy_worker; "
+                          "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'grpc'}))"],
+                         capture_output=True, text=True, check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert out.stdout.strip() == "[]"

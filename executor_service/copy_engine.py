@@ -1,0 +1,99 @@
+"""The executor's copy engine: a process of its own (copy_worker.py) that copies blocks from peers' caches into
+this executor's and digests its blocks, as a GPU's copy engine moves bytes beside its compute.
+
+One engine an executor, started with it (a pull must not wait for an interpreter to start) and again after it
+died; requests go one at a time, from the transfer threads, which wait on the pipe without the GIL.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import threading
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+log = logging.getLogger("stepwire.executor")
+ROOT = str(Path(__file__).resolve().parent.parent)
+ANSWER_SECONDS = 60.0       # the longest a copy or digest may take (a chunk is 16 MiB) before the engine is killed
+
+
+class EngineDied(Exception):
+    """The engine stopped or did not answer: the copy under way is lost."""
+
+
+class CopyEngine:
+    def __init__(self, own_file: str, num_blocks: int, block_size: int, directory: str):
+        self.args = [own_file, str(num_blocks), str(block_size), directory]
+        self.lock = threading.Lock()
+        self.proc: subprocess.Popen | None = None
+        self.tx = self.rx = None
+        self.ready = False
+        self._start()
+
+    def _start(self) -> None:
+        down_r, down_w = os.pipe()
+        up_r, up_w = os.pipe()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-m", "executor_service.copy_worker", str(down_r),
+                                          str(up_w), *self.args], pass_fds=(down_r, up_w), env=env,
+                                         stdin=subprocess.DEVNULL)
+        finally:
+            os.close(down_r)
+            os.close(up_w)
+        self.tx, self.rx = Connection(down_w, readable=False), Connection(up_r, writable=False)
+        self.ready = False
+
+    def call(self, *msg):
+        with self.lock:
+            if self.proc is None:
+                self._start()
+            try:
+                if not self.ready:
+                    self._answer()                  # its first word: it mapped this executor's cache
+                    self.ready = True
+                self.tx.send(msg)
+                status, value = self._answer()
+            except (EOFError, OSError, TimeoutError) as e:
+                self._stop(kill=True)
+                raise EngineDied(f"the copy engine stopped ({type(e).__name__}: {e}); it starts again") from None
+        if status != "ok":
+            raise ValueError(value)
+        return value
+
+    def _answer(self):
+        if not self.rx.poll(ANSWER_SECONDS):
+            raise TimeoutError(f"no answer in {ANSWER_SECONDS:.0f}s")
+        return self.rx.recv()
+
+    def map(self, name: str, num_blocks: int) -> None:
+        self.call("map", name, num_blocks)
+
+    def copy(self, name: str, num_blocks: int, src: list[int], dst: list[int], per: int) -> list[int]:
+        """Blocks `src` of a peer's cache into ours at `dst`: the digest of each `per` blocks copied."""
+        return self.call("copy", name, num_blocks, src, dst, per)
+
+    def digest(self, ids: list[int]) -> int:
+        return self.call("digest", ids)
+
+    def _stop(self, kill: bool) -> None:
+        if self.proc is None:
+            return
+        for conn in (self.tx, self.rx):
+            conn.close()                            # the engine reads EOF and ends
+        try:
+            if kill:
+                self.proc.kill()
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+    def close(self) -> None:
+        with self.lock:
+            self._stop(kill=False)
+
