@@ -72,6 +72,17 @@ def prompts(n: int, length: int, vocab: int) -> list[list[int]]:
 
 
 def run(args, mode: str, prompt_ids: list[list[int]]) -> dict:
+    """One run on a fresh stack; again (up to 3 times) where routing left executor-0 no stream to drain, which
+    measures nothing (least-loaded routing of streams that arrive at once can put them all on one executor)."""
+    for _ in range(3):
+        result = run_once(args, mode, prompt_ids)
+        if result is not None:
+            return result
+        print(f"# {mode} run: executor-0 held no stream at the SIGTERM; run again", flush=True)
+    raise SystemExit(f"{mode} run: executor-0 held no stream in 3 runs")
+
+
+def run_once(args, mode: str, prompt_ids: list[list[int]]) -> dict | None:
     import grpc
 
     from stepwire.internal import sampling_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -110,6 +121,9 @@ def run(args, mode: str, prompt_ids: list[list[int]]) -> dict:
         for t in threads:
             t.start()
         stack.wait_until(lambda: all(len(t) >= 8 for t in tokens), "8 tokens on every stream", 600)
+        held = sum(e.num_running + e.num_waiting for e in stats().executors if e.address == stack["executor-0"].address)
+        if not held and mode != "reference":
+            return None
         sigterm = time.monotonic()
         if mode != "reference":
             stack.terminate("executor-0")
