@@ -17,7 +17,7 @@ from pathlib import Path
 
 log = logging.getLogger("stepwire.executor")
 ROOT = str(Path(__file__).resolve().parent.parent)
-ANSWER_SECONDS = 60.0       # the longest a copy or digest may take (a chunk is 16 MiB) before the engine is killed
+ANSWER_SECONDS = 60.0       # the longest a request (a whole pull's copy) may take before the engine is killed
 
 
 class EngineDied(Exception):
@@ -31,7 +31,10 @@ class CopyEngine:
         self.proc: subprocess.Popen | None = None
         self.tx = self.rx = None
         self.ready = False
-        self._start()
+        try:
+            self._start()
+        except OSError as e:                 # no process to be had now: the first request tries again
+            log.warning("copy engine not started (%s)", e)
 
     def _start(self) -> None:
         down_r, down_w = os.pipe()
@@ -49,9 +52,9 @@ class CopyEngine:
 
     def call(self, *msg):
         with self.lock:
-            if self.proc is None:
-                self._start()
             try:
+                if self.proc is None:
+                    self._start()
                 if not self.ready:
                     self._answer()                  # its first word: it mapped this executor's cache
                     self.ready = True
@@ -78,6 +81,10 @@ class CopyEngine:
 
     def digest(self, ids: list[int]) -> int:
         return self.call("digest", ids)
+
+    def forget(self, name: str) -> None:
+        """Unmap a peer's cache (the peer restarted with another, or failed): its memory goes with the mapping."""
+        self.call("forget", name)
 
     def _stop(self, kill: bool) -> None:
         if self.proc is None:

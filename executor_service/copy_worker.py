@@ -70,6 +70,9 @@ class Worker:
                 raise ValueError("a block id past a cache's end")
             return [copy_rows(self.own, src, src_ids[i:i + per], dst_ids[i:i + per])
                     for i in range(0, len(src_ids), per)]
+        if op == "forget":                   # ("forget", name)
+            self.peers.pop(msg[1], None)
+            return None
         if op == "digest":                   # ("digest", ids): of this executor's own blocks
             if max(msg[1], default=0) >= len(self.own):
                 raise ValueError("a block id past the cache's end")

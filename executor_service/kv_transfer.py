@@ -22,10 +22,10 @@ import grpc
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
+from executor_service import mapped_block_source as mapped
 from executor_service.block_transport import CHUNK_BYTES, PeerChannels, on_thread
 from executor_service.copy_engine import CopyEngine, EngineDied
 from executor_service.kv_blocks import BlockBytes, digest
-from executor_service.mapped_block_source import BadChunk, MappedBlocks, MappedBlockSource, Mappings, digests
 from executor_service.step_progress import StepProgress
 from observability import tracing
 from stepwire.contract.metadata import PULL_ENDED
@@ -49,12 +49,11 @@ class BlockMover:
         self.layout = kv_layout
         self.metrics = metrics
         self.progress = progress
-        # Peers on this host read blocks from our cache in place where it is in shared memory (`segment`,
-        # shared_cache), and we from theirs; our copy engine digests and copies them, off this interpreter.
+        # Peers on this host copy blocks from our cache file (shared_cache), we from theirs: by our copy engine.
         self.segment = segment if kv_layout and shared_dir else None
         self.engine = self.segment and CopyEngine(str(segment.path), self.blocks.num_blocks, self.blocks.size,
                                                   shared_dir)
-        self.mappings = self.engine and Mappings(self.engine)
+        self.mappings = self.engine and mapped.Mappings(self.engine)
         # Copies and digests off the event loop and off the torch thread that runs the steps.
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-transfer")
         self.per_chunk = max(1, CHUNK_BYTES // self.blocks.size)
@@ -114,8 +113,7 @@ class BlockMover:
                 reading.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     async def read_mapped(self, request: executor_pb2.ReadBlocksRequest, context):
-        """ReadBlocks for a reader on this host: it copies the blocks from our cache file itself, and gets
-        their digests, read here in place, one chunk at a time."""
+        """ReadBlocks for a reader on this host, which copies from our cache file: the file, then digests."""
         try:
             if self.segment is None:
                 raise _Refused(grpc.StatusCode.UNIMPLEMENTED, "this executor's KV cache is not in shared memory: "
@@ -124,9 +122,10 @@ class BlockMover:
         except _Refused as e:
             await context.abort(e.code, str(e))
         try:
-            async for msg in digests(ids, self.segment.name, self.blocks, self.engine, self._run, self.metrics):
+            async for msg in mapped.digests(ids, self.segment.name, self.blocks, self.engine, self._run,
+                                            self.metrics):
                 yield msg
-        except EngineDied as e:
+        except (EngineDied, ValueError) as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
 
     async def _ran(self, epoch: int, step: int, seconds: float | None) -> None:
@@ -231,63 +230,65 @@ class BlockMover:
     async def _copy(self, request, src: list[int], dst: list[int], generation: int,
                     deadline: float) -> tuple[int, float, str]:
         t0 = time.perf_counter()     # the copy alone: not the wait for this executor's steps before it
-        source = MappedBlockSource(request.source, self.channels.get(request.source), self.mappings)
+        source = mapped.MappedBlockSource(request.source, self.channels.get(request.source), self.mappings)
         size, got = self.blocks.size, 0
         writing = None         # one chunk is checked and written while the next one arrives; in order
         copied = []            # (chunk, digests of what was copied) of a mapped read, checked once the source's came
+        in_place = []          # the mapped reads' chunks, which own their calls
         after = request.source_after_step if request.HasField("source_after_step") else None
         chunks = source.read(request.transfer_id, src, self.layout, request.source_epoch,
                              max(deadline - time.monotonic(), 0.001), after)
         try:
             async for chunk in chunks:
                 count = chunk.count
-                n = len(chunk.data.ids) * size if isinstance(chunk.data, MappedBlocks) else len(chunk.data)
+                n = len(chunk.data.ids) * size if isinstance(chunk.data, mapped.MappedBlocks) else len(chunk.data)
                 if chunk.first != got or count == 0 or got + count > len(dst) or n != count * size:
                     raise _Refused(grpc.StatusCode.DATA_LOSS, f"chunk at block {chunk.first} of {count} blocks "
                                    f"and {n} bytes does not follow block {got} of {len(dst)}")
+                in_place += [chunk.data] if isinstance(chunk.data, mapped.MappedBlocks) else []
                 if writing is not None:
                     copied.append(await writing)
                 writing = asyncio.ensure_future(self._check_and_write(chunk, dst[got:got + count], generation))
                 got += count
             if writing is not None:
                 copied.append(await writing)
-            # The source's digests all came in before the read ended.
-            if any(got is not None and got != [d.result() for d in c.data.digests] for c, got in copied):
-                raise _Refused(grpc.StatusCode.DATA_LOSS, "blocks changed in the source's cache while they were read")
+            for c, digests in copied:
+                if digests is not None and digests != await c.data.source_digests():
+                    raise _Refused(grpc.StatusCode.DATA_LOSS, "blocks changed in the source's cache while they "
+                                   "were read")
+        except mapped.CopyFailed as e:
+            self.mappings.drop(request.source)          # mapped afresh, or found unmappable, next time
+            raise _Refused(grpc.StatusCode.UNAVAILABLE, f"blocks from shared memory: {e}") from None
         except grpc.RpcError as e:
             self.channels.drop(request.source)          # dialled afresh next time: the peer may be another now
             self.mappings and self.mappings.drop(request.source)
             code = grpc.StatusCode.DEADLINE_EXCEEDED if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else \
                 grpc.StatusCode.UNAVAILABLE
             raise _Refused(code, f"source {request.source}: {e.code().name}: {e.details()}") from None
-        except BadChunk as e:
+        except mapped.BadChunk as e:
             raise _Refused(grpc.StatusCode.DATA_LOSS, f"source {request.source}: {e}") from None
         finally:
             if writing is not None and not writing.done():
                 writing.cancel()
                 await asyncio.wait({writing})
             await chunks.aclose()           # ends its call now
+            for m in in_place:
+                m.close()
         if got != len(dst):
             raise _Refused(grpc.StatusCode.DATA_LOSS, f"source sent {got} of {len(dst)} blocks")
         return got, time.perf_counter() - t0, source.transport
 
     async def _check_and_write(self, chunk, ids: list[int], generation: int) -> tuple:
         p = self.progress
-        async with p.changed:
+        async with p.gate:
             if p.generation != generation:
                 raise asyncio.CancelledError        # a newer stream: nothing more is written
             # Checked and written in one go on one thread: the chunk is read from memory once, and hops once.
             return chunk, await on_thread(self.pool, self._checked_write, chunk, ids)   # the gate is held till then
 
     def _checked_write(self, chunk, ids: list[int]) -> list[int] | None:
-        if isinstance(chunk.data, MappedBlocks):
-            # Copied from the source's cache while the source digests it, and checked against that digest once
-            # it came (a failed pull's blocks are never read). Returns the digest of what was copied.
-            m = chunk.data
-            try:
-                return self.engine.copy(m.cache.name, m.cache.num_blocks, m.ids, ids, m.per)
-            except (EngineDied, ValueError) as e:
-                raise _Refused(grpc.StatusCode.UNAVAILABLE, f"blocks from shared memory: {e}") from None
+        if isinstance(chunk.data, mapped.MappedBlocks):     # checked in _copy, once the source's digests all came
+            return chunk.data.copy_into(self.engine, ids)
         if digest(chunk.data) != chunk.xxh3:
             raise _Refused(grpc.StatusCode.DATA_LOSS, f"blocks {chunk.first}..{chunk.first + chunk.count - 1}: "
                            "checksum does not match; nothing of them was written")

@@ -6,6 +6,7 @@ not in shared memory, it reads through `ReadBlocks` (gRPC)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 import grpc
 
 from executor_service.block_transport import Chunk, GrpcBlockSource
-from executor_service.copy_engine import CopyEngine
+from executor_service.copy_engine import CopyEngine, EngineDied
 from executor_service.copy_worker import MAPPINGS
 from stepwire.internal import executor_pb2, executor_pb2_grpc
 
@@ -35,12 +36,30 @@ class Mapped:
 @dataclass(frozen=True)
 class MappedBlocks:
     """A pull's bytes, still in the source's cache (Chunk.data of this transport): its blocks `ids`, and the
-    source's digest of each `per` of them, to come."""
+    source's digest of each `per` of them, which `reading` brings in while the engine copies."""
 
     cache: Mapped
     ids: list[int]
     per: int
     digests: list[asyncio.Future]
+    reading: asyncio.Task
+    call: object
+
+    def copy_into(self, engine: CopyEngine, ids: list[int]) -> list[int]:
+        """The blocks into ours at `ids`, by the engine: the digests of what was copied (a failed pull's blocks
+        are never read, so they are checked after the copy, against `source_digests`)."""
+        try:
+            return engine.copy(self.cache.name, self.cache.num_blocks, self.ids, ids, self.per)
+        except (EngineDied, ValueError) as e:
+            raise CopyFailed(str(e)) from None
+
+    async def source_digests(self) -> list[int]:
+        await self.reading                  # BadChunk, or the call's error, where the source broke off
+        return [d.result() for d in self.digests]
+
+    def close(self) -> None:
+        self.reading.cancel()
+        self.call.cancel()
 
 
 class Mappings:
@@ -67,16 +86,22 @@ class Mappings:
         with self.lock:
             m = self.maps.pop(address, None)
             if m is None or m != Mapped(f.name, f.num_blocks):
+                if m is not None:
+                    self.engine.forget(m.name)                 # a restarted source's old cache: freed
                 m = Mapped(f.name, f.num_blocks)
                 self.engine.map(m.name, m.num_blocks)          # ValueError where it does not map here
             self.maps[address] = m
             while len(self.maps) > MAPPINGS:
-                self.maps.popitem(last=False)
+                self.engine.forget(self.maps.popitem(last=False)[1].name)
             return m
 
     def drop(self, address: str) -> None:
+        """A source whose pull failed: mapped afresh (or found unmappable) next time."""
         with self.lock:
-            self.maps.pop(address, None)
+            m = self.maps.pop(address, None)
+            if m is not None:
+                with contextlib.suppress(EngineDied, ValueError):
+                    self.engine.forget(m.name)
 
 
 class MappedBlockSource(GrpcBlockSource):
@@ -101,18 +126,19 @@ class MappedBlockSource(GrpcBlockSource):
         call, cache, per = mapped
         self.transport = "shared_memory"
         # The whole pull as one chunk, its digests to come: the engine copies it in one go (each round trip
-        # through this interpreter waits on a GIL the step loop holds) while the source digests.
+        # through this interpreter waits on a GIL the step loop holds) while the source digests. The chunk
+        # then owns the call: its copy is awaited before its digests, so a failed copy ends the pull at once.
         bounds = [(first, min(per, len(block_ids) - first)) for first in range(0, len(block_ids), per)]
         loop = asyncio.get_running_loop()
         digests = [loop.create_future() for _ in bounds]
         reading = asyncio.ensure_future(_digests(call, bounds, digests))
-        reading.add_done_callback(lambda t: t.cancelled() or t.exception())   # raised below, if the pull gets there
+        reading.add_done_callback(lambda t: t.cancelled() or t.exception())   # raised where they are awaited
+        blocks = MappedBlocks(cache, block_ids, per, digests, reading, call)
         try:
-            yield Chunk(0, len(block_ids), MappedBlocks(cache, block_ids, per, digests), 0)
-            await reading
-        finally:
-            reading.cancel()
-            call.cancel()
+            yield Chunk(0, len(block_ids), blocks, 0)          # its xxh3s: blocks.digests
+        except BaseException:
+            blocks.close()
+            raise
 
     async def _map(self, request, block_ids: list[int], seconds: float):
         """(call, mapped cache) once the source's cache is mapped here; None: read through ReadBlocks instead."""
@@ -129,6 +155,10 @@ class MappedBlockSource(GrpcBlockSource):
             raise BadChunk("the source named no cache file")
         try:
             cache = await asyncio.to_thread(self.mappings.get, self.address, first.file)
+        except EngineDied as e:                 # this pull through gRPC; the engine starts again for the next
+            log.warning("KV read from %s through gRPC: %s", self.address, e)
+            call.cancel()
+            return None
         except (OSError, ValueError) as e:
             log.info("KV reads from %s go through gRPC for %ds: its shared memory is not this executor's (%s)",
                      self.address, UNMAPPABLE_SECONDS, e)
@@ -155,6 +185,10 @@ async def _digests(call, bounds: list[tuple[int, int]], digests: list[asyncio.Fu
 
 class BadChunk(Exception):
     """A source that does not follow the protocol: the pull ends with DATA_LOSS."""
+
+
+class CopyFailed(Exception):
+    """The copy engine could not copy from the source's cache (it died, or the cache no longer maps)."""
 
 
 async def digests(ids: list[int], name: str, blocks, engine: CopyEngine, run, metrics):

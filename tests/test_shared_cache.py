@@ -80,6 +80,29 @@ def test_the_copy_engine_copies_from_a_peers_cache_the_bytes_and_digests_a_grpc_
     assert engine.proc is None and not list(tmp_path.iterdir())
 
 
+def test_a_source_that_restarts_with_another_cache_has_its_old_one_unmapped(tmp_path):
+    """Else the engine would keep a dead peer's whole cache (reserved memory) mapped."""
+    from executor_service.mapped_block_source import Mappings
+    from stepwire.internal import executor_pb2
+    dst_blocks, dst_file = allocate_shared(CFG, 2, 12, 4, "cpu", torch.float32, str(tmp_path))
+    old = shared_cache.create(str(tmp_path), 12 * BlockBytes.of(dst_blocks).size)
+    new = shared_cache.create(str(tmp_path), 12 * BlockBytes.of(dst_blocks).size)
+    engine = CopyEngine(str(dst_file.path), 12, BlockBytes.of(dst_blocks).size, str(tmp_path))
+    mapped_files = lambda: open(f"/proc/{engine.proc.pid}/maps").read()  # noqa: E731
+    try:
+        m = Mappings(engine)
+        m.get("10.0.0.1:50061", executor_pb2.CacheFile(name=old.name, num_blocks=12))
+        assert old.name in mapped_files()
+        m.get("10.0.0.1:50061", executor_pb2.CacheFile(name=new.name, num_blocks=12))
+        assert new.name in mapped_files() and old.name not in mapped_files()
+        m.drop("10.0.0.1:50061")                 # a pull from it failed
+        assert new.name not in mapped_files()
+    finally:
+        engine.close()
+        for f in (old, new, dst_file):
+            shared_cache.remove(f)
+
+
 def test_a_sweep_removes_files_nobody_holds_and_leaves_live_ones_fifos_and_strangers_alone(tmp_path):
     live = shared_cache.create(str(tmp_path), 1 << 16)
     dead = tmp_path / f"stepwire-kv-{'a' * 32}"
