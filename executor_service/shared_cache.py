@@ -115,6 +115,9 @@ def as_rows(data, size: int) -> np.ndarray:
 
 def create(directory: str, size: int) -> Segment | None:
     """This executor's cache file in `directory` (stale ones swept first), or None where it does not fit."""
+    if not hasattr(os, "posix_fallocate"):       # not Linux: nothing could reserve it
+        log.warning("KV cache not in shared memory: this OS cannot reserve a file's memory")
+        return None
     sweep(directory)
     try:
         return Segment.create(directory, size)
