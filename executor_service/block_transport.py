@@ -31,7 +31,7 @@ class Chunk:
     count: int              # blocks in it
     # kv_blocks.BlockBytes.read's bytes, or where they are still (mapped_block_source.MappedBlocks)
     data: bytes | memoryview | object
-    xxh3: int | asyncio.Future  # of those bytes, as the source computed it (mapped: still to come)
+    xxh3: int                   # of those bytes, as the source computed it (mapped: 0, see MappedBlocks.digests)
 
 
 class BlockSource(Protocol):

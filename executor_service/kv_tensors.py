@@ -85,26 +85,23 @@ def _lazily_zeroed(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
 
 
 def make_resident(blocks: torch.Tensor) -> threading.Thread | None:
-    """Fault every page of the CPU caches in, on a thread of its own, while the executor serves.
+    """Fault every page of the CPU cache in, on a thread of its own, while the executor serves.
 
     `_lazily_zeroed` leaves the pages to the first write, which then pays a page fault per 4 KiB (on a fresh
     VM, 9 us each: slower than the copy that triggers it). A step that writes new tokens pays little, but a
     pull of a long context into blocks never used pays it for every page. MADV_POPULATE_WRITE leaves the
     contents alone, so blocks already in use are safe; without it (another OS, an older kernel) nothing is done."""
-    tensors = [blocks] if blocks.device.type == "cpu" else []
-    if not tensors or not sys.platform.startswith("linux"):
+    if blocks.device.type != "cpu" or not sys.platform.startswith("linux"):
         return None
 
     def run() -> None:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         page = os.sysconf("SC_PAGE_SIZE")
-        for t in tensors:
-            start = -(-t.data_ptr() // page) * page
-            end = (t.data_ptr() + t.numel() * t.element_size()) // page * page
-            if end > start and libc.madvise(start, end - start, MADV_POPULATE_WRITE) != 0:
-                log.info("KV cache left to fault in on first use: madvise: %s", os.strerror(ctypes.get_errno()))
-                return
+        start = -(-blocks.data_ptr() // page) * page
+        end = (blocks.data_ptr() + blocks.numel() * blocks.element_size()) // page * page
+        if end > start and libc.madvise(start, end - start, MADV_POPULATE_WRITE) != 0:
+            log.info("KV cache left to fault in on first use: madvise: %s", os.strerror(ctypes.get_errno()))
 
     thread = threading.Thread(target=run, name="kv-resident", daemon=True)
     thread.start()

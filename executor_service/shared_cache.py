@@ -42,7 +42,7 @@ class Segment:
 
     def __init__(self, path: Path, fd: int, size: int, writable: bool, populate: bool = False):
         self.path, self.size = path, size
-        self.fd = fd if writable else None       # the creator's, kept open for its lock
+        self.fd: int | None = None               # the creator's (`create`), kept open for its lock
         populated = getattr(mmap, "MAP_POPULATE", 0) if populate else 0
         self.map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | populated,
                              prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
@@ -61,7 +61,9 @@ class Segment:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)        # held for life: the file is in use
             os.posix_fallocate(fd, 0, size)
             os.rename(tmp, path)
-            return cls(path, fd, size, writable=True)
+            segment = cls(path, fd, size, writable=True)
+            segment.fd = fd
+            return segment
         except OSError:
             os.close(fd)
             tmp.unlink(missing_ok=True)
@@ -87,14 +89,11 @@ class Segment:
         """This executor's own file, writable, for its copy engine (copy_worker.py): its lock stays with the
         executor. Its pages are mapped in at once: a write that faults each 4 KiB page in runs at a third of
         the copy's speed."""
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = _open_own(Path(path), writable=True)
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_size != size:
+            if os.fstat(fd).st_size != size:
                 raise ValueError(f"{path} is not this executor's cache of {size} bytes")
-            segment = cls(Path(path), fd, size, writable=True, populate=True)
-            segment.fd = None
-            return segment
+            return cls(Path(path), fd, size, writable=True, populate=True)
         finally:
             os.close(fd)
 
@@ -133,10 +132,10 @@ def remove(segment: Segment | None) -> None:
         segment.close()
 
 
-def _open_own(path: Path) -> int:
-    """A read-only descriptor of `path` if it is a regular file of this user's (the directory is everyone's:
-    anyone may put a FIFO there, which a plain open would wait on for ever)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+def _open_own(path: Path, writable: bool = False) -> int:
+    """A descriptor of `path` if it is a regular file of this user's (the directory is everyone's: anyone may
+    put a FIFO there, which a plain open would wait on for ever)."""
+    fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_NONBLOCK)
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
         os.close(fd)
