@@ -19,7 +19,6 @@ from launcher.processes import Service, Stack  # noqa: E402
 from stepwire.internal import executor_pb2, executor_pb2_grpc  # noqa: E402
 
 pytestmark = pytest.mark.processes
-BLOCK = kv_bytes(1)
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +38,10 @@ def trio(tmp_path_factory):
         stubs = {n: executor_pb2_grpc.ExecutorStub(c) for n, c in chans.items()}
         # a's and b's caches are files there, of the whole cache each.
         assert sorted(f.stat().st_size for f in shared.iterdir()) == [kv_bytes(64)] * 2
-        yield {"stack": stack, "stub": stubs, "shared": shared, "elsewhere": elsewhere,
-               "layout": stubs["a"].Describe(executor_pb2.DescribeRequest()).kv_layout}
+        # The executors' dtype (float32 in the suite, or whichever is forced) sets how many blocks the budget holds.
+        d = stubs["a"].Describe(executor_pb2.DescribeRequest())
+        yield {"stack": stack, "stub": stubs, "shared": shared, "elsewhere": elsewhere, "layout": d.kv_layout,
+               "num_blocks": d.num_blocks, "block": kv_bytes(64) // d.num_blocks}
         for c in chans.values():
             c.close()
     # Each executor removes its file when it stops: nothing is left.
@@ -66,7 +67,7 @@ def test_a_pull_copies_from_the_sources_cache_where_it_maps_and_goes_through_grp
     t.send()
     src, dst = [1, 2, 3, 4, 5, 6, 7], [20, 21, 22, 23, 24, 25, 26]
     reply = pull(stub[target], trio["stack"][source].address, src, dst, layout, t.epoch, s.epoch)
-    assert reply.transport == transport and reply.bytes == 7 * BLOCK
+    assert reply.transport == transport and reply.bytes == 7 * trio["block"]
     assert read(stub[target], dst, layout, t.epoch) == read(stub[source], src, layout, s.epoch)
     s.close()
     t.close()
@@ -87,7 +88,7 @@ def test_a_mapped_read_is_admitted_as_a_grpc_read_is(trio, case, code):
     # A reader that takes the file's name and goes costs the source nothing it must get back.
     call = stub["a"].ReadBlocksMapped(executor_pb2.ReadBlocksRequest(blocks=[1, 2], kv_layout=layout,
                                                                      epoch=a.epoch), timeout=5)
-    assert next(call).file.num_blocks == 64
+    assert next(call).file.num_blocks == trio["num_blocks"]
     call.cancel()
     b = Stream(stub["b"], fresh_epoch())
     b.send()
@@ -115,15 +116,16 @@ class MappedFake(executor_pb2_grpc.ExecutorServicer):
             return
         where = self.trio["elsewhere" if self.mode == "a file of another host" else "shared"]
         size = 2 if self.mode == "a block past its cache" else 4
-        segment = shared_cache.Segment.create(str(where), size * BLOCK)
+        block = self.trio["block"]
+        segment = shared_cache.Segment.create(str(where), size * block)
         try:
-            segment.map[:] = b"\x07" * (size * BLOCK)
+            segment.map[:] = b"\x07" * (size * block)
             blocks = 8 if self.mode == "a file shorter than it says" else size
             yield executor_pb2.MappedChunk(file=executor_pb2.CacheFile(
                 name=segment.name, num_blocks=blocks, chunk_blocks=0 if self.mode == "empty chunks" else 8))
             chunk = executor_pb2.BlockChunk(first=0, count=2, xxh3=12345)     # the pull's two blocks, one chunk
             if self.mode == "bytes in a chunk":
-                chunk.data = b"\x07" * BLOCK
+                chunk.data = b"\x07" * block
             elif self.mode == "a chunk out of order":
                 chunk.first = 1
             yield executor_pb2.MappedChunk(chunk=chunk)
