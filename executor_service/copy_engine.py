@@ -2,11 +2,13 @@
 this executor's and digests its blocks, as a GPU's copy engine moves bytes beside its compute.
 
 One engine an executor, started with it (a pull must not wait for an interpreter to start) and again after it
-died; requests go one at a time, from the transfer threads, which wait on the pipe without the GIL.
+died; requests go one at a time, from the event loop (`acall`: copies and digests) or from threads (`call`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
 import subprocess
@@ -67,6 +69,56 @@ class CopyEngine:
             raise ValueError(value)
         return value
 
+    async def acall(self, *msg):
+        """`call` from the event loop, with no thread between: each hop to a thread waits for the GIL, which
+        the step thread holds between its torch ops. Cancelled, it still waits for the answer (a copy must
+        not go on after whoever cancelled it reuses its blocks, and the next request must not read it)."""
+        if not self.lock.acquire(blocking=False):        # a thread's request under way: wait for it there
+            taking = asyncio.ensure_future(asyncio.to_thread(self.lock.acquire))
+            try:
+                await asyncio.shield(taking)
+            except asyncio.CancelledError:
+                taking.add_done_callback(lambda _: self.lock.release())
+                raise
+        answered = asyncio.ensure_future(self._exchange(msg))
+        try:
+            status, value = await asyncio.shield(answered)
+        except asyncio.CancelledError:
+            while not answered.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait({answered})
+            raise
+        if status != "ok":
+            raise ValueError(value)
+        return value
+
+    async def _exchange(self, msg: tuple):
+        """One request and its answer, with the lock held (released here)."""
+        try:
+            if self.proc is None:
+                self._start()
+            if not self.ready:
+                await self._readable()
+                self.rx.recv()                      # its first word: it mapped this executor's cache
+                self.ready = True
+            self.tx.send(msg)                       # a few KiB: the pipe takes it without blocking
+            await self._readable()
+            return self.rx.recv()
+        except (EOFError, OSError, TimeoutError) as e:
+            self._stop(kill=True)
+            raise EngineDied(f"the copy engine stopped ({type(e).__name__}: {e}); it starts again") from None
+        finally:
+            self.lock.release()
+
+    async def _readable(self) -> None:
+        loop, fd = asyncio.get_running_loop(), self.rx.fileno()
+        ready = loop.create_future()
+        loop.add_reader(fd, lambda: ready.done() or ready.set_result(None))
+        try:
+            await asyncio.wait_for(ready, ANSWER_SECONDS)
+        finally:
+            loop.remove_reader(fd)
+
     def _answer(self):
         if not self.rx.poll(ANSWER_SECONDS):
             raise TimeoutError(f"no answer in {ANSWER_SECONDS:.0f}s")
@@ -75,12 +127,13 @@ class CopyEngine:
     def map(self, name: str, num_blocks: int) -> None:
         self.call("map", name, num_blocks)
 
-    def copy(self, name: str, num_blocks: int, src: list[int], dst: list[int], per: int) -> list[int]:
+    async def copy(self, name: str, num_blocks: int, src: list[int], dst: list[int], per: int) -> list[int]:
         """Blocks `src` of a peer's cache into ours at `dst`: the digest of each `per` blocks copied."""
-        return self.call("copy", name, num_blocks, src, dst, per)
+        return await self.acall("copy", name, num_blocks, src, dst, per)
 
-    def digest(self, ids: list[int]) -> int:
-        return self.call("digest", ids)
+    async def digest(self, ids: list[int], per: int) -> list[int]:
+        """The digest of each `per` of our blocks `ids`, read in place."""
+        return await self.acall("digest", ids, per)
 
     def forget(self, name: str) -> None:
         """Unmap a peer's cache (the peer restarted with another, or failed): its memory goes with the mapping."""

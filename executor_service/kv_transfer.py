@@ -1,13 +1,12 @@
 """The executor's side of KV blocks that move: PullBlocks (the scheduler asks this executor to fetch blocks from a
 peer into blocks it reserved here) and ReadBlocks (a peer fetches blocks from here).
 
-Bytes are copied on a thread of their own, so a transfer overlaps the forward passes on both sides: the blocks
-it reads are pinned by the scheduler and no step writes them; the blocks it writes were reserved by the
-scheduler after the last step that could still write them, and the pull waits for that step (`after`) before
-its first write. Every chunk's digest is checked, before it is written (gRPC) or on what was copied (shared
-memory); a pull that fails part way leaves blocks the scheduler frees unread, so a failure is never wrong KV,
-only a recompute. A pull belongs to the
-Step stream epoch in which the scheduler reserved its blocks, and stops writing when a newer one begins.
+Bytes are copied on a thread or the copy engine, so a transfer overlaps the forward passes on both sides: the
+blocks it reads are pinned by the scheduler and no step writes them; those it writes were reserved after the
+last step that could still write them, and the pull waits for that step (`after`) before its first write.
+Every chunk's digest is checked, before it is written (gRPC) or on what was copied (shared memory); a pull
+that fails part way leaves blocks the scheduler frees unread: a failure is never wrong KV, only a recompute.
+A pull belongs to the Step stream epoch in which its blocks were reserved, and stops writing in a newer one.
 """
 
 from __future__ import annotations
@@ -53,7 +52,8 @@ class BlockMover:
         self.segment = segment if kv_layout and shared_dir else None
         self.engine = self.segment and CopyEngine(str(segment.path), self.blocks.num_blocks, self.blocks.size,
                                                   shared_dir)
-        self.mappings = self.engine and mapped.Mappings(self.engine)
+        self.mappings = self.engine and mapped.Mappings(self.engine, shared_dir)
+        self.cache_file = self.segment.name if self.segment else ""    # in Describe: peers on this host copy from it
         # Copies and digests off the event loop and off the torch thread that runs the steps.
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-transfer")
         self.per_chunk = max(1, CHUNK_BYTES // self.blocks.size)
@@ -67,9 +67,6 @@ class BlockMover:
         if kv_layout != self.layout:
             raise _Refused(grpc.StatusCode.FAILED_PRECONDITION,
                            f"KV layout {kv_layout[:200]!r} is not this executor's {self.layout!r}")
-
-    async def _run(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
     # ------------------------------------------------------------------ source
 
@@ -95,16 +92,15 @@ class BlockMover:
             ids = await self._admit(request, context)
         except _Refused as e:
             await context.abort(e.code, str(e))
-        size, starts = self.blocks.size, range(0, len(ids), self.per_chunk)
+        size, per, loop = self.blocks.size, self.per_chunk, asyncio.get_running_loop()
         # The next chunk is read while this one is sent: the copy and the wire overlap.
-        reading = asyncio.ensure_future(self._run(self._read_chunk, ids[:self.per_chunk]))
+        reading = loop.run_in_executor(self.pool, self._read_chunk, ids[:per])
         try:
-            for i, first in enumerate(starts):
+            for first in range(0, len(ids), per):
                 data, xxh3 = await reading
-                if i + 1 < len(starts):
-                    reading = asyncio.ensure_future(self._run(self._read_chunk,
-                                                              ids[starts[i + 1]:][:self.per_chunk]))
-                count = min(self.per_chunk, len(ids) - first)
+                if first + per < len(ids):
+                    reading = loop.run_in_executor(self.pool, self._read_chunk, ids[first + per:first + 2 * per])
+                count = min(per, len(ids) - first)
                 self.metrics.kv_blocks_out.inc(count)
                 self.metrics.kv_bytes_out.inc(count * size)
                 yield executor_pb2.BlockChunk(first=first, count=count, data=data, xxh3=xxh3)
@@ -122,7 +118,7 @@ class BlockMover:
         except _Refused as e:
             await context.abort(e.code, str(e))
         try:
-            async for msg in mapped.digests(ids, self.segment.name, self.blocks, self.engine, self._run,
+            async for msg in mapped.digests(ids, self.segment.name, self.blocks, self.engine,
                                             self.metrics):
                 yield msg
         except (EngineDied, ValueError) as e:
@@ -237,7 +233,9 @@ class BlockMover:
         in_place = []          # the mapped reads' chunks, which own their calls
         after = request.source_after_step if request.HasField("source_after_step") else None
         chunks = source.read(request.transfer_id, src, self.layout, request.source_epoch,
-                             max(deadline - time.monotonic(), 0.001), after)
+                             max(deadline - time.monotonic(), 0.001), after,
+                             request.source_cache if request.HasField("source_cache") else None,
+                             mapped.chunk_blocks(size))
         try:
             async for chunk in chunks:
                 count = chunk.count
@@ -280,15 +278,15 @@ class BlockMover:
 
     async def _check_and_write(self, chunk, ids: list[int], generation: int) -> tuple:
         p = self.progress
-        async with p.gate:
+        async with p.gate.write():
             if p.generation != generation:
                 raise asyncio.CancelledError        # a newer stream: nothing more is written
+            if isinstance(chunk.data, mapped.MappedBlocks):   # checked in _copy, once the source's digests all came
+                return chunk, await chunk.data.copy_into(self.engine, ids)     # the gate is held till it ends
             # Checked and written in one go on one thread: the chunk is read from memory once, and hops once.
-            return chunk, await on_thread(self.pool, self._checked_write, chunk, ids)   # the gate is held till then
+            return chunk, await on_thread(self.pool, self._checked_write, chunk, ids)
 
-    def _checked_write(self, chunk, ids: list[int]) -> list[int] | None:
-        if isinstance(chunk.data, mapped.MappedBlocks):     # checked in _copy, once the source's digests all came
-            return chunk.data.copy_into(self.engine, ids)
+    def _checked_write(self, chunk, ids: list[int]) -> None:
         if digest(chunk.data) != chunk.xxh3:
             raise _Refused(grpc.StatusCode.DATA_LOSS, f"blocks {chunk.first}..{chunk.first + chunk.count - 1}: "
                            "checksum does not match; nothing of them was written")

@@ -1,13 +1,19 @@
 """The reading side of KV blocks in shared memory (shared_cache.py): an executor pulling blocks from a peer on
 its host has its copy engine (copy_engine.py) map the peer's cache read-only, keep the mapping for the next
 pull, and copy the blocks from it; where the cache does not map here (another host or pod) or the peer's is
-not in shared memory, it reads through `ReadBlocks` (gRPC)."""
+not in shared memory, it reads through `ReadBlocks` (gRPC).
+
+Where the scheduler names the source's cache in PullBlocks (blocks no step there can still write) and that file
+is in this executor's directory, the copy starts at once, while ReadBlocksMapped is still on its way: the
+source's answer (its admission, then its digests) only decides whether what was copied counts."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import os
+import stat
 import threading
 import time
 from collections import OrderedDict
@@ -18,6 +24,7 @@ import grpc
 from executor_service.block_transport import Chunk, GrpcBlockSource
 from executor_service.copy_engine import CopyEngine, EngineDied
 from executor_service.copy_worker import MAPPINGS
+from executor_service.shared_cache import NAME
 from stepwire.internal import executor_pb2, executor_pb2_grpc
 
 log = logging.getLogger("stepwire.executor")
@@ -45,11 +52,12 @@ class MappedBlocks:
     reading: asyncio.Task
     call: object
 
-    def copy_into(self, engine: CopyEngine, ids: list[int]) -> list[int]:
-        """The blocks into ours at `ids`, by the engine: the digests of what was copied (a failed pull's blocks
-        are never read, so they are checked after the copy, against `source_digests`)."""
+    async def copy_into(self, engine: CopyEngine, ids: list[int]) -> list[int]:
+        """The blocks into ours at `ids`, by the engine (which maps the source's cache first where it has not
+        yet): the digests of what was copied (a failed pull's blocks are never read, so they are checked after
+        the copy, against `source_digests`)."""
         try:
-            return engine.copy(self.cache.name, self.cache.num_blocks, self.ids, ids, self.per)
+            return await engine.copy(self.cache.name, self.cache.num_blocks, self.ids, ids, self.per)
         except (EngineDied, ValueError) as e:
             raise CopyFailed(str(e)) from None
 
@@ -66,8 +74,8 @@ class Mappings:
     """Which cache the copy engine mapped for each source lately (it keeps as many, and maps one again when the
     source's changed: a source that restarted)."""
 
-    def __init__(self, engine: CopyEngine):
-        self.engine = engine
+    def __init__(self, engine: CopyEngine, directory: str):
+        self.engine, self.directory = engine, directory
         self.maps: OrderedDict[str, Mapped] = OrderedDict()
         self.lock = threading.Lock()        # pulls map on threads of their own
         # Sources whose cache did not map here (another host or pod), and when: asked through ReadBlocks
@@ -81,6 +89,26 @@ class Mappings:
         if len(self.elsewhere) > 1024:
             self.elsewhere.clear()
         self.elsewhere[address] = time.monotonic()
+
+    def here(self, address: str, f: executor_pb2.CacheFile) -> bool:
+        """The cache the scheduler named is a file in our directory: this executor may copy from it at once."""
+        if not NAME.match(f.name) or not self.worth_trying(address):
+            return False
+        try:
+            return stat.S_ISREG(os.lstat(os.path.join(self.directory, f.name)).st_mode)
+        except OSError:
+            return False
+
+    def note(self, address: str, f: executor_pb2.CacheFile) -> Mapped:
+        """The cache `address` named ahead, which the copy maps: only noted, for `drop` (its engine unmaps the
+        old cache of a restarted source once its file is gone)."""
+        m = Mapped(f.name, f.num_blocks)
+        with self.lock:
+            self.maps.pop(address, None)
+            self.maps[address] = m
+            while len(self.maps) > MAPPINGS:
+                self.maps.popitem(last=False)
+        return m
 
     def get(self, address: str, f: executor_pb2.CacheFile) -> Mapped:
         with self.lock:
@@ -113,12 +141,19 @@ class MappedBlockSource(GrpcBlockSource):
         self.transport = "grpc"
 
     async def read(self, transfer_id: str, block_ids: list[int], kv_layout: str, epoch: int, seconds: float,
-                   after_step: int | None = None):
+                   after_step: int | None = None, cache: executor_pb2.CacheFile | None = None, per: int = 1):
+        """`cache`: the source's file, named by the scheduler where its blocks are final; `per`: blocks a digest
+        covers, as the source will chunk them (chunk_blocks)."""
         mapped = None
+        ahead = cache is not None and self.mappings is not None and self.mappings.here(self.address, cache)
         if self.mappings is not None and self.mappings.worth_trying(self.address):
             request = executor_pb2.ReadBlocksRequest(transfer_id=transfer_id, blocks=block_ids,
                                                      kv_layout=kv_layout, epoch=epoch, after_step=after_step)
-            mapped = await self._map(request, block_ids, seconds)
+            if ahead:
+                call = executor_pb2_grpc.ExecutorStub(self.channel).ReadBlocksMapped(request, timeout=seconds)
+                mapped = call, self.mappings.note(self.address, cache), per
+            else:
+                mapped = await self._map(request, block_ids, seconds)
         if mapped is None:
             async for chunk in super().read(transfer_id, block_ids, kv_layout, epoch, seconds, after_step):
                 yield chunk
@@ -131,7 +166,7 @@ class MappedBlockSource(GrpcBlockSource):
         bounds = [(first, min(per, len(block_ids) - first)) for first in range(0, len(block_ids), per)]
         loop = asyncio.get_running_loop()
         digests = [loop.create_future() for _ in bounds]
-        reading = asyncio.ensure_future(_digests(call, bounds, digests))
+        reading = asyncio.ensure_future(_digests(call, bounds, digests, cache if ahead else None))
         reading.add_done_callback(lambda t: t.cancelled() or t.exception())   # raised where they are awaited
         blocks = MappedBlocks(cache, block_ids, per, digests, reading, call)
         try:
@@ -171,8 +206,14 @@ class MappedBlockSource(GrpcBlockSource):
         return call, cache, first.file.chunk_blocks
 
 
-async def _digests(call, bounds: list[tuple[int, int]], digests: list[asyncio.Future]) -> None:
-    """The source's digest of each chunk, in order, into `digests`."""
+async def _digests(call, bounds: list[tuple[int, int]], digests: list[asyncio.Future], ahead: Mapped | None) -> None:
+    """The source's digest of each chunk, in order, into `digests`; first, where the copy went ahead from the
+    cache `ahead`, the source's word that it is that cache."""
+    if ahead is not None:
+        msg = await call.read()
+        f = None if msg is grpc.aio.EOF or msg.WhichOneof("kind") != "file" else msg.file
+        if f is None or Mapped(f.name, f.num_blocks) != ahead:      # its chunks are checked below
+            raise BadChunk("the source's cache is not the one the scheduler named")
     for (first, count), xxh3 in zip(bounds, digests, strict=True):
         msg = await call.read()
         if msg is grpc.aio.EOF:
@@ -183,6 +224,12 @@ async def _digests(call, bounds: list[tuple[int, int]], digests: list[asyncio.Fu
         xxh3.set_result(c.xxh3)
 
 
+def chunk_blocks(block_size: int) -> int:
+    """Blocks one digest of a mapped read covers: both sides count them alike, so a copy that goes ahead digests
+    the chunks the source will."""
+    return max(1, CHUNK_BYTES // block_size)
+
+
 class BadChunk(Exception):
     """A source that does not follow the protocol: the pull ends with DATA_LOSS."""
 
@@ -191,15 +238,14 @@ class CopyFailed(Exception):
     """The copy engine could not copy from the source's cache (it died, or the cache no longer maps)."""
 
 
-async def digests(ids: list[int], name: str, blocks, engine: CopyEngine, run, metrics):
+async def digests(ids: list[int], name: str, blocks, engine: CopyEngine, metrics):
     """The source's side of an admitted ReadBlocksMapped: its cache file (`name`), then each chunk's digest,
-    read in place by its engine (`run` calls it off the event loop)."""
-    per = max(1, CHUNK_BYTES // blocks.size)
+    read in place by its engine in one request."""
+    per = chunk_blocks(blocks.size)
     yield executor_pb2.MappedChunk(file=executor_pb2.CacheFile(name=name, num_blocks=blocks.num_blocks,
                                                                chunk_blocks=per))
-    for first in range(0, len(ids), per):
+    for first, xxh3 in zip(range(0, len(ids), per), await engine.digest(ids, per), strict=True):
         part = ids[first:first + per]
-        xxh3 = await run(engine.digest, part)
         metrics.kv_blocks_out.inc(len(part))
         metrics.kv_bytes_out.inc(len(part) * blocks.size)
         yield executor_pb2.MappedChunk(chunk=executor_pb2.BlockChunk(first=first, count=len(part), xxh3=xxh3))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -41,6 +42,10 @@ from stepwire.contract.settings import load
 from stepwire.internal import executor_pb2, executor_pb2_grpc
 
 log = logging.getLogger("stepwire.executor")
+# A thread waiting for the GIL asks its holder to let go only after this long (Python's default is 5 ms). The
+# step thread holds it between its thousands of small torch ops, so the event loop and the KV transfer threads
+# waited up to 5 ms at each hop; a transfer of 95 MB has a dozen hops.
+SWITCH_SECONDS = 0.0005
 SERVICE = executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name
 # Who may call what, with TLS (security/peer_roles.py): only the scheduler drives an executor; any other
 # holder of a certificate could read its model and take over its stream, batch and KV cache.
@@ -118,6 +123,7 @@ async def serve(settings: ExecutorSettings) -> int:
 def main(argv: list[str] | None = None) -> None:
     settings = load(ExecutorSettings, argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    sys.setswitchinterval(SWITCH_SECONDS)
     try:
         code = asyncio.run(serve(settings))
     except KeyboardInterrupt:

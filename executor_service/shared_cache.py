@@ -43,6 +43,7 @@ class Segment:
     def __init__(self, path: Path, fd: int, size: int, writable: bool, populate: bool = False):
         self.path, self.size = path, size
         self.fd: int | None = None               # the creator's (`create`), kept open for its lock
+        self.ino = os.fstat(fd).st_ino           # a file of this name that is not this one is another cache
         populated = getattr(mmap, "MAP_POPULATE", 0) if populate else 0
         self.map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | populated,
                              prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))

@@ -31,7 +31,7 @@ from scheduler_service.scheduler import Scheduler
 from scheduler_service.settings import SchedulerSettings
 from scheduler_service.step_loop import StepLoop
 from scheduler_service.wire import HandleTable
-from stepwire.internal import executor_pb2_grpc
+from stepwire.internal import executor_pb2, executor_pb2_grpc
 
 log = logging.getLogger("stepwire.scheduler")
 
@@ -60,6 +60,7 @@ class ExecutorLink(StepLoop):
         self.core: Scheduler | None = None
         self.eos_token_ids, self.vocab_size = (), 0
         self.kv_layout, self.role, self.stub = "", "mixed", None   # from Describe; the stub while connected
+        self.kv_cache = None                                         # Describe's kv_cache_file, as a CacheFile
         self.epoch, self.last_sent_step = 0, -1   # the last step sent in this epoch (-1: none yet)
         self._export = None               # "leave" or a set of request ids: they move with their KV once no
                                           # step is in flight
@@ -197,6 +198,8 @@ class ExecutorLink(StepLoop):
             self.role = d.role or "mixed"
             # The executor names its model by directory; the gateway serves it under the directory's name too.
             self.lifecycles.model = self.lifecycles.model or os.path.basename(d.model.rstrip("/"))
+        self.kv_cache = executor_pb2.CacheFile(name=d.kv_cache_file, num_blocks=d.num_blocks) \
+            if d.kv_cache_file else None         # a restarted executor names another
         # A new epoch: the executor's slots start empty as far as this core knows (and may be another size now).
         self.core.adapters.configure(d.max_loras, d.max_cpu_loras)
         # Epochs only grow; a clock reading stays above any earlier one, across scheduler restarts too.

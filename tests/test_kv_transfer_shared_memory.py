@@ -98,6 +98,50 @@ def test_a_mapped_read_is_admitted_as_a_grpc_read_is(trio, case, code):
     b.close()
 
 
+def test_an_executor_names_its_cache_file_in_describe_where_it_is_in_shared_memory(trio):
+    stub = trio["stub"]
+    names = {n: stub[n].Describe(executor_pb2.DescribeRequest()).kv_cache_file for n in "abc"}
+    assert sorted(f.name for f in trio["shared"].iterdir()) == sorted([names["a"], names["b"]])
+    assert names["c"] == ""
+
+
+@pytest.mark.parametrize("named", ["its own cache", "a copy of it under another name", "a file not here",
+                                   "a name outside the directory"])
+def test_a_pull_told_the_sources_cache_copies_at_once_and_keeps_only_what_the_source_confirms(trio, named):
+    """The scheduler names the source's cache where its blocks are final: the target copies before the source
+    answers. The source's answer must name that same file: a copy of its bytes under another name (whose digests
+    match) is refused. A name that is not a file here is ignored: the pull learns the file from the source."""
+    stub, layout, shared = trio["stub"], trio["layout"], trio["shared"]
+    a = filled(trio)
+    b = Stream(stub["b"], fresh_epoch())
+    b.send()
+    own = stub["a"].Describe(executor_pb2.DescribeRequest()).kv_cache_file
+    other = None
+    name = {"its own cache": own, "a file not here": f"stepwire-kv-{'e' * 32}",
+            "a name outside the directory": "../../../etc/passwd"}.get(named)
+    if named == "a copy of it under another name":
+        other = shared_cache.Segment.create(str(shared), trio["num_blocks"] * trio["block"])
+        other.map[:] = (shared / own).read_bytes()
+        name = other.name
+    request = executor_pb2.PullBlocksRequest(
+        transfer_id="t", source=trio["stack"]["a"].address, source_blocks=[1, 2, 3], target_blocks=[60, 61, 62],
+        kv_layout=layout, epoch=b.epoch, after_step=-1, source_epoch=a.epoch, deadline_seconds=10,
+        source_cache=executor_pb2.CacheFile(name=name, num_blocks=trio["num_blocks"]))
+    try:
+        if other is not None:
+            with pytest.raises(grpc.RpcError) as e:
+                stub["b"].PullBlocks(request, timeout=15)
+            assert e.value.code() == grpc.StatusCode.DATA_LOSS, e.value.details()
+        else:
+            reply = stub["b"].PullBlocks(request, timeout=15)
+            assert reply.transport == "shared_memory" and reply.bytes == 3 * trio["block"]
+            assert read(stub["b"], [60, 61, 62], layout, b.epoch) == read(stub["a"], [1, 2, 3], layout, a.epoch)
+    finally:
+        shared_cache.remove(other)
+        a.close()
+        b.close()
+
+
 class MappedFake(executor_pb2_grpc.ExecutorServicer):
     """A peer whose ReadBlocksMapped misbehaves; its ReadBlocks hands over the real blocks, unchanged."""
 

@@ -3,8 +3,10 @@ locked, removed at stop; a cache that does not fit is plain memory; the director
 it is checked before it is opened, swept or mapped; the copy engine copies blocks from a peer's file and digests
 them as a gRPC read would, and a dead engine fails one copy and starts again."""
 
+import asyncio
 import os
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -18,6 +20,10 @@ from executor_service.kv_tensors import allocate_shared, layer_views  # noqa: E4
 from executor_service.shared_cache import Segment, as_rows, sweep  # noqa: E402
 
 CFG = SimpleNamespace(num_layers=3, head_dim=8)       # all a cache's shape takes of a model's config
+
+
+def run(coro):
+    return asyncio.run(coro)
 
 
 def filled(blocks: torch.Tensor, seed: int) -> torch.Tensor:
@@ -59,20 +65,21 @@ def test_the_copy_engine_copies_from_a_peers_cache_the_bytes_and_digests_a_grpc_
         others, data = dst.read([1, 2, 3, 4, 5]), src.read([7, 9, 11])
         engine.map(src_file.name, 12)
         # Digested as the source digests, `per` blocks at a time.
-        assert engine.copy(src_file.name, 12, [7, 9, 11], [6, 10, 8], 2) == [digest(data[:2 * src.size]),
-                                                                             digest(data[2 * src.size:])]
+        assert run(engine.copy(src_file.name, 12, [7, 9, 11], [6, 10, 8], 2)) == [digest(data[:2 * src.size]),
+                                                                                  digest(data[2 * src.size:])]
         assert dst.read([6, 10, 8]) == data and dst.read([1, 2, 3, 4, 5]) == others
-        assert engine.digest([6, 10, 8]) == digest(data)            # its own blocks, read in place
+        assert run(engine.digest([6, 10, 8], 3)) == [digest(data)]       # its own blocks, read in place
+        assert run(engine.digest([6, 10, 8], 2)) == [digest(data[:2 * src.size]), digest(data[2 * src.size:])]
         with pytest.raises(ValueError):
-            engine.copy(src_file.name, 12, [12], [1], 1)              # past the peer's cache
+            run(engine.copy(src_file.name, 12, [12], [1], 1))              # past the peer's cache
         with pytest.raises(ValueError):
             engine.map(f"stepwire-kv-{'d' * 32}", 12)             # not there: the caller reads through gRPC
         # An engine that dies (a peer's file shrunk under it: SIGBUS) fails the copy under way, not the executor,
         # and the next request starts it again.
         engine.proc.kill()
         with pytest.raises(EngineDied):
-            engine.copy(src_file.name, 12, [7], [6], 1)
-        assert engine.digest([6, 10, 8]) == digest(data)
+            run(engine.copy(src_file.name, 12, [7], [6], 1))
+        assert run(engine.digest([6, 10, 8], 3)) == [digest(data)]
     finally:
         engine.close()
         shared_cache.remove(src_file)
@@ -80,27 +87,75 @@ def test_the_copy_engine_copies_from_a_peers_cache_the_bytes_and_digests_a_grpc_
     assert engine.proc is None and not list(tmp_path.iterdir())
 
 
-def test_a_source_that_restarts_with_another_cache_has_its_old_one_unmapped(tmp_path):
-    """Else the engine would keep a dead peer's whole cache (reserved memory) mapped."""
-    from executor_service.mapped_block_source import Mappings
-    from stepwire.internal import executor_pb2
+def mapped_in(pid: int, name: str) -> int | None:
+    """KiB of `name`'s mapping in `pid`'s page tables (None: not mapped), from /proc/PID/smaps."""
+    kib, mine = None, False
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            if "-" in line.split(" ", 1)[0]:                      # a mapping's first line
+                mine = line.rstrip().endswith("/" + name)
+            elif mine and line.startswith("Rss:"):
+                kib = (kib or 0) + int(line.split()[1])
+    return kib
+
+
+def until(what, seconds: float = 10.0):
+    deadline = time.monotonic() + seconds
+    while not what() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return what()
+
+
+def test_the_engine_maps_in_live_peers_caches_ahead_and_unmaps_those_whose_file_went(tmp_path):
+    """A pull's copy takes no page fault on a peer that was already there (a fault per 4 KiB halved its speed);
+    a dead executor's file left for the next sweep is not mapped, and a stopped peer's memory is not kept."""
     dst_blocks, dst_file = allocate_shared(CFG, 2, 12, 4, "cpu", torch.float32, str(tmp_path))
-    old = shared_cache.create(str(tmp_path), 12 * BlockBytes.of(dst_blocks).size)
-    new = shared_cache.create(str(tmp_path), 12 * BlockBytes.of(dst_blocks).size)
-    engine = CopyEngine(str(dst_file.path), 12, BlockBytes.of(dst_blocks).size, str(tmp_path))
-    mapped_files = lambda: open(f"/proc/{engine.proc.pid}/maps").read()  # noqa: E731
+    size = BlockBytes.of(dst_blocks).size
+    live = shared_cache.create(str(tmp_path), 300 * size)
+    dead = shared_cache.create(str(tmp_path), 300 * size)
+    dead.close()                                # its lock is free (its mapping held it too): an executor that died
+    engine = CopyEngine(str(dst_file.path), 12, size, str(tmp_path))
     try:
-        m = Mappings(engine)
-        m.get("10.0.0.1:50061", executor_pb2.CacheFile(name=old.name, num_blocks=12))
-        assert old.name in mapped_files()
-        m.get("10.0.0.1:50061", executor_pb2.CacheFile(name=new.name, num_blocks=12))
-        assert new.name in mapped_files() and old.name not in mapped_files()
-        m.drop("10.0.0.1:50061")                 # a pull from it failed
-        assert new.name not in mapped_files()
+        run(engine.digest([1], 1))              # started
+        pid = engine.proc.pid
+        assert until(lambda: (mapped_in(pid, live.name) or 0) >= 300 * size // 1024)       # every page
+        assert mapped_in(pid, dead.name) is None
+        later = shared_cache.create(str(tmp_path), 300 * size)             # a peer that starts later
+        assert until(lambda: mapped_in(pid, later.name) is not None)
+        shared_cache.remove(live)               # a peer that stopped
+        assert until(lambda: mapped_in(pid, live.name) is None)
+        assert mapped_in(pid, later.name) is not None
+        shared_cache.remove(later)
     finally:
         engine.close()
-        for f in (old, new, dst_file):
+        for f in (dead, dst_file):
             shared_cache.remove(f)
+
+
+def test_a_cancelled_copy_returns_only_once_the_engine_is_done_and_the_next_request_gets_its_own_answer(tmp_path):
+    """Else the blocks could be given to another request while the engine still writes them, and the next
+    request would read the cancelled one's answer."""
+    src_blocks, src_file = allocate_shared(CFG, 2, 4096, 4, "cpu", torch.float32, str(tmp_path))
+    dst_blocks, dst_file = allocate_shared(CFG, 2, 4096, 4, "cpu", torch.float32, str(tmp_path))
+    src, dst = BlockBytes.of(filled(src_blocks, 1)), BlockBytes.of(dst_blocks)
+    engine = CopyEngine(str(dst_file.path), 4096, dst.size, str(tmp_path))
+    ids = list(range(1, 4096))
+
+    async def main():
+        copying = asyncio.ensure_future(engine.copy(src_file.name, 4096, ids, ids, 4096))
+        await asyncio.sleep(0.01)
+        copying.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await copying
+        assert dst.read(ids) == src.read(ids)          # done before the cancel came back
+        return await engine.digest([1, 2], 1)
+
+    try:
+        assert run(main()) == [digest(src.read([1])), digest(src.read([2]))]
+    finally:
+        engine.close()
+        shared_cache.remove(src_file)
+        shared_cache.remove(dst_file)
 
 
 def test_a_sweep_removes_files_nobody_holds_and_leaves_live_ones_fifos_and_strangers_alone(tmp_path):

@@ -12,7 +12,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("model", "architecture", "vocab_size", "max_model_len", "block_size", "num_blocks", "dtype", "device", "eos_token_ids", "instance_id", "tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "kv_layout", "role", "max_loras", "max_lora_rank", "max_cpu_loras")
+    __slots__ = ("model", "architecture", "vocab_size", "max_model_len", "block_size", "num_blocks", "dtype", "device", "eos_token_ids", "instance_id", "tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "kv_layout", "role", "max_loras", "max_lora_rank", "max_cpu_loras", "kv_cache_file")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,7 @@ class DescribeResponse(_message.Message):
     MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
     MAX_CPU_LORAS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_FILE_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     vocab_size: int
@@ -49,7 +50,8 @@ class DescribeResponse(_message.Message):
     max_loras: int
     max_lora_rank: int
     max_cpu_loras: int
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., kv_layout: _Optional[str] = ..., role: _Optional[str] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., max_cpu_loras: _Optional[int] = ...) -> None: ...
+    kv_cache_file: str
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., kv_layout: _Optional[str] = ..., role: _Optional[str] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., max_cpu_loras: _Optional[int] = ..., kv_cache_file: _Optional[str] = ...) -> None: ...
 
 class CheckAdapterRequest(_message.Message):
     __slots__ = ("name", "path")
@@ -174,7 +176,7 @@ class StepResponse(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., all_sampled: _Optional[bool] = ..., sampled: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprob_rows: _Optional[_Iterable[int]] = ..., logprob_counts: _Optional[_Iterable[int]] = ..., logprob_token_ids: _Optional[_Iterable[int]] = ..., logprob_values: _Optional[_Iterable[float]] = ..., resync: _Optional[_Union[Resync, _Mapping]] = ..., forward_seconds: _Optional[float] = ..., draining: _Optional[bool] = ..., token_counts: _Optional[_Iterable[int]] = ..., proposals: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PullBlocksRequest(_message.Message):
-    __slots__ = ("transfer_id", "source", "source_blocks", "target_blocks", "kv_layout", "epoch", "after_step", "traceparent", "deadline_seconds", "source_epoch", "source_after_step")
+    __slots__ = ("transfer_id", "source", "source_blocks", "target_blocks", "kv_layout", "epoch", "after_step", "traceparent", "deadline_seconds", "source_epoch", "source_after_step", "source_cache")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     SOURCE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -186,6 +188,7 @@ class PullBlocksRequest(_message.Message):
     DEADLINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     SOURCE_AFTER_STEP_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_CACHE_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     source: str
     source_blocks: _containers.RepeatedScalarFieldContainer[int]
@@ -197,7 +200,8 @@ class PullBlocksRequest(_message.Message):
     deadline_seconds: float
     source_epoch: int
     source_after_step: int
-    def __init__(self, transfer_id: _Optional[str] = ..., source: _Optional[str] = ..., source_blocks: _Optional[_Iterable[int]] = ..., target_blocks: _Optional[_Iterable[int]] = ..., kv_layout: _Optional[str] = ..., epoch: _Optional[int] = ..., after_step: _Optional[int] = ..., traceparent: _Optional[str] = ..., deadline_seconds: _Optional[float] = ..., source_epoch: _Optional[int] = ..., source_after_step: _Optional[int] = ...) -> None: ...
+    source_cache: CacheFile
+    def __init__(self, transfer_id: _Optional[str] = ..., source: _Optional[str] = ..., source_blocks: _Optional[_Iterable[int]] = ..., target_blocks: _Optional[_Iterable[int]] = ..., kv_layout: _Optional[str] = ..., epoch: _Optional[int] = ..., after_step: _Optional[int] = ..., traceparent: _Optional[str] = ..., deadline_seconds: _Optional[float] = ..., source_epoch: _Optional[int] = ..., source_after_step: _Optional[int] = ..., source_cache: _Optional[_Union[CacheFile, _Mapping]] = ...) -> None: ...
 
 class PullBlocksResponse(_message.Message):
     __slots__ = ("bytes", "seconds", "transport")
