@@ -33,6 +33,7 @@ from stepwire.internal import executor_pb2
 
 log = logging.getLogger("stepwire.scheduler")
 MARGIN_SECONDS = 5.0              # our wait beyond the target's own deadline
+MAX_PULL_BLOCKS = 512             # the most blocks one pull moves: a larger drain goes as several, side by side
 _ids = itertools.count()
 
 
@@ -61,6 +62,7 @@ class KVMoves:
             return
         handoff = which == "handoff"
         kind = which if isinstance(which, str) else "rebalance"
+        pulls: dict[object, list[list[tuple[Move, list[int], list[int]]]]] = {}     # per target
         for req in list(core.running):
             num_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
             if kind == "rebalance" and req.request_id not in which:
@@ -75,10 +77,16 @@ class KVMoves:
             target, num_hits, fresh = reserved
             pin = source.detach(req)
             blocks = -(-num_tokens // core.config.block_size)
-            mv = Move(req, source, target, pin, source.epoch, target.epoch, num_tokens, self._transfer_id(), kind,
+            mv = Move(req, source, target, pin, source.epoch, target.epoch, num_tokens, "", kind,
                       req.request_id, source.last_sent_step)
             self.in_transit[req.request_id] = mv
-            self._start(mv, [b.block_id for b in pin[num_hits:blocks]], fresh)
+            _batch(pulls.setdefault(target, []), (mv, [b.block_id for b in pin[num_hits:blocks]], fresh))
+        for batches in pulls.values():
+            for parts in batches:
+                tid = self._transfer_id()
+                for mv, _, _ in parts:
+                    mv.transfer_id = tid
+                self._start(parts)
         moved = [mv.req for mv in self.in_transit.values() if mv.source is source and mv.kind == kind]
         if moved and kind == "leave":
             self.fleet.count_moved(moved)
@@ -126,7 +134,7 @@ class KVMoves:
         mv = Move(req, source, target, pin, source.epoch, target.epoch, choice.pulled, tid, "prefix",
                   f"prefix:{tid}", source.last_sent_step)
         self.in_transit[req.request_id] = mv
-        self._start(mv, [b.block_id for b in pin], fresh)
+        self._start([(mv, [b.block_id for b in pin], fresh)])
         return True
 
     def busy(self, link) -> bool:
@@ -138,19 +146,24 @@ class KVMoves:
 
     # ------------------------------------------------------------------ the pull
 
-    def _start(self, mv: Move, source_blocks: list[int], target_blocks: list[int]) -> None:
-        task = asyncio.get_running_loop().create_task(self._run(mv, source_blocks, target_blocks))
-        self._tasks.add(task)          # held, so that it runs to its end; whatever happens, `_run` ends the move
+    def _start(self, parts: list[tuple[Move, list[int], list[int]]]) -> None:
+        """One pull of the moves `parts` (each with its source and target blocks), from one source to one target."""
+        task = asyncio.get_running_loop().create_task(self._run(parts))
+        self._tasks.add(task)          # held, so that it runs to its end; whatever happens, `_run` ends the moves
         task.add_done_callback(self._tasks.discard)
 
-    async def _run(self, mv: Move, source_blocks: list[int], target_blocks: list[int]) -> None:
-        reply, why, span, ended = None, "", None, True
+    async def _run(self, parts: list[tuple[Move, list[int], list[int]]]) -> None:
+        reply, why, spans, ended = None, "", [None] * len(parts), True
+        mv = parts[0][0]                  # they share source, target, epochs and kind
+        source_blocks = [b for _, src, _ in parts for b in src]
+        target_blocks = [b for _, _, dst in parts for b in dst]
         try:
-            span = move_span(self.fleet.lifecycles, mv, len(source_blocks))
+            spans = [move_span(self.fleet.lifecycles, m, len(src)) for m, src, _ in parts]
+            span = spans[0]               # the pull's spans on the executors are its children
             async with self._slots:
                 stub = mv.target.stub
-                if mv.aborted or stub is None:
-                    raise ConnectionError("aborted" if mv.aborted else "target not connected")
+                if all(m.aborted for m, _, _ in parts) or stub is None:
+                    raise ConnectionError("aborted" if stub is not None else "target not connected")
                 pull = executor_pb2.PullBlocksRequest(
                     transfer_id=mv.transfer_id, source=mv.source.address, source_blocks=source_blocks,
                     target_blocks=target_blocks, kv_layout=mv.source.kv_layout, epoch=mv.target_epoch,
@@ -159,7 +172,7 @@ class KVMoves:
                     after_step=min(mv.target.last_sent_step, mv.target.core.kv.pool.last_writer(target_blocks)),
                     traceparent=tracing.traceparent(span) if span else "",
                     deadline_seconds=self.settings.kv_transfer_seconds, source_epoch=mv.source_epoch,
-                    source_after_step=mv.source_after_step)
+                    source_after_step=mv.source_after_step, source_cache=self._final_cache(mv))
                 ended = False      # from here the target may write, until it says it stopped
                 self._busy(+1)
                 try:
@@ -177,7 +190,16 @@ class KVMoves:
         except Exception as e:   # noqa: BLE001 -- a move that died here would strand its request
             log.exception("KV transfer %s: unexpected error", mv.transfer_id)
             why = f"internal error: {e}"
-        self._end(mv, reply, why, len(source_blocks), span, ended)
+        for (m, src, _), span in zip(parts, spans, strict=True):
+            self._end(m, _share(reply, len(src), len(source_blocks)), why, len(src), span, ended)
+
+    @staticmethod
+    def _final_cache(mv: Move):
+        """The source's cache file where no step there can still write the blocks (a request that leaves went
+        once every step sent had run; a prefix may be filled by a step in flight): a target on its host may then
+        copy them before the source answers."""
+        source = mv.source
+        return source.kv_cache if mv.kind != "prefix" and source.epoch == mv.source_epoch else None
 
     def _busy(self, delta: int) -> None:
         now = time.monotonic()
@@ -243,3 +265,24 @@ class KVMoves:
 
     def __len__(self) -> int:
         return len(self.in_transit)
+
+
+def _batch(batches: list[list], part: tuple) -> None:
+    """`part` (a move, its source and its target blocks) into the last pull to its target, or a new one: a drain's
+    requests go to a target in one pull (its setup, the source's admission and the copy's round trips are paid
+    once, not per request), up to MAX_PULL_BLOCKS, and never with a source block twice (requests that share a
+    cached prefix: a source reads each block once)."""
+    last = batches[-1] if batches else None
+    if last is None or sum(len(src) for _, src, _ in last) + len(part[1]) > MAX_PULL_BLOCKS or \
+            not {b for _, src, _ in last for b in src}.isdisjoint(part[1]):
+        batches.append([part])
+    else:
+        last.append(part)
+
+
+def _share(reply, num_blocks: int, total: int):
+    """A move's part of its pull's answer: the bytes of its blocks, and as much of the time."""
+    if reply is None or total == 0:
+        return reply
+    return executor_pb2.PullBlocksResponse(bytes=reply.bytes // total * num_blocks,
+                                           seconds=reply.seconds * num_blocks / total, transport=reply.transport)
