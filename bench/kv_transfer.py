@@ -3,8 +3,9 @@
 without it (recomputed on the executor that takes them), on real processes with the embedded model.
 
 Two executors and a scheduler on loopback. --streams greedy requests with --context-token prompts (distinct
-random tokens) decode --max-tokens each; once every stream has 8 tokens, executor-0 gets SIGTERM. Three runs,
-each on a fresh stack:
+random tokens) decode --max-tokens each; once every stream has 8 tokens, executor-0 gets SIGTERM. The
+executors run in deterministic mode (--drain-mode default: not), so that a moved request's tokens do not depend
+on the larger batch it joins and `identical` checks its KV. Three runs, each on a fresh stack:
   reference   no drain: the tokens every run must give;
   transfer    the drain with KV transfer (the default);
   recompute   the drain with --no-kv-transfer: the requests move at once (--drain-seconds 0 in both drain runs,
@@ -33,6 +34,7 @@ last turn ends, pulls / without, with the pulls made and whether the tokens are 
 Usage: bench/kv_transfer.py [--streams 4] [--context-tokens 2048] [--max-tokens 48] [--decode-streams 4]
                             [--decode-tokens 160] [--long-prompts 8] [--long-every 1.0] [--conversations 6]
                             [--history-tokens 1536] [--turn-tokens 256] [--only drain|pd|pull] [--model DIR]
+                            [--drain-mode deterministic|default] [--deterministic] [--compare-grpc]
 """
 
 from __future__ import annotations
@@ -89,7 +91,8 @@ def run_once(args, mode: str, prompt_ids: list[list[int]]) -> dict | None:
 
     tmp = Path(tempfile.mkdtemp(prefix=f"kv-{mode}-"))
     executor = {"--model": args.model, "--metrics-address": "", "--threads": 1, "--max-num-seqs": 16,
-                "--kv-cache-memory": 2 << 30, "--drain-seconds": 120, "--deterministic": args.deterministic}
+                "--kv-cache-memory": 2 << 30, "--drain-seconds": 120,
+                "--deterministic": args.drain_mode == "deterministic"}
     if mode == "grpc":            # the transfer run again, with the blocks through gRPC even on one host
         executor["--kv-shared-memory-dir"] = ""
     sched = {"--metrics-address": "", "--retry-seconds": 0.2, "--drain-seconds": 0, "--max-num-seqs": 16,
@@ -272,8 +275,11 @@ def main() -> None:
     ap.add_argument("--history-tokens", type=int, default=1536)
     ap.add_argument("--turn-tokens", type=int, default=256)
     ap.add_argument("--only", choices=["drain", "pd", "pull"])
-    ap.add_argument("--deterministic", action="store_true", help="drain and pd: executors in deterministic mode, whose "
-                    "tokens do not depend on the batch (the default mode's may, by a rounding)")
+    ap.add_argument("--drain-mode", choices=["deterministic", "default"], default="deterministic",
+                    help="the drain's executors: deterministic mode (the default), whose tokens do not depend on "
+                    "the batch, so that `identical` checks the moved KV; in the default mode a moved request that "
+                    "joins a larger batch may round a near-tie the other way in bfloat16, transfer or not")
+    ap.add_argument("--deterministic", action="store_true", help="pd: executors in deterministic mode")
     ap.add_argument("--compare-grpc", action="store_true", help="drain: the transfer run once more with the "
                     "blocks through gRPC (--kv-shared-memory-dir ''), for its rate beside shared memory's")
     ap.add_argument("--model", default=str(MODEL))
