@@ -4,8 +4,8 @@ without it (recomputed on the executor that takes them), on real processes with 
 
 Two executors and a scheduler on loopback. --streams greedy requests with --context-token prompts (distinct
 random tokens) decode --max-tokens each; once every stream has 8 tokens, executor-0 gets SIGTERM. The
-executors run in deterministic mode (--drain-mode default: not), so that a moved request's tokens do not depend
-on the larger batch it joins and `identical` checks its KV. Three runs, each on a fresh stack:
+executors (of every part) run in deterministic mode (--mode default: not), so that a moved request's tokens do
+not depend on the batch it joins and `identical` checks its KV. Three runs, each on a fresh stack:
   reference   no drain: the tokens every run must give;
   transfer    the drain with KV transfer (the default);
   recompute   the drain with --no-kv-transfer: the requests move at once (--drain-seconds 0 in both drain runs,
@@ -34,7 +34,7 @@ last turn ends, pulls / without, with the pulls made and whether the tokens are 
 Usage: bench/kv_transfer.py [--streams 4] [--context-tokens 2048] [--max-tokens 48] [--decode-streams 4]
                             [--decode-tokens 160] [--long-prompts 8] [--long-every 1.0] [--conversations 6]
                             [--history-tokens 1536] [--turn-tokens 256] [--only drain|pd|pull] [--model DIR]
-                            [--drain-mode deterministic|default] [--deterministic] [--compare-grpc]
+                            [--mode deterministic|default] [--compare-grpc]
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def run_once(args, mode: str, prompt_ids: list[list[int]]) -> dict | None:
     tmp = Path(tempfile.mkdtemp(prefix=f"kv-{mode}-"))
     executor = {"--model": args.model, "--metrics-address": "", "--threads": 1, "--max-num-seqs": 16,
                 "--kv-cache-memory": 2 << 30, "--drain-seconds": 120,
-                "--deterministic": args.drain_mode == "deterministic"}
+                "--deterministic": args.mode == "deterministic"}
     if mode == "grpc":            # the transfer run again, with the blocks through gRPC even on one host
         executor["--kv-shared-memory-dir"] = ""
     sched = {"--metrics-address": "", "--retry-seconds": 0.2, "--drain-seconds": 0, "--max-num-seqs": 16,
@@ -152,7 +152,7 @@ def run_pd(args, roles: list[str], short: list[list[int]], long: list[list[int]]
 
     tmp = Path(tempfile.mkdtemp(prefix=f"pd-{roles[0]}-"))
     flags = {"--model": args.model, "--metrics-address": "", "--threads": 1, "--max-num-seqs": 16,
-             "--kv-cache-memory": 2 << 30, "--deterministic": args.deterministic}
+             "--kv-cache-memory": 2 << 30, "--deterministic": args.mode == "deterministic"}
     with Stack([*(Service("executor", f"executor-{i}", {**flags, "--role": r}) for i, r in enumerate(roles)),
                 Service("scheduler", flags={"--metrics-address": "", "--max-num-seqs": 16})], tmp) as stack, \
             grpc.insecure_channel(stack["scheduler"].address) as channel:
@@ -200,7 +200,7 @@ def run_pull(args, pulls: bool, histories: list[list[int]], turns: list[list[int
 
     tmp = Path(tempfile.mkdtemp(prefix=f"pull-{pulls}-"))
     flags = {"--model": args.model, "--metrics-address": "", "--threads": 1, "--max-num-seqs": 16,
-             "--kv-cache-memory": 2 << 30}
+             "--kv-cache-memory": 2 << 30, "--deterministic": args.mode == "deterministic"}
     sched = {"--metrics-address": "", "--max-num-seqs": 16, "--retry-seconds": 0.2}
     if not pulls:
         sched |= {"--kv-pull-token-cost": 1, "--rebalance-seconds": 0}
@@ -275,11 +275,10 @@ def main() -> None:
     ap.add_argument("--history-tokens", type=int, default=1536)
     ap.add_argument("--turn-tokens", type=int, default=256)
     ap.add_argument("--only", choices=["drain", "pd", "pull"])
-    ap.add_argument("--drain-mode", choices=["deterministic", "default"], default="deterministic",
-                    help="the drain's executors: deterministic mode (the default), whose tokens do not depend on "
-                    "the batch, so that `identical` checks the moved KV; in the default mode a moved request that "
-                    "joins a larger batch may round a near-tie the other way in bfloat16, transfer or not")
-    ap.add_argument("--deterministic", action="store_true", help="pd: executors in deterministic mode")
+    ap.add_argument("--mode", choices=["deterministic", "default"], default="deterministic",
+                    help="every part's executors: deterministic mode (the default), whose tokens do not "
+                    "depend on the batch, so that `identical` checks the moved KV; in the default mode a request "
+                    "in another batch may round a near-tie the other way in bfloat16, moved or not")
     ap.add_argument("--compare-grpc", action="store_true", help="drain: the transfer run once more with the "
                     "blocks through gRPC (--kv-shared-memory-dir ''), for its rate beside shared memory's")
     ap.add_argument("--model", default=str(MODEL))
