@@ -61,9 +61,10 @@ class SchedulerSettings(RoleSettings):
     kv_transfer: bool = Field(True, description="a draining executor's running requests move to another executor "
                               "with their KV blocks (pulled executor to executor) instead of being recomputed; "
                               "only between executors that report the same KV layout")
-    kv_transfer_seconds: float = Field(30.0, gt=0, description="longest one request's KV transfer may take; one "
-                                       "that does not finish in time is given up and the request recomputed")
-    kv_transfer_concurrency: int = Field(4, ge=1, le=256, description="KV transfers under way at once")
+    kv_transfer_seconds: float = Field(30.0, gt=0, description="longest one KV pull may take (a request's, or "
+                                       "a drain's requests to one target); one that does not finish in time is "
+                                       "given up and its requests recomputed")
+    kv_transfer_concurrency: int = Field(4, ge=1, le=256, description="KV pulls under way at once")
     kv_pull_overhead_tokens: int = Field(256, ge=0, description="routing's cost of pulling a cached prefix from "
                                          "another executor, fixed part, in prompt tokens computed (README: cost "
                                          "model)")
