@@ -154,6 +154,12 @@ class CopyEngine:
         self.proc = None
 
     def close(self) -> None:
-        with self.lock:
+        # Without waiting for the lock: a request of the event loop's that holds it ends only when the loop runs
+        # again; its pipe closed, it ends with EngineDied.
+        locked = self.lock.acquire(timeout=1.0)
+        try:
             self._stop(kill=False)
+        finally:
+            if locked:
+                self.lock.release()
 

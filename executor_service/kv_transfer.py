@@ -255,11 +255,12 @@ class BlockMover:
                     raise _Refused(grpc.StatusCode.DATA_LOSS, "blocks changed in the source's cache while they "
                                    "were read")
         except mapped.CopyFailed as e:
-            self.mappings.drop(request.source)          # mapped afresh, or found unmappable, next time
+            await self.mappings.drop(request.source)    # mapped afresh, or found unmappable, next time
             raise _Refused(grpc.StatusCode.UNAVAILABLE, f"blocks from shared memory: {e}") from None
         except grpc.RpcError as e:
             self.channels.drop(request.source)          # dialled afresh next time: the peer may be another now
-            self.mappings and self.mappings.drop(request.source)
+            if self.mappings:
+                await self.mappings.drop(request.source)
             code = grpc.StatusCode.DEADLINE_EXCEEDED if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else \
                 grpc.StatusCode.UNAVAILABLE
             raise _Refused(code, f"source {request.source}: {e.code().name}: {e.details()}") from None

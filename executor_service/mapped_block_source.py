@@ -123,13 +123,14 @@ class Mappings:
                 self.engine.forget(self.maps.popitem(last=False)[1].name)
             return m
 
-    def drop(self, address: str) -> None:
-        """A source whose pull failed: mapped afresh (or found unmappable) next time."""
+    async def drop(self, address: str) -> None:
+        """A source whose pull failed: mapped afresh (or found unmappable) next time. From the event loop, which
+        must not wait on the engine's lock: a copy under way holds it until the loop reads its answer."""
         with self.lock:
             m = self.maps.pop(address, None)
-            if m is not None:
-                with contextlib.suppress(EngineDied, ValueError):
-                    self.engine.forget(m.name)
+        if m is not None:
+            with contextlib.suppress(EngineDied, ValueError):
+                await self.engine.acall("forget", m.name)
 
 
 class MappedBlockSource(GrpcBlockSource):

@@ -196,3 +196,34 @@ def test_the_copy_engine_imports_neither_torch_nor_grpc():
                           "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'grpc'}))"],
                          capture_output=True, text=True, check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert out.stdout.strip() == "[]"
+
+
+def test_a_failed_pull_forgets_its_source_without_blocking_the_event_loop_on_a_copy_under_way(tmp_path):
+    """The loop's copy holds the engine's lock until the loop reads its answer: a forget that waited on that lock
+    from the loop would never end (checked from another thread, so that a regression fails instead of hanging)."""
+    from executor_service.mapped_block_source import Mappings
+    from stepwire.internal import executor_pb2
+    src_blocks, src_file = allocate_shared(CFG, 2, 4096, 4, "cpu", torch.float32, str(tmp_path))
+    dst_blocks, dst_file = allocate_shared(CFG, 2, 4096, 4, "cpu", torch.float32, str(tmp_path))
+    size = BlockBytes.of(dst_blocks).size
+    engine = CopyEngine(str(dst_file.path), 4096, size, str(tmp_path))
+    mappings = Mappings(engine, str(tmp_path))
+    ids, result = list(range(1, 4096)), {}
+
+    async def main():
+        mappings.note("10.0.0.1:50061", executor_pb2.CacheFile(name=src_file.name, num_blocks=4096))
+        copying = asyncio.ensure_future(engine.copy(src_file.name, 4096, ids, ids, 4096))
+        await asyncio.sleep(0.005)                 # the copy's request is with the engine
+        await mappings.drop("10.0.0.1:50061")      # another pull from that source failed
+        result["digests"] = await copying
+
+    loop = threading.Thread(target=lambda: asyncio.run(main()), daemon=True)
+    try:
+        loop.start()
+        loop.join(30)
+        assert not loop.is_alive() and len(result["digests"]) == 1
+    finally:
+        if not loop.is_alive():
+            engine.close()
+            shared_cache.remove(src_file)
+            shared_cache.remove(dst_file)
