@@ -32,13 +32,15 @@ class CopyEngine:
         self.lock = threading.Lock()
         self.proc: subprocess.Popen | None = None
         self.tx = self.rx = None
-        self.ready = False
+        self.ready = self.closed = False
         try:
             self._start()
         except OSError as e:                 # no process to be had now: the first request tries again
             log.warning("copy engine not started (%s)", e)
 
     def _start(self) -> None:
+        if self.closed:                      # a request that waited for the lock through close starts none
+            raise OSError("the copy engine is closed")
         down_r, down_w = os.pipe()
         up_r, up_w = os.pipe()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
@@ -154,8 +156,9 @@ class CopyEngine:
         self.proc = None
 
     def close(self) -> None:
-        # Without waiting for the lock: a request of the event loop's that holds it ends only when the loop runs
-        # again; its pipe closed, it ends with EngineDied.
+        # Not waiting long for the lock: a request of the event loop's holds it until the loop runs again, and
+        # then fails on its closed pipe (EngineDied), or at the latest at its timeout; none starts an engine.
+        self.closed = True
         locked = self.lock.acquire(timeout=1.0)
         try:
             self._stop(kill=False)

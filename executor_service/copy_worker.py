@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import fcntl
 import os
 import sys
@@ -67,6 +68,8 @@ def map_in(rows: np.ndarray) -> None:
     for start in range(0, len(data), PIECE):
         piece = data[start:start + PIECE]
         if _libc.madvise(piece.ctypes.data, len(piece), MADV_POPULATE_READ) != 0:
+            if ctypes.get_errno() != errno.EINVAL:
+                return                      # EFAULT: the file shrank (a read would be SIGBUS); it is left alone
             piece[::4096].max()             # an older kernel: a read of each page does it (numpy drops the GIL)
 
 
@@ -84,6 +87,7 @@ class Worker:
         self.own_name = own.name
         self.own = as_rows(own.map, block_size)
         self.peers: OrderedDict[str, Peer] = OrderedDict()
+        self.dead: set[str] = set()          # files no executor holds: not locked again (a sweep would skip them)
         self.lock = threading.Lock()         # the requests' thread and the warming one
 
     def peer(self, name: str, num_blocks: int) -> np.ndarray:
@@ -111,12 +115,16 @@ class Worker:
             for name in [n for n, p in self.peers.items() if n not in live or live[n].st_ino != p.ino]:
                 del self.peers[name]
             room = MAPPINGS - len(self.peers)
+        self.dead &= set(live)
         for name, st in live.items():
-            if room > 0 and name not in self.peers and st.st_size % self.block_size == 0 and is_live(
-                    os.path.join(self.directory, name)):
-                with contextlib.suppress(OSError, ValueError):
-                    self.peer(name, st.st_size // self.block_size)
-                    room -= 1
+            if room <= 0 or name in self.peers or name in self.dead or st.st_size % self.block_size:
+                continue
+            if not is_live(os.path.join(self.directory, name)):
+                self.dead.add(name)
+                continue
+            with contextlib.suppress(OSError, ValueError):
+                self.peer(name, st.st_size // self.block_size)
+                room -= 1
         with self.lock:
             todo = [p for p in self.peers.values() if not p.mapped_in]
         for p in todo:

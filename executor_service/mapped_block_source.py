@@ -91,13 +91,15 @@ class Mappings:
         self.elsewhere[address] = time.monotonic()
 
     def here(self, address: str, f: executor_pb2.CacheFile) -> bool:
-        """The cache the scheduler named is a file in our directory: this executor may copy from it at once."""
+        """The cache the scheduler named is a file of ours in our directory: this executor may copy from it at
+        once (any other, another user's say, is left to ReadBlocksMapped's answer, and gRPC where it fails)."""
         if not NAME.match(f.name) or not self.worth_trying(address):
             return False
         try:
-            return stat.S_ISREG(os.lstat(os.path.join(self.directory, f.name)).st_mode)
+            st = os.lstat(os.path.join(self.directory, f.name))
         except OSError:
             return False
+        return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
 
     def note(self, address: str, f: executor_pb2.CacheFile) -> Mapped:
         """The cache `address` named ahead, which the copy maps: only noted, for `drop` (its engine unmaps the
@@ -111,17 +113,22 @@ class Mappings:
         return m
 
     def get(self, address: str, f: executor_pb2.CacheFile) -> Mapped:
+        """On a thread. The lock is not held across the engine's calls: the event loop takes it (`note`,
+        `drop`), and a copy of the loop's holds the engine until the loop reads its answer."""
+        m = Mapped(f.name, f.num_blocks)
         with self.lock:
-            m = self.maps.pop(address, None)
-            if m is None or m != Mapped(f.name, f.num_blocks):
-                if m is not None:
-                    self.engine.forget(m.name)                 # a restarted source's old cache: freed
-                m = Mapped(f.name, f.num_blocks)
-                self.engine.map(m.name, m.num_blocks)          # ValueError where it does not map here
+            old = self.maps.get(address)
+        if old != m:
+            if old is not None:
+                self.engine.forget(old.name)                   # a restarted source's old cache: freed
+            self.engine.map(m.name, m.num_blocks)              # ValueError where it does not map here
+        with self.lock:
+            self.maps.pop(address, None)
             self.maps[address] = m
-            while len(self.maps) > MAPPINGS:
-                self.engine.forget(self.maps.popitem(last=False)[1].name)
-            return m
+            evicted = [self.maps.popitem(last=False)[1] for _ in range(len(self.maps) - MAPPINGS)]
+        for e in evicted:
+            self.engine.forget(e.name)
+        return m
 
     async def drop(self, address: str) -> None:
         """A source whose pull failed: mapped afresh (or found unmappable) next time. From the event loop, which

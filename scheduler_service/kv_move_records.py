@@ -60,7 +60,6 @@ def record(counts: MoveCounts, m, mv: Move, ok: bool, reply, why: str, num_block
         c.prefix_pulls += mv.kind == "prefix"
         m.kv_transfer_blocks.inc(num_blocks)
         m.kv_transfer_bytes.labels(reply.transport or "grpc").inc(reply.bytes)
-        m.kv_transfer_seconds.observe(reply.seconds)
         m.recompute_avoided.inc(mv.num_tokens)
         if mv.kind == "prefix":
             m.prefix_pulls.inc()

@@ -33,7 +33,8 @@ from stepwire.internal import executor_pb2
 
 log = logging.getLogger("stepwire.scheduler")
 MARGIN_SECONDS = 5.0              # our wait beyond the target's own deadline
-MAX_PULL_BLOCKS = 512             # the most blocks one pull moves: a larger drain goes as several, side by side
+MAX_PULL_BLOCKS = 512             # the most blocks one pull gathers (a request with more goes alone): a larger drain
+#                                   goes as several pulls, side by side
 _ids = itertools.count()
 
 
@@ -190,8 +191,13 @@ class KVMoves:
         except Exception as e:   # noqa: BLE001 -- a move that died here would strand its request
             log.exception("KV transfer %s: unexpected error", mv.transfer_id)
             why = f"internal error: {e}"
+        if reply is not None:
+            self.metrics.kv_transfer_seconds.observe(reply.seconds)      # the pull's, not each request's share
         for (m, src, _), span in zip(parts, spans, strict=True):
-            self._end(m, _share(reply, len(src), len(source_blocks)), why, len(src), span, ended)
+            try:
+                self._end(m, _share(reply, len(src), len(source_blocks)), why, len(src), span, ended)
+            except Exception:   # noqa: BLE001 -- the pull's other moves must still end, or their blocks stay held
+                log.exception("KV transfer %s: ending request %s", m.transfer_id, m.req.request_id)
 
     @staticmethod
     def _final_cache(mv: Move):

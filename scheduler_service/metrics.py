@@ -52,8 +52,9 @@ class SchedulerMetrics:
                                           registry=r)
         self.kv_transfer_bytes = Counter("stepwire:kv_transfer_bytes", "Bytes of those blocks, by how they went: "
                                          "shared_memory (one host) or grpc.", ["transport"], registry=r)
-        self.kv_transfer_seconds = Histogram("stepwire:kv_transfer_seconds", "One request's KV transfer, as the "
-                                             "executor that pulled it timed it.", buckets=LATENCY, registry=r)
+        self.kv_transfer_seconds = Histogram("stepwire:kv_transfer_seconds", "One KV pull (a request's, or a "
+                                             "drain's requests to one target), as the executor that pulled it timed "
+                                             "it.", buckets=LATENCY, registry=r)
         self.recompute_avoided = Counter("stepwire:recompute_avoided_tokens", "Tokens that moved with their KV "
                                          "or were pulled as a cached prefix, instead of being computed again.",
                                          registry=r)

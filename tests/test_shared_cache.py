@@ -198,9 +198,10 @@ def test_the_copy_engine_imports_neither_torch_nor_grpc():
     assert out.stdout.strip() == "[]"
 
 
-def test_a_failed_pull_forgets_its_source_without_blocking_the_event_loop_on_a_copy_under_way(tmp_path):
+def test_the_event_loop_never_waits_on_a_lock_that_a_copy_under_way_holds(tmp_path):
     """The loop's copy holds the engine's lock until the loop reads its answer: a forget that waited on that lock
-    from the loop would never end (checked from another thread, so that a regression fails instead of hanging)."""
+    from the loop, or on the mappings' lock while a thread held it waiting for the engine, would never end
+    (checked from another thread, so that a regression fails instead of hanging)."""
     from executor_service.mapped_block_source import Mappings
     from stepwire.internal import executor_pb2
     src_blocks, src_file = allocate_shared(CFG, 2, 4096, 4, "cpu", torch.float32, str(tmp_path))
@@ -214,8 +215,14 @@ def test_a_failed_pull_forgets_its_source_without_blocking_the_event_loop_on_a_c
         mappings.note("10.0.0.1:50061", executor_pb2.CacheFile(name=src_file.name, num_blocks=4096))
         copying = asyncio.ensure_future(engine.copy(src_file.name, 4096, ids, ids, 4096))
         await asyncio.sleep(0.005)                 # the copy's request is with the engine
+        # A pull from a source seen for the first time maps its cache on a thread, which waits for the engine.
+        mapping = asyncio.ensure_future(asyncio.to_thread(
+            mappings.get, "10.0.0.2:50061", executor_pb2.CacheFile(name=src_file.name, num_blocks=4096)))
+        await asyncio.sleep(0.005)
+        mappings.note("10.0.0.3:50061", executor_pb2.CacheFile(name=src_file.name, num_blocks=4096))  # ahead
         await mappings.drop("10.0.0.1:50061")      # another pull from that source failed
         result["digests"] = await copying
+        await mapping
 
     loop = threading.Thread(target=lambda: asyncio.run(main()), daemon=True)
     try:
@@ -227,3 +234,23 @@ def test_a_failed_pull_forgets_its_source_without_blocking_the_event_loop_on_a_c
             engine.close()
             shared_cache.remove(src_file)
             shared_cache.remove(dst_file)
+
+
+def test_only_a_regular_file_of_ours_named_as_a_cache_is_copied_from_ahead(tmp_path, monkeypatch):
+    """Any other name the scheduler passes on (another user's file, a FIFO, a path) goes the slow way: the
+    source's answer names its file, and gRPC serves where that does not map."""
+    from executor_service.mapped_block_source import Mappings
+    from stepwire.internal import executor_pb2
+    ours = shared_cache.create(str(tmp_path), 4096)
+    fifo = f"stepwire-kv-{'f' * 32}"
+    os.mkfifo(tmp_path / fifo)
+    m = Mappings(None, str(tmp_path))
+    named = lambda name: m.here("10.0.0.1:50061", executor_pb2.CacheFile(name=name, num_blocks=1))  # noqa: E731
+    try:
+        assert named(ours.name)
+        assert not named(fifo) and not named(f"stepwire-kv-{'0' * 32}") and not named("../" + ours.name)
+        uid = os.geteuid()
+        monkeypatch.setattr(os, "geteuid", lambda: uid + 1)       # the file is another user's
+        assert not named(ours.name)
+    finally:
+        shared_cache.remove(ours)
