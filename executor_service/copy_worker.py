@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
-import fcntl
 import os
 import sys
 import threading
@@ -34,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from executor_service.shared_cache import NAME, Segment, _open_own, as_rows
+from executor_service.shared_cache import NAME, Segment, as_rows, is_live
 
 MAPPINGS = 16                  # peers' caches kept mapped
 SCAN_SECONDS = 1.0             # how soon a peer that started, or whose file went, is seen
@@ -119,7 +118,7 @@ class Worker:
         for name, st in live.items():
             if room <= 0 or name in self.peers or name in self.dead or st.st_size % self.block_size:
                 continue
-            if not is_live(os.path.join(self.directory, name)):
+            if not is_live(Path(self.directory) / name):
                 self.dead.add(name)
                 continue
             with contextlib.suppress(OSError, ValueError):
@@ -157,21 +156,6 @@ class Worker:
                 raise ValueError("a block id past the cache's end")
             return [digest_rows(self.own, ids[i:i + per]) for i in range(0, len(ids), per)]
         raise ValueError(f"unknown request {op!r}")
-
-
-def is_live(path: str) -> bool:
-    """An executor holds this file's lock: it is not a dead one's, left for the next sweep."""
-    try:
-        fd = _open_own(Path(path))
-    except (OSError, ValueError):
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return False
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)                         # and with it a shared lock it took
 
 
 def main(argv: list[str]) -> None:

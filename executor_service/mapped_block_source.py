@@ -12,15 +12,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import stat
 import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
+from executor_service import shared_cache
 from executor_service.block_transport import Chunk, GrpcBlockSource
 from executor_service.copy_engine import CopyEngine, EngineDied
 from executor_service.copy_worker import MAPPINGS
@@ -93,23 +93,14 @@ class Mappings:
     def here(self, address: str, f: executor_pb2.CacheFile) -> bool:
         """The cache the scheduler named is a file of ours in our directory: this executor may copy from it at
         once (any other, another user's say, is left to ReadBlocksMapped's answer, and gRPC where it fails)."""
-        if not NAME.match(f.name) or not self.worth_trying(address):
-            return False
-        try:
-            st = os.lstat(os.path.join(self.directory, f.name))
-        except OSError:
-            return False
-        return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
+        return NAME.match(f.name) is not None and self.worth_trying(address) and \
+            shared_cache.is_ours(Path(self.directory) / f.name)
 
     def note(self, address: str, f: executor_pb2.CacheFile) -> Mapped:
         """The cache `address` named ahead, which the copy maps: only noted, for `drop` (its engine unmaps the
         old cache of a restarted source once its file is gone)."""
         m = Mapped(f.name, f.num_blocks)
-        with self.lock:
-            self.maps.pop(address, None)
-            self.maps[address] = m
-            while len(self.maps) > MAPPINGS:
-                self.maps.popitem(last=False)
+        self._remember(address, m)               # those it pushes out are unmapped by the engine's own bound
         return m
 
     def get(self, address: str, f: executor_pb2.CacheFile) -> Mapped:
@@ -122,13 +113,16 @@ class Mappings:
             if old is not None:
                 self.engine.forget(old.name)                   # a restarted source's old cache: freed
             self.engine.map(m.name, m.num_blocks)              # ValueError where it does not map here
+        for e in self._remember(address, m):
+            self.engine.forget(e.name)
+        return m
+
+    def _remember(self, address: str, m: Mapped) -> list[Mapped]:
+        """`m` as `address`'s cache, the newest: the oldest beyond MAPPINGS, pushed out."""
         with self.lock:
             self.maps.pop(address, None)
             self.maps[address] = m
-            evicted = [self.maps.popitem(last=False)[1] for _ in range(len(self.maps) - MAPPINGS)]
-        for e in evicted:
-            self.engine.forget(e.name)
-        return m
+            return [self.maps.popitem(last=False)[1] for _ in range(len(self.maps) - MAPPINGS)]
 
     async def drop(self, address: str) -> None:
         """A source whose pull failed: mapped afresh (or found unmappable) next time. From the event loop, which

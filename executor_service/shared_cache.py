@@ -144,6 +144,30 @@ def _open_own(path: Path, writable: bool = False) -> int:
     return fd
 
 
+def is_ours(path: Path) -> bool:
+    """A regular file of this user's (`_open_own`'s check): a name a peer or the scheduler passed may be read."""
+    try:
+        os.close(_open_own(path))
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def is_live(path: Path) -> bool:
+    """A file of ours whose lock an executor holds: not a dead one's, left for the next sweep."""
+    try:
+        fd = _open_own(path)
+    except (OSError, ValueError):
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)                         # and with it a shared lock it took
+
+
 def sweep(directory: str) -> None:
     """Remove the files of executors that are gone (nobody holds their lock), and files a creation that died
     half way left."""
