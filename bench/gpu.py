@@ -9,8 +9,13 @@ For each model (random-weight checkpoints that ../shared/gpu/device_setup.sh bui
   every request) over `--hbm-gbps`;
 - `stepwire serve` (split) against the in-process engine at each `--concurrency`, closed-loop streaming.
 
+Each model is measured with each of `--quantizations` (bfloat16, then FP8 weights, each against its own floor:
+the weights' own bytes); the split stacks and transformers run with the first. The decode step is also run
+eagerly with the fused kernels off and on, which shows what they save in GPU time.
+
 Prints `RESULT gpu step_floor_ratio=<decode step wall / HBM floor> offline_ratio=<offline tok/s / transformers'
-best> split_ratio=<split / in-process, the worse concurrency, the best of --split>` per model, after
+best> split_ratio=<split / in-process, the worse concurrency, the best of --split>` per model (and
+`RESULT gpu quantization=fp8 step_floor_ratio=... offline_ratio=...` for the others), after
 the profile of the decode step (kernel time, kernels and host launches per step, the kernels that dominate, where
 the host's time goes) and, for each split run, each service's CPU per streamed token and the requests' times
 to their first token against the in-process engine's.
@@ -18,7 +23,7 @@ to their first token against the in-process engine's.
 On the GPU machine: `source .gpu/device_setup.sh; python bench/gpu.py`. A CPU dry run of the script itself
 (tiny models from `mkmodels.py DIR --tiny`): `bench/gpu.py --models-dir DIR --device cpu --dtype float32
 --prompts 8 --new-tokens 8 --hf-batches 8 --decode-batch 8 --concurrency 4 --min-len 16 --max-len 32
---kv-cache-memory 100000000`.
+--kv-cache-memory 100000000 --quantizations none`.
 """
 
 from __future__ import annotations
@@ -60,10 +65,11 @@ def random_prompts(n: int, vocab: int, lo: int, hi: int, seed: int = 0) -> list[
     return [rng.integers(100, vocab, rng.integers(lo, hi + 1)).tolist() for _ in range(n)]
 
 
-def make_engine(model: Path, args, max_num_seqs: int) -> LLMEngine:
+def make_engine(model: Path, args, max_num_seqs: int, quantization: str = "none") -> LLMEngine:
     runner = RunnerConfig(str(model), device=args.device, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
                           max_num_seqs=max_num_seqs, max_model_len=args.max_len + args.new_tokens + 16,
-                          attention_backend=args.attention_backend, cuda_graphs=not args.no_cuda_graphs)
+                          attention_backend=args.attention_backend, cuda_graphs=not args.no_cuda_graphs,
+                          fused_kernels=not args.no_fused_kernels, quantization=quantization)
     sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=runner.max_model_len,
                             max_num_batched_tokens=args.max_num_batched_tokens)
     return LLMEngine(runner, sched)
@@ -207,15 +213,34 @@ def decode_step(engine: LLMEngine, prompts, batch: int, args, name: str) -> dict
         else:
             delattr(obj, fn)
     context, running = sum(r.num_tokens for r in s.running), len(s.running)   # requests that ended are not timed
-    prof = None
+    prof, fused = None, {}
     if args.device.startswith("cuda"):
         prof = profile_steps(engine, 5, Path(args.out) if args.out else None, name)
+        fused = fused_kernel_times(engine)
     engine.abort(rids)
     engine.step()
     weights, kv_per_token = step_bytes(engine)
     floor = (weights + kv_per_token * context) / (args.hbm_gbps * 1e9)
     return {"wall": walls[default], "walls": walls, "prof": prof, "floor": floor, "weights": weights, "host": host,
-            "kv": kv_per_token * context, "batch": running}
+            "kv": kv_per_token * context, "batch": running, "fused": fused}
+
+
+def fused_kernel_times(engine: LLMEngine, steps: int = 3) -> dict[bool, tuple[float, float]]:
+    """The same decode steps run eagerly with the fused kernels off and on: {fused: (GPU kernel ms a step, kernels
+    a step)}. Eagerly, since the captured graphs hold whichever the engine started with; a kernel takes as long
+    inside a graph as outside, so this isolates what the fusion saves. Lockstep, then back as it was."""
+    runner, times = engine.runner, {}
+    graphs, was, ahead = runner.graphs, runner.model.fused, engine.run_ahead
+    runner.graphs, engine.run_ahead = None, False
+    try:
+        for on in (False, True):
+            runner.model.fused = on
+            engine.step()
+            prof = profile_steps(engine, steps, None, "")
+            times[on] = (prof["gpu"] * 1e3, prof["kernels"])
+    finally:
+        runner.graphs, runner.model.fused, engine.run_ahead = graphs, was, ahead
+    return times
 
 
 def _client_share(url: str, name: str, texts: list[str], tokens: int, concurrency: int):
@@ -301,7 +326,9 @@ def split_runs(model: Path, engine: LLMEngine, concurrencies: list[int], workers
                         "STEPWIRE_EXECUTOR_CUDA_GRAPHS": str(not args.no_cuda_graphs).lower(),
                         "STEPWIRE_EXECUTOR_CUDA_GRAPH_MAX_TOKENS": str(graph_tokens),
                         "STEPWIRE_EXECUTOR_STEP_PIPELINE": str(pipeline), "STEPWIRE_EXECUTOR_RUN_AHEAD": ahead,
-                        "STEPWIRE_SCHEDULER_MAX_NUM_SEQS": str(top)}
+                        "STEPWIRE_SCHEDULER_MAX_NUM_SEQS": str(top),
+                        "STEPWIRE_EXECUTOR_FUSED_KERNELS": str(not args.no_fused_kernels).lower(),
+                        "STEPWIRE_EXECUTOR_QUANTIZATION": args.quantizations.split(",")[0]}
     if args.dtype:
         env["STEPWIRE_EXECUTOR_DTYPE"] = args.dtype
     proc, url, sc = start_stack(env=env, model=model, extra=("--kv-cache-memory", str(args.kv_cache_memory),
@@ -352,6 +379,9 @@ def main() -> None:
     ap.add_argument("--dtype", default=None, help="default: the executor's (bfloat16 on CUDA)")
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--no-cuda-graphs", action="store_true")
+    ap.add_argument("--no-fused-kernels", action="store_true", help="the engines without the fused kernels")
+    ap.add_argument("--quantizations", default="none,fp8", help="weights to measure the engine with, comma-separated: "
+                    "none (--dtype), fp8; the split stacks and transformers run the first")
     ap.add_argument("--prompts", type=int, default=256)
     ap.add_argument("--min-len", type=int, default=128)
     ap.add_argument("--max-len", type=int, default=512)
@@ -384,52 +414,72 @@ def main() -> None:
     for name in args.models.split(","):
         model = Path(args.models_dir) / name
         print(f"== {name}", flush=True)
-        engine = make_engine(model, args, max(args.decode_batch, *concurrencies, 256 if args.device != "cpu" else 8))
-        d = engine.runner.describe()
-        print(f"  dtype {d['dtype']}, attention {d['attention']}, CUDA graphs {d['cuda_graphs']}", flush=True)
-        vocab = engine.runner.model_config.vocab_size
-        prompts = random_prompts(args.prompts, vocab, args.min_len, args.max_len)
-        rates = {}
-        for ahead in (not engine.run_ahead, engine.run_ahead):      # the default last: it warms nothing
-            engine.run_ahead, rates[ahead] = ahead, offline(engine, prompts, args.new_tokens, args.device)
-        ours = rates[engine.run_ahead]
-        print(f"  stepwire offline: {ours:,.0f} tok/s (lockstep {rates[False]:,.0f}, running ahead "
-              f"{rates[True]:,.0f})", flush=True)
-        hf, hf_batch = hf_best(model, prompts, args.new_tokens, [int(b) for b in args.hf_batches.split(",")],
-                               args.device, engine.runner.dtype)
-        step = decode_step(engine, random_prompts(args.decode_batch, vocab, args.min_len, args.max_len, seed=1),
-                           args.decode_batch, args, name)
-        prof = step["prof"]
-        gpu = "n/a" if prof is None else f"{prof['gpu'] * 1e3:.2f} ms"
-        print(f"  decode step at batch {step['batch']}: wall {step['wall'] * 1e3:.2f} ms, GPU kernels {gpu}, floor "
-              f"{step['floor'] * 1e3:.2f} ms ({step['weights'] / 1e6:.0f} MB weights + {step['kv'] / 1e6:.0f} MB KV)",
-              flush=True)
-        print(f"  decode step wall: lockstep {step['walls'][False] * 1e3:.2f} ms, running ahead "
-              f"{step['walls'][True] * 1e3:.2f} ms", flush=True)
-        for ahead, host in step["host"].items():
-            print(f"  host per step, {'running ahead' if ahead else 'lockstep'} (ms): " +
-                  ", ".join(f"{k} {v * 1e3:.2f}" for k, v in host.items()), flush=True)
-        if prof is not None:
-            print(f"  per step: {prof['kernels']:.0f} kernels; host calls " +
-                  ", ".join(f"{k} {v:.0f}" for k, v in prof["launches"].items()), flush=True)
-            for key, count, ms in prof["top"]:
-                print(f"    {ms:7.3f} ms  x{count:<5.0f} {key}", flush=True)
-        configs = [(*map(int, c.split(":")[:3]), (c.split(":")[3:] or ["off"])[0]) for c in args.split.split(",")]
-        by_workers = {(w, g, p, a): split_runs(model, engine, concurrencies, w, g, p, a, args)
-                      for w, g, p, a in configs}
-        # The issue's keys: split_ratio is the worse of the concurrencies (each is printed above), for the
-        # number of gateway processes that does best.
-        (workers, graph_tokens, pipeline, ahead), ratios = max(by_workers.items(), key=lambda kv: min(kv[1].values()))
-        print(f"RESULT gpu step_floor_ratio={step['wall'] / step['floor']:.2f} offline_ratio={ours / hf:.2f} "
-              f"split_ratio={min(ratios.values()):.2f}", flush=True)
-        gpu_ratio = "n/a" if prof is None else f"{prof['gpu'] / step['floor']:.2f}"
-        print(f"  ({name}; split with {workers} gateway process(es), graphs to {graph_tokens} tokens, pipeline "
-              f"{pipeline}, run ahead {ahead}: " +
-              ", ".join(f"c{c} {r:.2f}" for c, r in ratios.items()) +
-              f"; transformers' best batch: {hf_batch}; decode step GPU time / floor: {gpu_ratio})", flush=True)
-        del engine
-        if args.device.startswith("cuda"):
-            torch.cuda.empty_cache()
+        hf = None
+        for i, quantization in enumerate(args.quantizations.split(",")):
+            hf = measure(model, name, quantization, args, concurrencies, hf, split=i == 0)
+
+
+def measure(model: Path, name: str, quantization: str, args, concurrencies: list[int], hf, split: bool):
+    """One engine's figures (offline, the decode step against its floor, and with `split` the split stacks), with
+    `quantization`'s weights; transformers' best (hf: (tok/s, batch)) is measured once, with the first."""
+    engine = make_engine(model, args, max(args.decode_batch, *concurrencies, 256 if args.device != "cpu" else 8),
+                         quantization)
+    d = engine.runner.describe()
+    print(f"  [{quantization}] dtype {d['dtype']}, attention {d['attention']}, CUDA graphs {d['cuda_graphs']}, "
+          f"fused kernels {d['fused_kernels']}, quantization {d['quantization']}", flush=True)
+    vocab = engine.runner.model_config.vocab_size
+    prompts = random_prompts(args.prompts, vocab, args.min_len, args.max_len)
+    rates = {}
+    for ahead in (not engine.run_ahead, engine.run_ahead):      # the default last: it warms nothing
+        engine.run_ahead, rates[ahead] = ahead, offline(engine, prompts, args.new_tokens, args.device)
+    ours = rates[engine.run_ahead]
+    print(f"  stepwire offline: {ours:,.0f} tok/s (lockstep {rates[False]:,.0f}, running ahead "
+          f"{rates[True]:,.0f})", flush=True)
+    if hf is None:
+        hf = hf_best(model, prompts, args.new_tokens, [int(b) for b in args.hf_batches.split(",")], args.device,
+                     engine.runner.dtype)
+    step = decode_step(engine, random_prompts(args.decode_batch, vocab, args.min_len, args.max_len, seed=1),
+                       args.decode_batch, args, name + ("" if quantization == "none" else f"-{quantization}"))
+    prof = step["prof"]
+    gpu = "n/a" if prof is None else f"{prof['gpu'] * 1e3:.2f} ms"
+    print(f"  decode step at batch {step['batch']}: wall {step['wall'] * 1e3:.2f} ms, GPU kernels {gpu}, floor "
+          f"{step['floor'] * 1e3:.2f} ms ({step['weights'] / 1e6:.0f} MB weights + {step['kv'] / 1e6:.0f} MB KV)",
+          flush=True)
+    print(f"  decode step wall: lockstep {step['walls'][False] * 1e3:.2f} ms, running ahead "
+          f"{step['walls'][True] * 1e3:.2f} ms", flush=True)
+    for on, (ms, kernels) in step["fused"].items():
+        print(f"  eager decode step, fused kernels {'on' if on else 'off'}: {ms:.2f} ms of GPU kernels, "
+              f"{kernels:.0f} kernels", flush=True)
+    for ahead, host in step["host"].items():
+        print(f"  host per step, {'running ahead' if ahead else 'lockstep'} (ms): " +
+              ", ".join(f"{k} {v * 1e3:.2f}" for k, v in host.items()), flush=True)
+    if prof is not None:
+        print(f"  per step: {prof['kernels']:.0f} kernels; host calls " +
+              ", ".join(f"{k} {v:.0f}" for k, v in prof["launches"].items()), flush=True)
+        for key, count, ms in prof["top"]:
+            print(f"    {ms:7.3f} ms  x{count:<5.0f} {key}", flush=True)
+    ratios, config = {}, None
+    configs = [(*map(int, c.split(":")[:3]), (c.split(":")[3:] or ["off"])[0]) for c in args.split.split(",")
+               if c] if split else []
+    if configs:
+        by_config = {(w, g, p, a): split_runs(model, engine, concurrencies, w, g, p, a, args)
+                     for w, g, p, a in configs}
+        # split_ratio is the worse of the concurrencies (each is printed above), for the config that does best.
+        config, ratios = max(by_config.items(), key=lambda kv: min(kv[1].values()))
+    split_key = f" split_ratio={min(ratios.values()):.2f}" if ratios else ""
+    tag = "" if quantization == "none" else f" quantization={quantization}"
+    print(f"RESULT gpu{tag} step_floor_ratio={step['wall'] / step['floor']:.2f} offline_ratio={ours / hf[0]:.2f}"
+          f"{split_key}", flush=True)
+    gpu_ratio = "n/a" if prof is None else f"{prof['gpu'] / step['floor']:.2f}"
+    where = "" if config is None else (f"split with {config[0]} gateway process(es), graphs to {config[1]} tokens, "
+                                       f"pipeline {config[2]}, run ahead {config[3]}: " +
+                                       ", ".join(f"c{c} {r:.2f}" for c, r in ratios.items()) + "; ")
+    print(f"  ({name}, {quantization}; {where}transformers' best batch: {hf[1]}; decode step GPU time / floor: "
+          f"{gpu_ratio})", flush=True)
+    del engine
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return hf
 
 
 if __name__ == "__main__":

@@ -66,8 +66,9 @@ class Checkpoint:
 
 def load_model(path: str | Path, max_positions: int, device: torch.device | str = "cpu",
                dtype: torch.dtype = torch.float32, comm: Collectives | None = None,
-               exact: bool = False) -> LlamaModel:
-    """`exact`: split the model the way deterministic mode needs (partition.py)."""
+               exact: bool = False, quantization: str = "none") -> LlamaModel:
+    """`exact`: split the model the way deterministic mode needs (partition.py). `quantization` "fp8": the
+    projections' weights in float8, quantized here (fp8.py)."""
     path = Path(path)
     cfg = ModelConfig.from_dir(path)
     comm = comm or Collectives()
@@ -89,6 +90,11 @@ def load_model(path: str | Path, max_positions: int, device: torch.device | str 
     if "lm_head.weight" not in ckpt and cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight  # one copy of the tied matrix, not two
     model.init_rope(max_positions, device, dtype)
+    if quantization == "fp8":
+        from executor_service.fp8 import quantize_model
+        quantize_model(model)
+    elif quantization != "none":
+        raise ModelLoadError(f"quantization {quantization!r}: none or fp8")
     return model.eval().requires_grad_(False)
 
 

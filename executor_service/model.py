@@ -36,6 +36,17 @@ class RMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return xf.to(x.dtype) * self.weight
 
+    def add(self, x: torch.Tensor, residual: torch.Tensor | None, fused: bool = False
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the norm of x + residual, x + residual): a block's output joins the residual stream, which the next
+        norm reads. No residual: (the norm of x, x). `fused`: one kernel (fused_kernels.py) for both."""
+        if fused:
+            from executor_service.fused_kernels import add_rms_norm
+            return add_rms_norm(x, residual, self.weight, self.eps)
+        if residual is not None:
+            x = x + residual
+        return self(x), x
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, part: Partition, comm: Collectives):
@@ -59,47 +70,62 @@ class DecoderLayer(nn.Module):
             self.down_proj = Linear(part.intermediate_size, cfg.hidden_size, bias=False)
         self.attn = PagedAttention(h, kvh, d)
 
-    def forward(self, x, cos_sin, k_cache, v_cache, meta: AttentionMetadata, lora=None):
-        """`lora`: (LoraSlots, LoraStep, this layer's index) when some of the step's rows have an adapter."""
+    def forward(self, x, residual, rope, k_cache, v_cache, meta: AttentionMetadata, lora=None, fused: bool = False):
+        """The block on x, the last block's output not yet added to `residual`, the residual stream (None in the
+        first block, where x is the embedding). Returns (this block's output, the residual stream before it), so
+        that each add meets the norm after it: fused, one kernel does both (`fused`). `rope`: the step's cos and
+        sin, or with `fused`, the tables and the positions. `lora`: (LoraSlots, LoraStep, this layer's index) when
+        some of the step's rows have an adapter."""
         t = x.shape[0]
-        h = self.input_layernorm(x)
+        h, residual = self.input_layernorm.add(x, residual, fused)
         qkv = self.qkv_proj(h)
         if lora is not None:
             slots, step, i = lora
             slots.add(step, i, "qkv_proj", h, qkv)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, k, cos_sin)
-        attn = self.attn(q, k, v.contiguous(), k_cache, v_cache, meta)
+        if fused:
+            from executor_service.fused_kernels import rotary_kv
+            cos, sin, positions = rope
+            q = rotary_kv(qkv, cos, sin, positions, meta.slot_mapping, k_cache, v_cache, self.num_heads,
+                          self.num_kv_heads, self.head_dim)
+            attn = meta.paged.attend(q, k_cache, v_cache, self.attn.scale)
+        else:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(t, self.num_heads, self.head_dim)
+            k = k.view(t, self.num_kv_heads, self.head_dim)
+            v = v.view(t, self.num_kv_heads, self.head_dim)
+            q, k = apply_rotary(q, k, rope)
+            attn = self.attn(q, k, v.contiguous(), k_cache, v_cache, meta)
         if self.gathers:
-            return self._forward_gathered(x, attn.reshape(t, self.q_size))
+            return self._forward_gathered(residual, attn.reshape(t, self.q_size))
         # o_proj and down are row-parallel: each rank's product is a partial sum over its heads or columns.
         # (LoRA runs on one rank only: runner_config refuses it with tensor parallelism.)
         attn = attn.reshape(t, self.q_size)
         o = self.o_proj(attn)
         if lora is not None:
             slots.add(step, i, "o_proj", attn, o)
-        x = x + self.comm.all_reduce(o)
-        h = self.post_attention_layernorm(x)
+        h, residual = self.post_attention_layernorm.add(self.comm.all_reduce(o), residual, fused)
         gate_up = self.gate_up_proj(h)
         if lora is not None:
             slots.add(step, i, "gate_up_proj", h, gate_up)
-        gate, up = gate_up.chunk(2, dim=-1)
-        h = F.silu(gate) * up
+        if fused:
+            from executor_service.fused_kernels import silu_mul
+            h = silu_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            h = F.silu(gate) * up
         down = self.down_proj(h)
         if lora is not None:
             slots.add(step, i, "down_proj", h, down)
-        return x + self.comm.all_reduce(down)
+        return self.comm.all_reduce(down), residual
 
-    def _forward_gathered(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    def _forward_gathered(self, residual: torch.Tensor, attn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rest of the block where no rank may add another rank's partial sum: gather o's input, compute
         this rank's columns of its output, gather those; the same for down."""
         gather, w = self.comm.gather_columns, self.widths
-        x = x + gather(self.o_proj(gather(attn, w["q"])), w["hidden"])
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
-        return x + gather(self.down_proj(gather(F.silu(gate) * up, w["ff"])), w["hidden"])
+        h, residual = self.post_attention_layernorm.add(gather(self.o_proj(gather(attn, w["q"])), w["hidden"]),
+                                                        residual)
+        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
+        return gather(self.down_proj(gather(F.silu(gate) * up, w["ff"])), w["hidden"]), residual
 
 
 class LlamaModel(nn.Module):
@@ -116,6 +142,9 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, part.vocab_rows, bias=False)
         self.rope: RotaryEmbedding | None = None
+        # The fused kernels (fused_kernels.py) in steps that attend with the Triton kernel: set by the runner on
+        # CUDA outside deterministic mode, whose kernels are its own.
+        self.fused = False
 
     def init_rope(self, max_positions: int, device, dtype) -> None:
         # Not a buffer: the tables are derived, never loaded, and must not be built on the meta device.
@@ -126,11 +155,12 @@ class LlamaModel(nn.Module):
                 meta: AttentionMetadata, lora=None) -> torch.Tensor:
         """Hidden states [T, hidden] for the flat batch; K/V of every token land in the caches. `lora`:
         (LoraSlots, LoraStep) when some tokens have an adapter (lora_slots.py)."""
-        x = self.embed(input_ids)
-        cos_sin = self.rope.at(positions)
+        x, residual = self.embed(input_ids), None
+        fused = self.fused and meta.paged is not None
+        rope = (self.rope.cos, self.rope.sin, positions) if fused else self.rope.at(positions)
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            x = layer(x, cos_sin, k_cache, v_cache, meta, None if lora is None else (*lora, i))
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, k_cache, v_cache, meta, None if lora is None else (*lora, i), fused)
+        return self.norm.add(x, residual, fused)[0]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.comm.size == 1:

@@ -12,6 +12,7 @@ import torch
 from executor_service.linear import cpu_has_native_bf16
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+QUANTIZATIONS = ("none", "fp8")
 # The scheduler's step budget on a GPU (vLLM's figure): by default no step the scheduler would send on its own
 # defaults is refused, and a larger budget set there is capped through Describe.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
@@ -44,6 +45,11 @@ def check_combinations(cfg: RunnerConfig) -> None:
     if cfg.max_loras and cfg.deterministic:
         raise ValueError("LoRA adapters in deterministic mode are not supported yet: their batched products "
                          "are not batch-invariant (leave --max-loras at 0)")
+    if cfg.quantization not in QUANTIZATIONS:
+        raise ValueError(f"--quantization {cfg.quantization!r}: one of {', '.join(QUANTIZATIONS)}")
+    if cfg.quantization != "none" and cfg.deterministic:
+        raise ValueError("--quantization fp8 in deterministic mode is not supported: the FP8 GEMM is the library's, "
+                         "which chooses its kernel by shape (leave --quantization at none)")
     if cfg.max_cpu_loras is not None and cfg.max_cpu_loras < cfg.max_loras:
         raise ValueError(f"--max-cpu-loras {cfg.max_cpu_loras} is below --max-loras {cfg.max_loras}")
 
@@ -85,6 +91,8 @@ class RunnerConfig:
     attention_backend: str = "auto"          # auto, torch or triton: see attention_backend()
     cuda_graphs: bool = True                 # steps as graphs (cuda_graphs.py), with triton attention
     cuda_graph_max_tokens: int = 512         # mixed steps (prompts beside decodes) up to this many tokens too
+    fused_kernels: bool = True               # with triton attention: norm, rotary + KV write, SiLU (fused_kernels.py)
+    quantization: str = "none"               # none, or fp8: the projections' weights in float8 (fp8.py)
     tensor_parallel_size: int = 1            # ranks, one process each, that split every layer (partition.py)
     tensor_parallel_timeout_seconds: float = 60.0   # longest wait in a collective, or for a rank to start
     deterministic: bool = False              # batch-invariant kernels (batch_invariant.py): same tokens in any batch

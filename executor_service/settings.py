@@ -66,6 +66,14 @@ class ExecutorSettings(RoleSettings):
     cuda_graph_max_tokens: int = Field(512, ge=0, le=8192, description="the longest step with prompt tokens "
                                        "replayed as a graph (0: decode steps only); each size of its ladder is one "
                                        "more graph to capture at start-up")
+    fused_kernels: bool = Field(True, description="with the triton attention backend (CUDA), outside deterministic "
+                                "mode: one kernel each for the residual add with RMSNorm, rotary with the KV write, "
+                                "and SiLU times up, where torch runs about 20 per layer (docs/gpu.md)")
+    quantization: Literal["none", "fp8"] = Field(
+        "none", description="fp8: the decoder's projection weights quantized to float8 (e4m3) at load, a scale per "
+        "output channel, activations a scale per token, products on FP8 tensor cores (CUDA, compute capability "
+        "8.9 or newer; refused elsewhere on CUDA); half the bytes a decode step reads. Embeddings, LM head, "
+        "norms and the KV cache keep --dtype")
     kv_cache_memory: int = Field(1 << 30, ge=1, description="bytes for the KV cache of all layers, on each rank "
                                  "(each holds its own KV heads of every block)")
     block_size: int = Field(16, ge=1, description="tokens per KV block")

@@ -1,0 +1,35 @@
+"""The per-token FP8 quantization of activations (fp8.py) as one Triton kernel: one program per token reads its
+row once, takes its largest magnitude, and writes the row in float8 and its scale."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from executor_service.fp8 import FP8, FP8_MAX, MIN_SCALE
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, N, stride_x, stride_q, FMAX: tl.constexpr, SMIN: tl.constexpr,
+                          BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < N
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0) / FMAX, SMIN)
+    q = tl.clamp(x / scale, -FMAX, FMAX)
+    tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=ok)
+    tl.store(s_ptr + row, scale)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (float8 [M, K], scale [M, 1] float32)."""
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=FP8, device=x.device)
+    scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+    if m:
+        block = triton.next_power_of_2(k)
+        _quantize_rows_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), FMAX=FP8_MAX, SMIN=MIN_SCALE,
+                                    BLOCK=block, num_warps=8 if block >= 4096 else 4)
+    return q, scale
