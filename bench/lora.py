@@ -8,6 +8,9 @@ identity of a mixed batch against each request alone, and how often routing find
   phases alternate over `--rounds`, in one run, on one stack.
 - identical: on a float32 stack (in bfloat16 a batch of another shape rounds differently even without adapters,
   which says nothing about LoRA), 16 greedy requests, 8 adapters and base, all at once, against each alone.
+- LoRA steps replayed as CUDA graphs: the executor's `stepwire:executor_lora_steps{path}` over the throughput
+  phases (graph: replayed with every slot's product, lora_mask.py; eager: the grouped products), printed
+  before the RESULT line; on a CPU every one is eager.
 - adapter_hit_ratio: 2 executors with 4 slots each and 16 adapters, 320 requests for random adapters, 16 at a
   time: the scheduler's count of requests routed to an executor that held their adapter (in a slot or in host
   memory) over all routed with an adapter (`stepwire:lora_requests_routed`).
@@ -61,16 +64,17 @@ def make_adapters(folder: Path, n: int, rank: int, targets: list[str] | str) -> 
     return [(f"ad{i}", folder / f"ad{i}") for i in range(n)]
 
 
-def start(extra: list[str], env: dict) -> tuple[subprocess.Popen, str, str]:
-    port, sm = free_port(), free_port()
+def start(extra: list[str], env: dict) -> tuple[subprocess.Popen, str, str, str]:
+    """A `stepwire serve` stack: (process, HTTP URL, the scheduler's and the executor's metrics URLs)."""
+    port, sm, em = free_port(), free_port(), free_port()
     proc = subprocess.Popen([sys.executable, "-m", "launcher.cli", "serve", "--model", str(MODEL), "--no-tls",
                              "--port", str(port), "--grpc-port", str(free_port()), "--scheduler-port",
                              str(free_port()), "--executor-port", str(free_port()),
-                             "--scheduler-metrics-port", str(sm), "--executor-metrics-port", str(free_port()),
+                             "--scheduler-metrics-port", str(sm), "--executor-metrics-port", str(em),
                              *extra], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     url = f"http://127.0.0.1:{port}"
     wait_ready(proc, url + "/health", "stepwire serve", seconds=600)
-    return proc, url, f"http://127.0.0.1:{sm}/metrics"
+    return proc, url, f"http://127.0.0.1:{sm}/metrics", f"http://127.0.0.1:{em}/metrics"
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -108,10 +112,15 @@ async def load(url: str, jobs: list[tuple[str, str]], tokens: int, concurrency: 
         return texts, time.perf_counter() - t0
 
 
-def counter(metrics_url: str, name: str, label: str) -> float:
+def counter(metrics_url: str, name: str, label: str, value: str) -> float:
     text = httpx.get(metrics_url).text
-    m = re.search(rf'^{name}_total\{{resident="{label}"\}} (\S+)$', text, re.M)
+    m = re.search(rf'^{name}_total\{{{label}="{value}"\}} (\S+)$', text, re.M)
     return float(m[1]) if m else 0.0
+
+
+def lora_steps(metrics_url: str) -> dict[str, float]:
+    """The executor's steps with an adapter row so far, by path (graph or eager)."""
+    return {p: counter(metrics_url, "stepwire:executor_lora_steps", "path", p) for p in ("graph", "eager")}
 
 
 def main() -> None:
@@ -130,22 +139,24 @@ def main() -> None:
     lora = ["--max-loras", "8", "--max-lora-rank", str(args.rank), "--lora-modules", modules(8)]
 
     # Throughput, in the machine's dtype.
-    proc, url, _ = start(lora, dict(os.environ))
+    proc, url, _, executor_metrics = start(lora, dict(os.environ))
     rates = {"base": [], "8 adapters": []}
     try:
         asyncio.run(wait_adapters(url, names8))
         base_jobs = [("", PROMPTS[i % len(PROMPTS)]) for i in range(args.requests)]
         mixed_jobs = [(names8[i % 8], p) for i, (_, p) in enumerate(base_jobs)]
         asyncio.run(load(url, base_jobs[:32] + mixed_jobs[:32], 8, 32))      # warm-up, not measured
+        before = lora_steps(executor_metrics)
         for r in range(args.rounds):
             for name in (["base", "8 adapters"] if r % 2 == 0 else ["8 adapters", "base"]):
                 _, secs = asyncio.run(load(url, base_jobs if name == "base" else mixed_jobs, args.tokens, 32))
                 rates[name].append(args.requests * args.tokens / secs)
+        steps = {p: n - before[p] for p, n in lora_steps(executor_metrics).items()}
     finally:
         stop(proc)
 
     # Identity, in float32.
-    proc, url, _ = start(lora, dict(os.environ, STEPWIRE_EXECUTOR_DTYPE="float32"))
+    proc, url, _, _ = start(lora, dict(os.environ, STEPWIRE_EXECUTOR_DTYPE="float32"))
     try:
         asyncio.run(wait_adapters(url, names8))
         jobs = [(names8[i % 8] if i % 4 != 3 else "", PROMPTS[i % len(PROMPTS)]) for i in range(16)]
@@ -157,15 +168,15 @@ def main() -> None:
 
     # Routing: 2 executors, 4 slots each, 16 adapters.
     names16 = [a for a, _ in adapters]
-    proc, url, metrics = start(["--executors", "2", "--max-loras", "4", "--max-lora-rank", str(args.rank),
-                                "--lora-modules", modules(16)], dict(os.environ))
+    proc, url, metrics, _ = start(["--executors", "2", "--max-loras", "4", "--max-lora-rank", str(args.rank),
+                                   "--lora-modules", modules(16)], dict(os.environ))
     try:
         asyncio.run(wait_adapters(url, names16))
         rng = random.Random(0)
         jobs = [(rng.choice(names16), PROMPTS[i % len(PROMPTS)]) for i in range(320)]
         asyncio.run(load(url, jobs, 8, 16))
-        hit, miss = counter(metrics, "stepwire:lora_requests_routed", "true"), \
-            counter(metrics, "stepwire:lora_requests_routed", "false")
+        hit, miss = counter(metrics, "stepwire:lora_requests_routed", "resident", "true"), \
+            counter(metrics, "stepwire:lora_requests_routed", "resident", "false")
     finally:
         stop(proc)
 
@@ -174,6 +185,8 @@ def main() -> None:
     print(f"{'phase (c32, ' + str(args.tokens) + ' tokens)':<28} {'tok/s':>8}")
     for k, v in mean.items():
         print(f"{k:<28} {v:>8.1f}")
+    print(f"LoRA steps in the throughput phases: {steps['graph']:.0f} replayed CUDA graphs, {steps['eager']:.0f} "
+          f"ran eagerly")
     print(f"identical (float32, 16 requests): {'yes' if identical else 'no'}; routed with adapter held: {hit:.0f}, "
           f"not held: {miss:.0f}")
     print(f"RESULT lora adapters=8 throughput_ratio={mean['8 adapters'] / mean['base']:.2f} "

@@ -11,10 +11,16 @@ Two families of graphs share the buffers and one memory pool:
   count up to `max_tokens`: query blocks of the prefill size, as the eager path cuts them. Under a steady
   stream of arrivals nearly every step has a prompt in it, and these ran eagerly: at batch 256 on an H200
   the split stack's steps took 7.9 ms where the in-process engine's pure decodes took 4.7.
-Longer steps, LoRA steps and batches above the ladder run eagerly. Deterministic mode computes every step,
-decodes included, with the prefill query block (triton_attention.block_q_for), so it captures the token-count
-ladder alone and replays it for every step; its kernels give a row the same bits in a call of any size, so
-padding changes no bit of a real row.
+
+With LoRA adapters served, both ladders are captured a second time with every slot's product in them
+(lora_mask.py): a step with any adapter row stages each token's slot and replays that family; base steps
+keep replaying the first, which pays nothing for LoRA. An adapter is loaded into its slot's tensors in place,
+so the graphs compute with it without a new capture. Longer steps and batches above the ladder run eagerly
+(LoRA ones with the grouped products of lora_slots.py).
+
+Deterministic mode computes every step, decodes included, with the prefill query block
+(triton_attention.block_q_for), so it captures the token-count ladder alone and replays it for every step;
+its kernels give a row the same bits in a call of any size, so padding changes no bit of a real row.
 
 Padding must not write anywhere that matters: padded tokens have slot 0, in block 0, the null block that no
 request's table uses, and see one position; padded query blocks have no tokens, so the kernel stores nothing
@@ -32,6 +38,7 @@ import logging
 import numpy as np
 import torch
 
+from executor_service.lora_mask import slot_mask
 from executor_service.step_ahead import filled
 from executor_service.triton_attention import PagedMetadata, paged_only, prefill_block_q, step_block_table, token_arrays
 
@@ -62,8 +69,9 @@ def token_ladder(max_tokens: int) -> list[int]:
 
 class StepGraphs:
     def __init__(self, model, kv_caches, max_num_seqs: int, max_blocks: int, device: torch.device,
-                 max_tokens: int = 0, block_q: int = 1, decode: bool = True):
+                 max_tokens: int = 0, block_q: int = 1, decode: bool = True, lora=None):
         self.model = model
+        self.lora = lora                        # the runner's LoraSlots: a second family, with every slot
         self.kv_caches = kv_caches
         self.sizes = batch_ladder(max_num_seqs) if decode else []     # no decode family: every step is "mixed"
         self.token_sizes = token_ladder(max_tokens)
@@ -83,12 +91,17 @@ class StepGraphs:
         self.ones = torch.ones(n, dtype=torch.int32, device=device)
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[str, int], torch.Tensor] = {}
+        self.lora_graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
+        self.lora_outputs: dict[tuple[str, int], torch.Tensor] = {}
+        if lora is not None:
+            self.lora_ids = torch.full((n,), -1, dtype=torch.int64, device=device)    # each token's slot, or -1
+            self.slot_ids = torch.arange(lora.num_slots, device=device)
         # Staging on the host: one copy per buffer per step, pinned on CUDA so the copies are asynchronous.
         pin = device.type == "cuda"
         self._host = {name: torch.zeros(n, dtype=dtype, pin_memory=pin) for name, dtype in (
             ("input_ids", torch.int64), ("positions", torch.int64), ("slot_mapping", torch.int64),
             ("kv_lens", torch.int32), ("token_rows", torch.int32), ("qblock_start", torch.int32),
-            ("qblock_len", torch.int32))}
+            ("qblock_len", torch.int32), ("lora_ids", torch.int64))}
         self._staged = None     # recorded after the copies out of the staging buffers (CUDA)
 
     @classmethod
@@ -99,14 +112,15 @@ class StepGraphs:
         cfg, mc = runner.cfg, runner.model_config
         return cls(runner.model, runner.kv_caches, cfg.max_num_seqs, runner.batch.block_table.shape[1], runner.device,
                    min(cfg.cuda_graph_max_tokens, runner.max_num_batched_tokens),
-                   prefill_block_q(mc.num_heads // mc.num_kv_heads), decode=not cfg.deterministic)
+                   prefill_block_q(mc.num_heads // mc.num_kv_heads), decode=not cfg.deterministic,
+                   lora=runner.lora.slots if runner.lora is not None else None)
 
     def query_block_bound(self, tokens: int) -> int:
         """Query blocks a mixed step of `tokens` tokens can have: one per request at most beyond a full
         block's worth of its tokens, and never more than its tokens."""
         return min(tokens, self.max_num_seqs + -(-tokens // self.block_q))
 
-    def _forward(self, kind: str, size: int) -> torch.Tensor:
+    def _forward(self, kind: str, size: int, lora: bool = False) -> torch.Tensor:
         if kind == "decode":
             # One decode token per request: the token's row, its query block and its request are one index.
             rows = self.arange[:size]
@@ -118,7 +132,10 @@ class StepGraphs:
                                   qblock_start=self.qblock_start[:p], qblock_len=self.qblock_len[:p],
                                   block_q=self.block_q)
         meta = paged_only(self.slot_mapping[:size], paged)
-        return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, meta)
+        adapters = None
+        if lora:
+            adapters = (self.lora, slot_mask(self.lora_ids[:size], self.slot_ids, self.lora.dtype))
+        return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, meta, adapters)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -129,19 +146,21 @@ class StepGraphs:
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        shapes = sorted([("mixed", s) for s in self.token_sizes] + [("decode", s) for s in self.sizes],
-                        key=lambda ks: -ks[1])
+        keys = [("mixed", s) for s in self.token_sizes] + [("decode", s) for s in self.sizes]
+        shapes = sorted([(k, False) for k in keys] + [(k, True) for k in keys if self.lora is not None],
+                        key=lambda kl: -kl[0][1])
         with torch.cuda.stream(stream):
-            for key in shapes:
-                self._forward(*key)
+            for key, lora in shapes:
+                self._forward(*key, lora)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self.outputs[key] = self._forward(*key)
-                self.graphs[key] = graph
+                    out = self._forward(*key, lora)
+                (self.lora_outputs if lora else self.outputs)[key] = out
+                (self.lora_graphs if lora else self.graphs)[key] = graph
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
-        log.info("captured CUDA graphs for decode batches %s and mixed steps of %s tokens", self.sizes,
-                 self.token_sizes)
+        log.info("captured CUDA graphs for decode batches %s and mixed steps of %s tokens%s", self.sizes,
+                 self.token_sizes, ", with and without LoRA" if self.lora is not None else "")
 
     def size_for(self, batch: int) -> int | None:
         i = bisect.bisect_left(self.sizes, batch)
@@ -168,10 +187,12 @@ class StepGraphs:
         buf[n:size] = pad
         getattr(self, name)[:size].copy_(buf[:size], non_blocking=True)
 
-    def run(self, inputs, block_table: np.ndarray, block_size: int) -> torch.Tensor | None:
-        """Hidden states [tokens, hidden] of the step, or None when no graph covers it (it runs eagerly)."""
+    def run(self, inputs, block_table: np.ndarray, block_size: int,
+            token_slots: np.ndarray | None = None) -> torch.Tensor | None:
+        """Hidden states [tokens, hidden] of the step, or None when no graph covers it (it runs eagerly).
+        `token_slots`: each token's adapter slot (-1: none) when any row has one; the LoRA family replays."""
         shape = self.shape_for(inputs)
-        if shape is None:
+        if shape is None or (token_slots is not None and self.lora is None):
             return None
         kind, size = shape
         if self._staged is not None:
@@ -192,14 +213,17 @@ class StepGraphs:
             self._stage("token_rows", token_rows, 0, size)
             self._stage("qblock_start", starts, 0, p)
             self._stage("qblock_len", lens, 0, p)       # padded blocks have no tokens: nothing is stored
+        if token_slots is not None:
+            self._stage("lora_ids", token_slots, -1, size)      # padded tokens: no adapter, zeros added
         rows = torch.from_numpy(step_block_table(inputs, block_table, block_size))
         self.block_table[:rows.shape[0], :rows.shape[1]].copy_(rows, non_blocking=self.device.type == "cuda")
         if self.device.type == "cuda":
             self._staged = torch.cuda.Event()
             self._staged.record()
         t = len(inputs.input_ids)
-        graph = self.graphs.get(shape)
+        lora = token_slots is not None
+        graph = (self.lora_graphs if lora else self.graphs).get(shape)
         if graph is None:
-            return self._forward(kind, size)[:t]      # nothing captured (a CPU): the same buffers, eagerly
+            return self._forward(kind, size, lora)[:t]    # nothing captured (a CPU): the same buffers, eagerly
         graph.replay()
-        return self.outputs[shape][:t]
+        return (self.lora_outputs if lora else self.outputs)[shape][:t]

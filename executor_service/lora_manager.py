@@ -41,6 +41,8 @@ class LoraManager:
         self.capacity = cfg.max_cpu_loras if cfg.max_cpu_loras is not None else 2 * cfg.max_loras
         self.held: OrderedDict[str, Adapter] = OrderedDict()   # host memory, least recently loaded first
         self.row_slot: dict[int, int] = {}                      # handle -> slot, for rows that have an adapter
+        # Steps with an adapter row, by how they ran: "graph" (replayed, lora_mask.py) or "eager" (grouped).
+        self.steps = {"graph": 0, "eager": 0}
 
     def describe(self) -> dict:
         return {"max_loras": self.slots.num_slots, "max_lora_rank": self.max_rank, "max_cpu_loras": self.capacity}
@@ -95,13 +97,18 @@ class LoraManager:
             else:
                 self.row_slot[h] = slot
 
-    def plan(self, inputs: StepInputs) -> tuple[LoraSlots, LoraStep] | None:
-        """What the model needs to add the adapters' products, or None when no scheduled row has an adapter."""
+    def token_slots(self, inputs: StepInputs) -> np.ndarray | None:
+        """Each scheduled token's slot (-1: none), or None when no scheduled row has an adapter."""
         if not self.row_slot:
             return None
         get = self.row_slot.get
         per_row = np.fromiter((get(h, -1) for h in inputs.handles), dtype=np.int64, count=len(inputs.handles))
-        plan = self.slots.plan(np.repeat(per_row, inputs.num_scheduled))
+        return np.repeat(per_row, inputs.num_scheduled) if (per_row >= 0).any() else None
+
+    def plan(self, token_slots: np.ndarray) -> tuple[LoraSlots, LoraStep] | None:
+        """What the eager model needs to add the adapters' products (grouped by slot), or None when no token
+        has an adapter."""
+        plan = self.slots.plan(token_slots)
         return None if plan is None else (self.slots, plan)
 
     def reset(self) -> None:

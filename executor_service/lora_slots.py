@@ -8,6 +8,9 @@ over adapters, no copy of the base weights, and a step whose rows have no adapte
 The fused projections (q|k|v, gate|up) take one product for all their parts: B is block-diagonal (part p's rows
 p*R.. meet only part p's output columns). The zeros cost a few FLOPs at rank R, against a matmul and a
 concatenation per part, whose fixed cost is what a CPU step of a few tokens per adapter pays most for.
+
+These grouped products are the eager path's (a CPU, a step longer than the CUDA graphs cover); a step replayed
+as a graph computes every slot for every token instead, with fixed shapes (lora_mask.py), from the same tensors.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import numpy as np
 import torch
 
 from executor_service.lora_adapter import PROJECTIONS, Adapter, shapes
+from executor_service.lora_mask import SlotMask, add_masked
 from executor_service.model_config import ModelConfig
 
 # The fused projection each PEFT module lands in, and its parts in order.
@@ -57,7 +61,8 @@ class LoraSlots:
         self.kinds: list[frozenset[str]] = [frozenset()] * num_slots
 
     def load(self, slot: int, adapter: Adapter) -> None:
-        """Put `adapter` in `slot`, over whatever was there."""
+        """Put `adapter` in `slot`, over whatever was there: written into the same tensors (never new ones),
+        which the captured CUDA graphs read by address."""
         self.clear(slot)
         r = adapter.rank
         for (layer, mod), (a, b) in adapter.weights.items():
@@ -96,8 +101,12 @@ class LoraSlots:
         return LoraStep(to(gather), to(rows) if padded else None, to(tokens) if padded else None, groups, most,
                         kinds)
 
-    def add(self, step: LoraStep, layer: int, kind: str, x: torch.Tensor, out: torch.Tensor) -> None:
-        """out[t] += B(A x[t]) for each token t with an adapter, in place; x is the projection's input."""
+    def add(self, step: LoraStep | SlotMask, layer: int, kind: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        """out[t] += B(A x[t]) for each token t with an adapter, in place; x is the projection's input. A
+        SlotMask is a step replayed as a graph (lora_mask.py): every kind, every slot, fixed shapes."""
+        if isinstance(step, SlotMask):
+            add_masked(self.a[layer][kind], self.b[layer][kind], step.mask, x, out)
+            return
         if kind not in step.kinds:
             return
         g = step.groups

@@ -67,6 +67,13 @@ class _Live:
                                     "was launched (--run-ahead): their replies went out with its launch.")
         ahead.add_metric([], self.service.ahead.deferred if self.service.ahead is not None else 0)
         yield from (rows, blocks, tp, collective, ahead)
+        if runner.lora is not None:
+            lora = CounterMetricFamily("stepwire:executor_lora_steps", "Steps with an adapter row, by path: graph "
+                                       "(replayed a CUDA graph with every slot) or eager (grouped products).",
+                                       labels=["path"])
+            for path, n in runner.lora.steps.items():
+                lora.add_metric([path], n)
+            yield lora
         spec = runner.spec
         if spec.cfg.enabled:
             yield from _speculation(spec)

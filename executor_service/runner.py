@@ -291,10 +291,13 @@ class ModelRunner:
         on ranks other than 0, which hand their columns of them to rank 0)."""
         dev = self.device
         to = lambda a: torch.from_numpy(a).to(dev, non_blocking=True)  # noqa: E731
-        lora = self.lora.plan(inputs) if self.lora is not None else None
-        hidden = None if self.graphs is None or lora is not None else \
-            self.graphs.run(inputs, self.batch.block_table, self.cfg.block_size)
+        token_slots = self.lora.token_slots(inputs) if self.lora is not None else None
+        hidden = None if self.graphs is None else \
+            self.graphs.run(inputs, self.batch.block_table, self.cfg.block_size, token_slots)
+        if token_slots is not None:
+            self.lora.steps["eager" if hidden is None else "graph"] += 1
         if hidden is None:
+            lora = None if token_slots is None else self.lora.plan(token_slots)
             if self.attention == "triton":
                 meta = self._paged_metadata(inputs, self.batch.block_table, self.cfg.block_size, to)
             else:

@@ -87,10 +87,10 @@ def test_steps_through_the_graph_buffers_give_the_eager_tokens_and_padding_write
     seen = []
     run = graphs.run
 
-    def watched(inputs, block_table, block_size):
+    def watched(inputs, block_table, block_size, token_slots=None):
         seen.append(graphs.shape_for(inputs))
         before = [k.clone() for k, _ in eng.runner.kv_caches]
-        hidden = run(inputs, block_table, block_size)
+        hidden = run(inputs, block_table, block_size, token_slots)
         # Only the step's own slots and the null block (block 0, where padded rows write) may change.
         written = set(inputs.slot_mapping.tolist()) | set(range(4))
         for (k, _), old in zip(eng.runner.kv_caches, before, strict=True):
