@@ -213,7 +213,9 @@ class ModelRunner:
                 self.phase_seconds = (clock() - t0, 0.0, 0.0)
                 return StepResult(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64))
         if self.draft is not None:
-            with tracing.phase("propose"):
+            # The draft attends through torch's SDPA on every device: under the target's choice of backends, so
+            # that on CUDA it is not cuDNN's, which plans each new shape (a draft's catch-ups are new shapes).
+            with tracing.phase("propose"), self._sdpa():
                 self.draft.run(self.batch, inputs)
         b = self.batch
         rows = inputs.rows[inputs.sample_mask]

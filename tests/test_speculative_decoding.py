@@ -183,6 +183,29 @@ def test_a_random_draft_model_changes_no_token_greedy_seeded_or_preempted(plain,
     assert e.scheduler.num_preemptions > 0 and e.runner.spec.proposed > 0
 
 
+def test_the_draft_attends_under_the_targets_choice_of_attention_kernels(shallow, tiny_draft, tok):
+    """On CUDA the runner keeps torch's SDPA off cuDNN, which plans every new shape (about 40 ms each); the
+    draft's attention is torch's SDPA on every device, and a draft's catch-ups are new shapes all the time."""
+    from contextlib import contextmanager
+
+    e = engine("draft", shallow, speculative_model=tiny_draft)
+    depth, inside = [0], []
+
+    @contextmanager
+    def backends():
+        depth[0] += 1
+        try:
+            yield
+        finally:
+            depth[0] -= 1
+
+    e.runner._sdpa = backends
+    run = e.runner.draft.run
+    e.runner.draft.run = lambda *a: (inside.append(depth[0] > 0), run(*a))[1]
+    e.generate(prompts(tok)[:2], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    assert inside and all(inside)
+
+
 @pytest.mark.parametrize("bad, why", [
     ({"speculative_method": "eagle"}, "speculative method"),
     ({"speculative_method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
