@@ -85,3 +85,37 @@ def test_each_link_picks_its_depth_from_its_own_executor_at_every_connect():
     assert _connected(auto, _describe(run_ahead=True, role="prefill")) == [1]
     assert _connected(load(SchedulerSettings, ["--no-async-scheduling"]), _describe(run_ahead=True)) == [1]
     assert _connected(load(SchedulerSettings, ["--max-steps-in-flight", "4"]), _describe(run_ahead=False)) == [4]
+
+
+def test_the_executor_runs_ahead_on_cuda_by_default_and_true_or_false_force_it(monkeypatch):
+    pytest.importorskip("torch")
+    from executor_service.settings import ExecutorSettings
+
+    monkeypatch.delenv("STEPWIRE_EXECUTOR_RUN_AHEAD", raising=False)
+    monkeypatch.delenv("STEPWIRE_EXECUTOR_DEVICE", raising=False)
+    assert load(ExecutorSettings, []).run_ahead == "auto"
+    assert load(ExecutorSettings, ["--device", "cuda"]).runs_ahead()
+    assert load(ExecutorSettings, ["--device", "cuda:1"]).runs_ahead()
+    assert not load(ExecutorSettings, ["--device", "cpu"]).runs_ahead()
+    assert load(ExecutorSettings, ["--device", "cpu", "--run-ahead", "true"]).runs_ahead()
+    assert not load(ExecutorSettings, ["--device", "cuda", "--run-ahead", "false"]).runs_ahead()
+    monkeypatch.setenv("STEPWIRE_EXECUTOR_RUN_AHEAD", "on")       # bench/gpu.py's spelling
+    assert load(ExecutorSettings, ["--device", "cpu"]).runs_ahead()
+    with pytest.raises(SystemExit) as e:
+        load(ExecutorSettings, ["--run-ahead", "sometimes"])
+    assert "run_ahead" in str(e.value.code)
+
+
+def test_the_step_pipeline_holds_every_step_the_scheduler_keeps_in_flight_unless_it_is_set():
+    pytest.importorskip("torch")
+    from executor_service.settings import ExecutorSettings
+
+    auto = load(ExecutorSettings, [])
+    assert auto.step_pipeline == "auto"
+    assert (auto.pipeline(runs_ahead=True), auto.pipeline(runs_ahead=False)) == (3, 2)
+    assert steps_in_flight("auto", True, "mixed", runs_ahead=True) <= auto.pipeline(runs_ahead=True)
+    set_to = load(ExecutorSettings, ["--step-pipeline", "1"])
+    assert (set_to.pipeline(runs_ahead=True), set_to.pipeline(runs_ahead=False)) == (1, 1)
+    with pytest.raises(SystemExit) as e:
+        load(ExecutorSettings, ["--step-pipeline", "5"])
+    assert "step_pipeline" in str(e.value.code)
