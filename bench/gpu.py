@@ -37,6 +37,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -308,10 +309,36 @@ def py_spy(root: int, args, tag: str) -> list[subprocess.Popen]:
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for kind, pid in found.items()]
 
 
-def split_runs(model: Path, engine: LLMEngine, concurrencies: list[int], workers: int, graph_tokens: int,
-               pipeline: int, ahead: str, args) -> dict[int, float]:
-    """`stepwire serve` with `workers` gateway processes, mixed-step CUDA graphs up to `graph_tokens` and
-    `pipeline` steps queued in the executor against the in-process engine, closed-loop streaming, same prompts
+@dataclass(frozen=True)
+class Split:
+    """One split stack of `--split`, `workers:graph_tokens:pipeline[:run-ahead[:depth]]`: gateway processes, the
+    most tokens of a step with prompts replayed as a graph, the executor's --step-pipeline and --run-ahead, and
+    the scheduler's --max-steps-in-flight (each of the last three a number, on|off, or auto)."""
+
+    workers: int
+    graph_tokens: int
+    pipeline: str
+    ahead: str = "off"
+    depth: str = "auto"
+
+    @classmethod
+    def parse(cls, text: str) -> Split:
+        workers, graph_tokens, *rest = text.split(":")
+        return cls(int(workers), int(graph_tokens), *rest)
+
+    def env(self) -> dict[str, str]:
+        """What `stepwire serve` passes on to its executor and scheduler."""
+        return {"STEPWIRE_EXECUTOR_CUDA_GRAPH_MAX_TOKENS": str(self.graph_tokens),
+                "STEPWIRE_EXECUTOR_STEP_PIPELINE": self.pipeline, "STEPWIRE_EXECUTOR_RUN_AHEAD": self.ahead,
+                "STEPWIRE_SCHEDULER_MAX_STEPS_IN_FLIGHT": self.depth}
+
+    def __str__(self) -> str:
+        return (f"gateway workers {self.workers}, graphs to {self.graph_tokens} tokens, pipeline {self.pipeline}, "
+                f"run ahead {self.ahead}, steps in flight {self.depth}")
+
+
+def split_runs(model: Path, engine: LLMEngine, concurrencies: list[int], split: Split, args) -> dict[int, float]:
+    """`stepwire serve` as `split` says against the in-process engine, closed-loop streaming, same prompts
     and lengths: {concurrency: split / in-process}.
     Prints each service's CPU per streamed token and the cores it kept busy, which names the process that caps
     the split stack, and the executor's steps: their rate, and the time inside each."""
@@ -324,15 +351,13 @@ def split_runs(model: Path, engine: LLMEngine, concurrencies: list[int], workers
     env = os.environ | {"STEPWIRE_EXECUTOR_DEVICE": args.device, "STEPWIRE_EXECUTOR_MAX_NUM_SEQS": str(top),
                         "STEPWIRE_EXECUTOR_ATTENTION_BACKEND": args.attention_backend,
                         "STEPWIRE_EXECUTOR_CUDA_GRAPHS": str(not args.no_cuda_graphs).lower(),
-                        "STEPWIRE_EXECUTOR_CUDA_GRAPH_MAX_TOKENS": str(graph_tokens),
-                        "STEPWIRE_EXECUTOR_STEP_PIPELINE": str(pipeline), "STEPWIRE_EXECUTOR_RUN_AHEAD": ahead,
-                        "STEPWIRE_SCHEDULER_MAX_NUM_SEQS": str(top),
+                        "STEPWIRE_SCHEDULER_MAX_NUM_SEQS": str(top), **split.env(),
                         "STEPWIRE_EXECUTOR_FUSED_KERNELS": str(not args.no_fused_kernels).lower(),
                         "STEPWIRE_EXECUTOR_QUANTIZATION": args.quantizations.split(",")[0]}
     if args.dtype:
         env["STEPWIRE_EXECUTOR_DTYPE"] = args.dtype
     proc, url, sc = start_stack(env=env, model=model, extra=("--kv-cache-memory", str(args.kv_cache_memory),
-                                                           "--gateway-workers", str(workers)))
+                                                           "--gateway-workers", str(split.workers)))
     tok = ModelTokenizer(model)
     ratios = {}
     try:
@@ -341,7 +366,8 @@ def split_runs(model: Path, engine: LLMEngine, concurrencies: list[int], workers
             procs = max(1, min(args.client_procs, concurrency // 16))
             with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) as pool:
                 http_load(pool, url, model.name, texts[:concurrency], args.serve_tokens, concurrency)  # warm-up
-                tag = f"{model.name}-w{workers}-g{graph_tokens}-p{pipeline}-{ahead}-c{concurrency}"
+                tag = (f"{model.name}-w{split.workers}-g{split.graph_tokens}-p{split.pipeline}-{split.ahead}"
+                       f"-d{split.depth}-c{concurrency}")
                 spies = py_spy(proc.pid, args, tag) \
                     if concurrency == top else []
                 before, steps0 = service_cpu(proc.pid), executor_stats(sc)
@@ -357,12 +383,11 @@ def split_runs(model: Path, engine: LLMEngine, concurrencies: list[int], workers
                             f"({(after[k] - before.get(k, 0)) / seconds:.2f} cores)" for k in sorted(after))
             n = steps1["steps"] - steps0["steps"]
             inside = (steps1["forward"] - steps0["forward"]) / max(n, 1)
-            print(f"  gateway workers {workers}, graphs to {graph_tokens} tokens, pipeline {pipeline}, run ahead "
-                  f"{ahead}, concurrency "
-                  f"{concurrency}: split "
+            print(f"  {split}, concurrency {concurrency}: split "
                   f"{tokens / seconds:,.0f} tok/s ({procs} client processes), in-process {inproc['tok_s']:,.0f} "
                   f"tok/s ({inproc['steps'] / inproc['seconds']:,.0f} steps/s), ratio {ratios[concurrency]:.2f}; "
-                  f"executor {n / seconds:,.0f} steps/s, {inside * 1e3:.2f} ms inside a step; first token p50/p99 "
+                  f"executor {n / seconds:,.0f} steps/s, {inside * 1e3:.2f} ms inside a step, {steps1['depth']} "
+                  f"steps in flight (at most {steps1['most']} seen); first token p50/p99 "
                   f"{pct(ttft, .5) * 1e3:.0f}/{pct(ttft, .99) * 1e3:.0f} ms (in-process "
                   f"{pct(inproc['ttft'], .5) * 1e3:.0f}/{pct(inproc['ttft'], .99) * 1e3:.0f}); CPU {cpu}", flush=True)
     finally:
@@ -394,9 +419,11 @@ def main() -> None:
     ap.add_argument("--serve-rounds", type=int, default=2, help="closed-loop requests per stream in the measured run")
     ap.add_argument("--py-spy", type=int, default=0, help="seconds of py-spy on the scheduler and a gateway during "
                     "the largest concurrency's run, into --out (0: none)")
-    ap.add_argument("--split", default="8:512:2:off,8:512:2:on", help="split stacks to measure, as gateway processes:"
-                    "mixed-step CUDA graphs' most tokens:executor step pipeline[:executor run-ahead on|off], "
-                    "comma-separated; the RESULT line takes the best")
+    ap.add_argument("--split", default="8:512:2:off:2,8:512:3:on:3", help="split stacks to measure, as gateway "
+                    "processes:mixed-step CUDA graphs' most tokens:executor step pipeline[:executor run-ahead "
+                    "on|off|auto[:scheduler steps in flight, a number or auto]], comma-separated; the RESULT line "
+                    "takes the best. The default: the executor in lockstep with two steps in flight, against it "
+                    "running ahead with three")
     ap.add_argument("--client-procs", type=int, default=4, help="load-generator processes (one per 16 streams at most)")
     ap.add_argument("--kv-cache-memory", type=int, default=16 << 30)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
@@ -459,11 +486,9 @@ def measure(model: Path, name: str, quantization: str, args, concurrencies: list
         for key, count, ms in prof["top"]:
             print(f"    {ms:7.3f} ms  x{count:<5.0f} {key}", flush=True)
     ratios, config = {}, None
-    configs = [(*map(int, c.split(":")[:3]), (c.split(":")[3:] or ["off"])[0]) for c in args.split.split(",")
-               if c] if split else []
+    configs = [Split.parse(c) for c in args.split.split(",") if c] if split else []
     if configs:
-        by_config = {(w, g, p, a): split_runs(model, engine, concurrencies, w, g, p, a, args)
-                     for w, g, p, a in configs}
+        by_config = {c: split_runs(model, engine, concurrencies, c, args) for c in configs}
         # split_ratio is the worse of the concurrencies (each is printed above), for the config that does best.
         config, ratios = max(by_config.items(), key=lambda kv: min(kv[1].values()))
     split_key = f" split_ratio={min(ratios.values()):.2f}" if ratios else ""
@@ -471,8 +496,7 @@ def measure(model: Path, name: str, quantization: str, args, concurrencies: list
     print(f"RESULT gpu{tag} step_floor_ratio={step['wall'] / step['floor']:.2f} offline_ratio={ours / hf[0]:.2f}"
           f"{split_key}", flush=True)
     gpu_ratio = "n/a" if prof is None else f"{prof['gpu'] / step['floor']:.2f}"
-    where = "" if config is None else (f"split with {config[0]} gateway process(es), graphs to {config[1]} tokens, "
-                                       f"pipeline {config[2]}, run ahead {config[3]}: " +
+    where = "" if config is None else (f"split with {config}: " +
                                        ", ".join(f"c{c} {r:.2f}" for c, r in ratios.items()) + "; ")
     print(f"  ({name}, {quantization}; {where}transformers' best batch: {hf[1]}; decode step GPU time / floor: "
           f"{gpu_ratio})", flush=True)

@@ -185,7 +185,7 @@ def executor_stats(sc_port: int, tls: bool = True) -> dict:
     e = scheduler_pb2_grpc.SchedulerStub(scheduler_channel(sc_port, tls)).Stats(
         scheduler_pb2.StatsRequest()).executors[0]
     return {"bytes": e.wire_bytes, "req_steps": e.wire_request_steps, "steps": e.num_steps,
-            "forward": e.forward_seconds}
+            "forward": e.forward_seconds, "depth": e.max_steps_in_flight, "most": e.most_steps_in_flight}
 
 
 def row(name, r):

@@ -23,7 +23,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from executor_service import kv_tensors, shared_cache
+from executor_service import kv_tensors, shared_cache, step_ahead
 from executor_service.drain import drain
 from executor_service.kv_transfer import BlockMover
 from executor_service.runner import ModelRunner
@@ -74,8 +74,6 @@ async def serve(settings: ExecutorSettings) -> int:
     worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
     service = ExecutorService(worker)
     service.role = settings.role
-    service.pipeline = settings.step_pipeline
-    service.run_ahead = settings.run_ahead
     executor_pb2_grpc.add_ExecutorServicer_to_server(service, server)
     serve_metrics(settings.metrics_address, service.metrics.registry, "executor")
     port = add_port(server, settings.address, tls, settings.insecure, "the executor")
@@ -94,6 +92,10 @@ async def serve(settings: ExecutorSettings) -> int:
     if threads:
         await loop.run_in_executor(worker, torch.set_num_threads, threads)
     service.runner = runner = await loop.run_in_executor(worker, ModelRunner, runner_config)
+    # Known once the runner is: one whose every step reads the tokens on the host never runs ahead, and its
+    # Describe says so, so the scheduler keeps no third step in flight for it, nor the pipeline room for one.
+    service.run_ahead = settings.runs_ahead() and step_ahead.allowed(runner)
+    service.pipeline = settings.pipeline(service.run_ahead)
     service.mover = BlockMover(runner.kv_blocks, runner.kv_layout, tls, settings.peer_server_name, service.metrics,
                                service.progress, settings.kv_shared_memory_dir, runner.kv_segment)
     if settings.kv_cache_resident:
@@ -102,7 +104,8 @@ async def serve(settings: ExecutorSettings) -> int:
         runner.ranks.watch(lambda why: loop.call_soon_threadsafe(service.fail, why))
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("executor ready (%d torch threads): %s", torch.get_num_threads(), service.runner.describe())
+    log.info("executor ready (%d torch threads, run ahead %s, step pipeline %d): %s", torch.get_num_threads(),
+             "on" if service.run_ahead else "off", service.pipeline, service.runner.describe())
     await serve_until_sigterm(server, failed=service.failed,
                               before_stop=lambda: drain(service, health_servicer, ("", SERVICE),
                                                         settings.drain_seconds))

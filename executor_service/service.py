@@ -72,7 +72,8 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
         self.progress = StepProgress()         # the last step run, which a pull into reserved blocks waits for
         self.mover: BlockMover | None = None    # set once the KV cache exists
         self.role = "mixed"                     # what Describe tells the scheduler (--role)
-        self.run_ahead = False                  # launch plain steps before the last one's tokens are back
+        self.run_ahead = False                  # launch plain steps before the last one's tokens are back (Describe
+                                                # tells the scheduler, which keeps a third step in flight for it)
 
     @property
     def runner(self) -> ModelRunner | None:
@@ -110,7 +111,8 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
             tensor_parallel_size=d["tensor_parallel_size"], max_num_seqs=d["max_num_seqs"],
             max_num_batched_tokens=d["max_num_batched_tokens"], kv_layout=d["kv_layout"], role=self.role,
             max_loras=d.get("max_loras", 0), max_lora_rank=d.get("max_lora_rank", 0),
-            max_cpu_loras=d.get("max_cpu_loras", 0), kv_cache_file=self.mover.cache_file if self.mover else "")
+            max_cpu_loras=d.get("max_cpu_loras", 0), kv_cache_file=self.mover.cache_file if self.mover else "",
+            run_ahead=self.run_ahead)
 
     async def CheckAdapter(self, request, context):
         await self._ready(context)

@@ -6,7 +6,7 @@ The model knobs carry the names of `RunnerConfig`'s fields and are handed over b
 from __future__ import annotations
 
 from dataclasses import fields
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
@@ -43,13 +43,15 @@ class ExecutorSettings(RoleSettings):
     drain_seconds: float = Field(25.0, ge=0, description="after SIGTERM, how long to wait for the scheduler to "
                                  "finish or move this executor's requests (keep it under Kubernetes' "
                                  "terminationGracePeriodSeconds)")
-    step_pipeline: int = Field(2, ge=1, le=4, description="steps queued on the torch thread at once: with 2 the "
-                               "next step starts the moment one ends, while the reply is written; 1: each waits "
-                               "for the last reply to be written and the next step read")
-    run_ahead: bool = Field(False, description="launch a step on the device before the last one's tokens are back "
-                            "when the next step is already queued (steps without speculation, grammars, LoRA or "
-                            "tensor parallelism). Off by default: on an H100 it made the split stack slower, since "
-                            "the scheduler's next step waits for the reply it holds back (docs/gpu.md)")
+    step_pipeline: Literal["auto"] | Annotated[int, Field(ge=1, le=4)] = Field(
+        "auto", description="steps queued on the torch thread at once (1-4): with 2 the next step starts the moment "
+        "one ends, while the reply is written; 1: each waits for the last reply to be written and the next step "
+        "read; auto: as many as the scheduler keeps in flight for this executor, 3 when it runs ahead, else 2")
+    run_ahead: Literal["auto"] | bool = Field(
+        "auto", description="launch a step on the device before the last one's tokens are back when the next step "
+        "is already queued (steps without speculation, grammars, LoRA or tensor parallelism); the scheduler then "
+        "keeps a third step in flight (its --max-steps-in-flight auto). auto: on CUDA, off on the CPU, where the "
+        "device is the host and nothing overlaps; true or false force it")
 
     # RunnerConfig's knobs.
     model: str = Field("models/SmolLM2-135M-Instruct", description="Hugging Face model directory (safetensors)")
@@ -115,6 +117,19 @@ class ExecutorSettings(RoleSettings):
                                       "disk; default: twice --max-loras")
     lora_dir: str = Field("", description="adapters are read only from inside this directory (relative paths "
                           "start from it; links may not lead out of it); empty: any path the executor can read")
+
+    def runs_ahead(self) -> bool:
+        """--run-ahead resolved: auto runs ahead on CUDA only. On the CPU the host is the device, so a step launched
+        ahead is a step computed ahead, on the cores the next step's preparation needs."""
+        return self.device.startswith("cuda") if self.run_ahead == "auto" else self.run_ahead
+
+    def pipeline(self, runs_ahead: bool) -> int:
+        """--step-pipeline resolved for an executor that (`runs_ahead`) or not: room for every step the scheduler
+        keeps in flight (scheduler_service/step_depth.py), or the last one waits in the stream unread, and a
+        step running ahead finds no next step queued to launch before it answers."""
+        if self.step_pipeline != "auto":
+            return self.step_pipeline
+        return 3 if runs_ahead else 2
 
     def runner_config(self) -> RunnerConfig:
         return RunnerConfig(**{f.name: getattr(self, f.name) for f in fields(RunnerConfig)})

@@ -72,9 +72,16 @@ def filled(ids: torch.Tensor, inputs) -> torch.Tensor:
     return ids
 
 
+def allowed(runner) -> bool:
+    """Whether any step of `runner` may run ahead: not with speculation, ranks or adapter slots, whose every step
+    reads the rows' tokens on the host (what an executor tells the scheduler in its Describe)."""
+    return not (runner.spec.cfg.enabled or runner.draft is not None or runner.ranks is not None
+                or runner.lora is not None)
+
+
 def plain(runner, step: Step) -> bool:
     """Whether `step` may run ahead of the host: nothing in it reads a row's tokens on the host."""
-    if runner.spec.cfg.enabled or runner.draft is not None or runner.ranks is not None or runner.lora is not None:
+    if not allowed(runner):
         return False
     if step.lora_loads or step.lora_rows:   # refused where no adapters are served, on the path that checks them
         return False

@@ -5,7 +5,10 @@ while N runs on the GPU. Lockstep, it waited for N's tokens, answered, and only 
 the GPU idled for the host's whole turnaround (on an H100, a split stack's executor ran 235 steps a second at
 c64 where the same GPU ran 374 in process). Here the torch thread launches N (step_ahead.launch), then waits for
 whichever comes first: N's tokens, or N+1 in the queue. N+1 first: N stays in flight, and N+1's turn launches it
-before finishing N and answering. Tokens first: N is answered at once, as lockstep would.
+before finishing N and answering. Tokens first: N is answered at once, as lockstep would. Since N's reply, and
+with it the scheduler's next step, waits for N+1's launch, the scheduler keeps N+2 in flight as well for an
+executor that runs ahead (its Describe says so; scheduler_service/step_depth.py): N+2 is then queued when N+1
+launches, and N+1 stays in flight in turn.
 
 Every path of the torch thread that is not a plain step's launch settles the step in flight first (`settle`),
 so its reply never waits on a step that will not come, and nothing reads a row's tokens while they are holes.

@@ -1,13 +1,13 @@
 """One executor as the scheduler drives it: a scheduler core with its block pool, and the Step stream.
 
 A link is an asyncio task: connect (retrying, with a log line, until `Describe` answers), size the block pool from the
-answer, then loop schedule -> step -> update while there is work, with one step in flight beyond the one running
-(async scheduling; `--no-async-scheduling` waits for each answer). If the stream breaks (or keepalive finds the
-executor gone), `on_lost` moves its requests to other executors; if the executor asks for a resync, the link preempts
-what it ran there (recompute) and opens a new epoch. Either way clients see their streams continue. A draining link
-(drain.py) first moves its running requests with their KV where it can (kv_moves.py), closes the stream once nothing
-is left, which lets the executor exit; one that membership retired then ends instead of reconnecting. The loop
-on the Step stream is in step_loop.py.
+answer, then loop schedule -> step -> update while there is work, with steps in flight beyond the one running
+(async scheduling: as many as its executor needs, step_depth.py; `--no-async-scheduling` waits for each answer).
+If the stream breaks (or keepalive finds the executor gone), `on_lost` moves its requests to other executors; if
+the executor asks for a resync, the link preempts what it ran there (recompute) and opens a new epoch. Either way
+clients see their streams continue. A draining link (drain.py) first moves its running requests with their KV
+where it can (kv_moves.py), closes the stream once nothing is left, which lets the executor exit; one that
+membership retired then ends instead of reconnecting. The loop on the Step stream is in step_loop.py.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from scheduler_service.lifecycle import Lifecycles
 from scheduler_service.request import Request
 from scheduler_service.scheduler import Scheduler
 from scheduler_service.settings import SchedulerSettings
+from scheduler_service.step_depth import steps_in_flight
 from scheduler_service.step_loop import StepLoop
 from scheduler_service.wire import HandleTable
 from stepwire.internal import executor_pb2, executor_pb2_grpc
@@ -62,6 +63,8 @@ class ExecutorLink(StepLoop):
         self.kv_layout, self.role, self.stub = "", "mixed", None   # from Describe; the stub while connected
         self.kv_cache = None                                         # Describe's kv_cache_file, as a CacheFile
         self.epoch, self.last_sent_step = 0, -1   # the last step sent in this epoch (-1: none yet)
+        self.depth = 1                    # steps it keeps sent and unanswered (step_depth.py), from each Describe
+        self.most_in_flight = 0           # the most it had at once since it connected (Stats)
         self._export = None               # "leave" or a set of request ids: they move with their KV once no
                                           # step is in flight
         self.handles = HandleTable()
@@ -200,6 +203,10 @@ class ExecutorLink(StepLoop):
             self.lifecycles.model = self.lifecycles.model or os.path.basename(d.model.rstrip("/"))
         self.kv_cache = executor_pb2.CacheFile(name=d.kv_cache_file, num_blocks=d.num_blocks) \
             if d.kv_cache_file else None         # a restarted executor names another
+        # Each connection asks again: a restarted executor may run ahead where the last one did not.
+        self.depth = steps_in_flight(self.settings.max_steps_in_flight, self.settings.async_scheduling, self.role,
+                                     d.run_ahead)
+        self.most_in_flight = 0
         # A new epoch: the executor's slots start empty as far as this core knows (and may be another size now).
         self.core.adapters.configure(d.max_loras, d.max_cpu_loras)
         # Epochs only grow; a clock reading stays above any earlier one, across scheduler restarts too.
@@ -210,5 +217,6 @@ class ExecutorLink(StepLoop):
         self._drain.draining = False             # it answered Describe, which a draining executor refuses
         self.ready.set()
         self.on_change()
-        log.info("executor %s connected: %d blocks of %d tokens, tensor parallel %d, epoch %d", self.address,
-                 d.num_blocks, d.block_size, max(d.tensor_parallel_size, 1), self.epoch)
+        log.info("executor %s connected: %d blocks of %d tokens, tensor parallel %d, run ahead %s, %d steps in "
+                 "flight, epoch %d", self.address, d.num_blocks, d.block_size, max(d.tensor_parallel_size, 1),
+                 "on" if d.run_ahead else "off", self.depth, self.epoch)

@@ -157,7 +157,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                                    wire_request_steps=link.wire_request_steps,
                                    forward_seconds=link.forward_seconds, draining=link.leaving,
                                    num_migrated_out=link.num_migrated_out,
-                                   num_routed=link.num_routed, kv_layout=link.kv_layout, role=link.role)
+                                   num_routed=link.num_routed, kv_layout=link.kv_layout, role=link.role,
+                                   max_steps_in_flight=link.depth, most_steps_in_flight=link.most_in_flight)
             if link.core is not None:
                 s = link.core.stats()
                 e.num_running, e.num_waiting = s.num_running, s.num_waiting

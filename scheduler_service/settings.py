@@ -15,6 +15,7 @@ from pydantic_settings import NoDecode, SettingsConfigDict
 
 from scheduler_service.adapter_registry import parse_modules
 from scheduler_service.config import CPU_STEP_DEFAULTS, GPU_STEP_DEFAULTS, SchedulerConfig, step_defaults
+from scheduler_service.step_depth import MOST
 from security.peer_roles import RoleSettings
 
 
@@ -77,6 +78,10 @@ class SchedulerSettings(RoleSettings):
 
     async_scheduling: bool = Field(True, description="schedule and send each executor's next step while it runs "
                                    "the current one (a request that stops costs one wasted token)")
+    max_steps_in_flight: Literal["auto"] | Annotated[int, Field(ge=1, le=MOST)] = Field(
+        "auto", description="steps sent to an executor and not yet answered (1-4), each executor's own; auto: 2, or "
+        "3 for an executor that runs ahead (its --run-ahead, as its Describe says), 1 with --no-async-scheduling. "
+        "A prefill executor always gets 1; a request that stops wastes a token per step beyond the first")
 
     # SchedulerConfig's knobs (block_size always comes from the executor).
     max_num_seqs: int = Field(256, ge=1, description="requests running at once per executor")
@@ -111,6 +116,13 @@ class SchedulerSettings(RoleSettings):
     def _one_name_for_dns(self):
         if self.discovery == "dns" and len(self.executors) != 1:
             raise ValueError("--discovery dns takes one name:port in --executors")
+        return self
+
+    @model_validator(mode="after")
+    def _one_step_without_async_scheduling(self):
+        if not self.async_scheduling and self.max_steps_in_flight not in ("auto", 1):
+            raise ValueError(f"--max-steps-in-flight {self.max_steps_in_flight} sends steps ahead, which "
+                             "--no-async-scheduling turns off")
         return self
 
     def core_config(self, block_size: int, executor_max_model_len: int, device: str = "",

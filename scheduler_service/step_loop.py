@@ -30,11 +30,11 @@ class StepLoop:
         broken = asyncio.Event()
         call.add_done_callback(lambda _: (broken.set(), self._wake.set()))
         core = self.core
-        # Async scheduling: step N+1 is scheduled and sent while the executor runs step N, so the hop, the
-        # scheduler's Python and the executor's decoding hide behind the forward pass. The executor runs the
-        # steps in order and holds the tokens N samples, which N+1 feeds back in (the core's placeholders).
-        # A prefill executor's requests leave after their first token, with no step of theirs in flight: one step.
-        depth = 2 if self.settings.async_scheduling and self.role != "prefill" else 1
+        # Async scheduling: step N+1 (and N+2 for an executor that runs ahead) is scheduled and sent while the
+        # executor runs step N, so the hop, the scheduler's Python and the executor's decoding hide behind the
+        # forward pass. The executor runs the steps in order and holds the tokens N samples, which the steps after
+        # feed back in (the core's placeholders). How many: step_depth.py, chosen at connect.
+        depth = self.depth
         sent: deque[SentStep] = deque()
         while True:
             self._wake.clear()          # before looking for work: a wake from here on ends the wait below
@@ -55,6 +55,7 @@ class StepLoop:
                 step = await self._send(call, core)
                 if step is not None:
                     sent.append(step)
+                    self.most_in_flight = max(self.most_in_flight, len(sent))
                     continue
             if sent:
                 await self._receive(call, core, sent)

@@ -58,8 +58,11 @@ def _admit(config, kv, waiting, running, token_budget, threshold, new_reqs, cach
     protecting = False
     while waiting and token_budget > 0 and len(running) < max_num_seqs:
         req = waiting.peek()
-        if req.spec_in_flight:
-            break   # preempted while verifying proposals: it resumes once it knows which it kept
+        if req.num_output_placeholders or req.spec_in_flight:
+            # Preempted with a step of it still in flight (two may be: --max-steps-in-flight 3): the executor parks
+            # the tokens those steps sample, so a resume now would be one token short of its row there (no token
+            # sampled, a placeholder never answered). It resumes once it knows them, and which proposals it kept.
+            break
         if protecting and req.tenant not in light:
             break
         slot = -1

@@ -28,6 +28,8 @@ class TinyStack(NamedTuple):
     logs: list[Path]
     scheduler_metrics: str = ""   # the scheduler's /metrics URL
     executor_metrics: str = ""    # the executor's
+    scheduler: str = ""           # the scheduler's gRPC address (its Stats)
+    executor: str = ""            # the executor's (its Describe)
 
 
 def tiny_model_with_tokenizer(path: Path, **overrides) -> Path:
@@ -42,16 +44,17 @@ def tiny_model_with_tokenizer(path: Path, **overrides) -> Path:
 
 @contextlib.contextmanager
 def tiny_stack(tmp: Path, gateway_args: list[str] = (), env: dict | None = None, max_model_len: int = MAX_MODEL_LEN,
-               executor_flags: dict | None = None, kv_blocks: int = 256):
-    """Executor (with extra `executor_flags`), scheduler and gateway (with `gateway_args` and extra environment
-    `env`), ready; stopped on exit, failing if one of them died meanwhile. The KV cache holds `kv_blocks` blocks
-    of 4 tokens."""
+               executor_flags: dict | None = None, kv_blocks: int = 256, scheduler_flags: dict | None = None):
+    """Executor (with extra `executor_flags`), scheduler (with `scheduler_flags`) and gateway (with `gateway_args`
+    and extra environment `env`), ready; stopped on exit, failing if one of them died meanwhile. The KV cache
+    holds `kv_blocks` blocks of 4 tokens."""
     model = tiny_model_with_tokenizer(tmp / "model", max_position_embeddings=max(max_model_len, 256))
     executor = {"--model": model, "--block-size": 4, "--kv-cache-memory": kv_bytes(kv_blocks), "--max-num-seqs": 8,
                 "--max-model-len": max_model_len, **(executor_flags or {})}
     with Stack([Service("executor", flags=executor),
-                Service("scheduler"),
+                Service("scheduler", flags=scheduler_flags or {}),
                 Service("gateway", flags={"--model": model, **flag_dict(gateway_args)}, env=env or {})], tmp) as s:
         yield TinyStack(s["gateway"].url, s["gateway"].address, model, s.procs["gateway"], s.logs(),
                         f"http://{s['scheduler'].flags['--metrics-address']}/metrics",
-                        f"http://{s['executor'].flags['--metrics-address']}/metrics")
+                        f"http://{s['executor'].flags['--metrics-address']}/metrics", s["scheduler"].address,
+                        s["executor"].address)

@@ -157,8 +157,9 @@ def assert_pool_invariants(sched) -> None:
     for req in running:
         table = holders[req.request_id]
         computed = req.num_computed_tokens
-        # A step verifying proposals computes past the known tokens until its answer comes.
-        ahead = req.spec_in_flight + req.num_output_placeholders - 1 if req.spec_in_flight else 0
+        # Each step in flight that samples for it but the oldest computes the token the one before samples (a
+        # placeholder), and a step verifying proposals computes past the known tokens until its answer comes.
+        ahead = max(req.num_output_placeholders - 1, 0) + req.spec_in_flight
         assert 0 < computed <= req.num_tokens + ahead, (
             f"{req.request_id}: computed {computed} of {req.num_tokens}")
         assert computed <= cfg.max_model_len - 1

@@ -1,7 +1,8 @@
 """Async scheduling across the hop: the scheduler (a real process) sends step N+1 before step N is answered.
 
-The executor here is a probe that answers a step only once the next one has arrived, or after a pause when
-none comes. With async scheduling the scheduler keeps two steps in flight, so every answer waits on the
+The executor here is a probe that answers a step only once the next one has arrived (the two after it, for a
+probe that says in its Describe that it runs ahead), or after a pause when none comes. With async scheduling
+the scheduler keeps two steps in flight (three for an executor that runs ahead), so every answer waits on the
 next step and the stream runs without pauses; with `--no-async-scheduling` it never has two in flight.
 A probe rather than the real executor, because the real one answers each step as soon as it is computed,
 which hides whether the next step was already on its way.
@@ -34,15 +35,18 @@ pytestmark = pytest.mark.processes   # starts services as separate processes: no
 
 
 class ProbeExecutor(executor_pb2_grpc.ExecutorServicer):
-    def __init__(self):
+    def __init__(self, runs_ahead: bool = False):
+        self.runs_ahead = runs_ahead
+        self.hold = 3 if runs_ahead else 2   # steps in hand before it answers the oldest, as the real one needs
         self.most_in_flight = 0
-        self.answered_alone = 0      # answers sent after PAUSE with no next step in hand
+        self.answered_alone = 0      # answers sent after PAUSE with fewer steps in hand
         self.steps = 0
 
     def Describe(self, request, context):
         return executor_pb2.DescribeResponse(model="probe", architecture="LlamaForCausalLM", vocab_size=100,
                                              max_model_len=256, block_size=4, num_blocks=256, dtype="float32",
-                                             device="cpu", eos_token_ids=[99], instance_id="probe")
+                                             device="cpu", eos_token_ids=[99], instance_id="probe",
+                                             run_ahead=self.runs_ahead)
 
     def Step(self, request_iterator, context):
         inbox: queue.Queue = queue.Queue()
@@ -64,6 +68,7 @@ class ProbeExecutor(executor_pb2_grpc.ExecutorServicer):
                 if msg is None:
                     return
                 held.append(msg)
+                self.most_in_flight = max(self.most_in_flight, 1)
             try:
                 nxt = inbox.get(timeout=PAUSE)
             except queue.Empty:
@@ -74,7 +79,9 @@ class ProbeExecutor(executor_pb2_grpc.ExecutorServicer):
                 return
             if nxt is not False:
                 held.append(nxt)
-            self.most_in_flight = max(self.most_in_flight, len(held))
+                self.most_in_flight = max(self.most_in_flight, len(held))
+                if len(held) < self.hold:
+                    continue
             yield self.answer(held.pop(0))
 
     def answer(self, msg):
@@ -84,26 +91,43 @@ class ProbeExecutor(executor_pb2_grpc.ExecutorServicer):
                                          token_ids=[7] * len(msg.handles))
 
 
-@pytest.fixture
-def probe():
-    probe = ProbeExecutor()
+def serve_probe(probe: ProbeExecutor):
     port = free_port()
     server = grpc.server(ThreadPoolExecutor(4))
     executor_pb2_grpc.add_ExecutorServicer_to_server(probe, server)
     server.add_insecure_port(f"127.0.0.1:{port}")
     server.start()
-    yield probe, f"127.0.0.1:{port}"
+    return server, f"127.0.0.1:{port}"
+
+
+@pytest.fixture
+def probe():
+    probe = ProbeExecutor()
+    server, address = serve_probe(probe)
+    yield probe, address
     server.stop(0)
 
 
-def run_requests(launch, executor: str, *flags: str) -> list[list[int]]:
+@pytest.fixture
+def ahead_probe():
+    probe = ProbeExecutor(runs_ahead=True)
+    server, address = serve_probe(probe)
+    yield probe, address
+    server.stop(0)
+
+
+def run_requests(launch, executor: str, *flags: str, stats: list | None = None) -> list[list[int]]:
+    """Three requests of 12 tokens through a scheduler on `executor`; `stats` gets the executor's Stats after."""
     scheduler = launch(Service("scheduler", flags=["--executors", executor, "--metrics-address", "", *flags]))
     with grpc.insecure_channel(scheduler["scheduler"].address) as channel:
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
         params = sampling_pb2.SamplingParams(max_tokens=12, temperature=0.0, top_p=1.0, top_k=-1, ignore_eos=True)
         calls = [stub.Submit(scheduler_pb2.SubmitRequest(request_id=f"r{i}", prompt_token_ids=[1, 2, 3 + i],
                                                          params=params), timeout=60) for i in range(3)]
-        return [[t for out in call for t in out.token_ids] for call in calls]
+        tokens = [[t for out in call for t in out.token_ids] for call in calls]
+        if stats is not None:
+            stats.append(stub.Stats(scheduler_pb2.StatsRequest(), timeout=10).executors[0])
+        return tokens
 
 
 def test_the_scheduler_sends_the_next_step_before_the_last_one_is_answered(probe, launch):
@@ -112,6 +136,24 @@ def test_the_scheduler_sends_the_next_step_before_the_last_one_is_answered(probe
     assert executor.most_in_flight == 2
     # Only the last step of the run waits out the pause: every other answer had its successor in hand.
     assert executor.answered_alone <= 2 < executor.steps
+
+
+def test_an_executor_that_runs_ahead_gets_a_third_step_in_flight(ahead_probe, launch):
+    executor, address = ahead_probe
+    stats = []
+    assert run_requests(launch, address, stats=stats) == [[7] * 12] * 3
+    assert executor.most_in_flight == 3
+    # Every answer but the last two had the two steps after it in hand: none waited out the pause for them.
+    assert executor.answered_alone <= 3 < executor.steps
+    assert (stats[0].max_steps_in_flight, stats[0].most_steps_in_flight) == (3, 3)
+
+
+def test_a_number_of_steps_in_flight_overrides_what_the_executor_says(ahead_probe, launch):
+    executor, address = ahead_probe
+    stats = []
+    assert run_requests(launch, address, "--max-steps-in-flight", "2", stats=stats) == [[7] * 12] * 3
+    assert executor.most_in_flight == 2
+    assert (stats[0].max_steps_in_flight, stats[0].most_steps_in_flight) == (2, 2)
 
 
 def test_without_async_scheduling_each_step_waits_for_the_answer_to_the_last(probe, launch):

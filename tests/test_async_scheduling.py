@@ -1,4 +1,5 @@
-"""Async scheduling in the core: step N+1 is scheduled and sent before step N's answer comes back.
+"""Async scheduling in the core: step N+1 (and N+2, three in flight) is scheduled and sent before step N's answer
+comes back.
 
 The executor here is the real one minus the model: the wire (encode_step / decode_step / encode_result /
 decode_result), `check_step` and the persistent `InputBatch`, with a "model" whose next token is a pure
@@ -126,13 +127,13 @@ workloads = st.lists(st.tuples(st.lists(st.integers(0, VOCAB - 1), min_size=1, m
 @given(work=workloads, extra_blocks=st.integers(0, 30), caching=st.booleans(),
        policy=st.sampled_from(["fcfs", "priority"]), budget=st.sampled_from([7, 32]),
        block_size=st.sampled_from([1, 4]), seqs=st.sampled_from([2, 8]))
-def test_pipelined_steps_give_what_lock_step_gives_and_waste_at_most_a_token_per_request(work, extra_blocks, caching,
-                                                                                       policy, budget, block_size,
-                                                                                       seqs):
+def test_pipelined_steps_give_what_lock_step_gives_and_waste_a_token_per_step_beyond_the_first(work, extra_blocks,
+                                                                                              caching, policy, budget,
+                                                                                              block_size, seqs):
     # A pool from "the longest request alone" (30 + 24 tokens) to roomy: small ones preempt on most steps.
     num_blocks = 1 + -(-56 // block_size) + extra_blocks
     runs = {}
-    for depth in (1, 2):
+    for depth in (1, 2, 3):
         sched, model = make([], num_blocks, enable_prefix_caching=caching, policy=policy, block_size=block_size,
                             max_num_seqs=seqs, max_num_batched_tokens=budget,
                             long_prefill_token_threshold=2 if budget == 7 else 8)
@@ -147,13 +148,16 @@ def test_pipelined_steps_give_what_lock_step_gives_and_waste_at_most_a_token_per
         assert sched.kv.num_free_blocks == num_blocks - 1 and sched.kv.holders() == {}
         assert model.batch.num_reqs == 0 or not sched.finished_req_ids
     assert runs[2][:2] == runs[1][:2]
+    assert runs[3][:2] == runs[1][:2]
     assert runs[1][2] == 0, "lock step sampled a token nobody received"
-    # Only a request that stopped on a token found one step late costs a token, and only one.
-    stopped = sum(r == "stop" for r in runs[2][1].values())
+    # Only a request that stopped on a token found late costs tokens: one for each later step in flight.
+    stopped = sum(r == "stop" for r in runs[1][1].values())
     assert 0 <= runs[2][2] <= stopped
+    assert 0 <= runs[3][2] <= 2 * stopped
 
 
-def test_a_stop_found_late_costs_one_wasted_token_and_the_request_gets_nothing_after_it():
+@pytest.mark.parametrize("depth", [2, 3])
+def test_a_stop_found_late_costs_a_wasted_token_per_later_step_and_the_request_gets_nothing_after_it(depth):
     prompt = [1, 2, 3]
     # Find where the prefix model first says EOS for this prompt, so the request stops there.
     seq = list(prompt)
@@ -162,25 +166,27 @@ def test_a_stop_found_late_costs_one_wasted_token_and_the_request_gets_nothing_a
         assert len(seq) < 60
     expected = seq[len(prompt):] + [EOS]
     sched, model = make([("a", prompt, SamplingParams(max_tokens=80))], num_blocks=64)
-    outputs, reasons = drive(sched, model, depth=2)
+    outputs, reasons = drive(sched, model, depth=depth)
     assert outputs["a"] == expected and reasons["a"] == "stop"
-    assert model.samples == len(expected) + 1
+    assert model.samples == len(expected) + depth - 1
 
 
-def test_a_length_cap_is_never_overshot_because_the_last_token_in_flight_is_counted():
+@pytest.mark.parametrize("depth", [2, 3])
+def test_a_length_cap_is_never_overshot_because_the_last_tokens_in_flight_are_counted(depth):
     sched, model = make([("a", [1, 2], SamplingParams(max_tokens=5, ignore_eos=True))], num_blocks=64)
-    outputs, reasons = drive(sched, model, depth=2)
+    outputs, reasons = drive(sched, model, depth=depth)
     assert len(outputs["a"]) == 5 and reasons["a"] == "length"
     assert model.samples == 5, "a step past max_tokens was scheduled"
 
 
+@pytest.mark.parametrize("depth", [2, 3])
 @pytest.mark.parametrize("when", [2, 3, 6])
-def test_an_abort_while_two_steps_are_in_flight_frees_everything_and_leaves_the_others_unchanged(when):
+def test_an_abort_while_steps_are_in_flight_frees_everything_and_leaves_the_others_unchanged(when, depth):
     reqs = [(f"r{i}", [i, i + 1, 2], SamplingParams(max_tokens=12, ignore_eos=True)) for i in range(4)]
     sched, model = make(reqs, num_blocks=64)
     ref, _ = drive(sched, model, depth=1)
     sched, model = make(reqs, num_blocks=64)
-    outputs, reasons = drive(sched, model, depth=2, abort_at={when: "r1"})
+    outputs, reasons = drive(sched, model, depth=depth, abort_at={when: "r1"})
     assert reasons["r1"] == "abort" and len(outputs["r1"]) < 12
     assert outputs["r1"] == ref["r1"][:len(outputs["r1"])]
     for rid in ("r0", "r2", "r3"):
@@ -188,7 +194,8 @@ def test_an_abort_while_two_steps_are_in_flight_frees_everything_and_leaves_the_
     assert sched.kv.num_free_blocks == 63 and model.batch.num_reqs == 0
 
 
-def test_a_request_preempted_while_its_token_is_in_flight_keeps_that_token():
+@pytest.mark.parametrize("depth", [2, 3])
+def test_a_request_preempted_while_its_token_is_in_flight_keeps_that_token(depth):
     # Two requests that cannot both grow in an 8-block pool: the later one is preempted by the step
     # scheduled while the earlier step, which sampled for it, is still running.
     reqs = [("a", [1, 2, 3, 4], SamplingParams(max_tokens=20, ignore_eos=True)),
@@ -196,14 +203,14 @@ def test_a_request_preempted_while_its_token_is_in_flight_keeps_that_token():
     sched, model = make(reqs, num_blocks=9, long_prefill_token_threshold=0)
     ref, _ = drive(sched, model, depth=1)
     sched, model = make(reqs, num_blocks=9, long_prefill_token_threshold=0)
-    outputs, reasons = drive(sched, model, depth=2)
+    outputs, reasons = drive(sched, model, depth=depth)
     assert sched.num_preemptions > 0
     assert outputs == ref and set(reasons.values()) == {"length"}
     assert Counter(map(len, outputs.values())) == Counter({20: 2})
     assert model.samples == 40, "a token was sampled twice (dropped while preempted, then recomputed)"
 
 
-@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("depth", [1, 2, 3])
 def test_a_priority_victim_withdrawn_mid_step_gives_back_only_a_placeholder_it_was_given(depth):
     # The lower-priority request is scheduled for a chunk one token short of its end, then preempted later in
     # the same step for the higher-priority one: no placeholder was given, so none may be taken back
@@ -217,3 +224,121 @@ def test_a_priority_victim_withdrawn_mid_step_gives_back_only_a_placeholder_it_w
     assert sched.num_preemptions > 0
     assert [len(outputs[r]) for r in ("r0", "r1", "r2")] == [1, 8, 1]
     assert set(reasons.values()) == {"length"}
+
+
+# ---------------------------------------------------------------------------------------- three steps in flight
+
+
+class Pipe:
+    """One link by hand: `send` schedules a step and runs it on the executor at once (its answer waits in `sent`,
+    unread, as on the wire), `answer` reads the oldest; the pool's clock follows the newest step sent, as the
+    link's does (step_loop.py)."""
+
+    def __init__(self, sched: Scheduler, model: PrefixModel):
+        self.sched, self.model, self.handles = sched, model, HandleTable()
+        self.sent: deque = deque()
+        self.n = 0
+        self.outputs: dict[str, list[int]] = {}
+        self.reasons: dict[str, str] = {}
+
+    def send(self):
+        out = self.sched.schedule()
+        msg, order = encode_step(out, self.handles, epoch=1, step=self.n)
+        self.sched.kv.pool.clock = self.n
+        self.n += 1
+        self.sent.append((out, order, self.model.run(msg)))
+        return out, msg
+
+    def answer(self):
+        out, order, reply = self.sent.popleft()
+        deltas = self.sched.update_from_output(out, decode_result(reply, order))
+        for d in deltas:
+            assert d.req_id not in self.reasons, f"{d.req_id} got tokens after it ended"
+            self.outputs.setdefault(d.req_id, []).extend(d.new_token_ids)
+            if d.finish_reason is not None:
+                self.reasons[d.req_id] = d.finish_reason
+        assert_pool_invariants(self.sched)
+        return deltas
+
+
+class StopAt(PrefixModel):
+    """A model that samples 1 until a row holds `STOP` tokens, then EOS: where a request stops is chosen."""
+
+    STOP = 0
+
+    @classmethod
+    def next_token(cls, prefix: np.ndarray) -> int:
+        return EOS if len(prefix) >= cls.STOP else 1
+
+
+@pytest.mark.parametrize("stop", [8, 9, 10, 11])
+def test_a_request_that_stops_with_two_steps_in_flight_frees_blocks_that_nobody_can_hit_before_those_steps_ran(stop):
+    # Blocks of 4, a prompt of 6: the stop falls at every place in a block. The step that samples EOS is answered
+    # while the two after it, which compute positions `stop` and `stop + 1` of the request, are still in flight.
+    StopAt.STOP = stop
+    sched, _ = make([("a", [3, 4, 5, 1, 2, 3], SamplingParams(max_tokens=40))], num_blocks=32)
+    pipe = Pipe(sched, StopAt(sched.config, 32))
+    while "a" not in pipe.reasons:
+        while len(pipe.sent) < 3:
+            pipe.send()
+        table = list(sched.kv.get_blocks("a"))
+        pipe.answer()
+    assert pipe.outputs["a"] == [1] * (stop - 6) + [EOS] and pipe.reasons["a"] == "stop"
+    assert [("a" in out.num_scheduled_tokens) for out, _, _ in pipe.sent] == [True, True]
+    # Freed at once, every block: the executor hears of the stop in the next step, after the two in flight.
+    assert "a" not in sched.requests and sched.kv.num_free_blocks == 31
+    # No block the steps in flight write (positions stop and stop + 1) is in the prefix cache; cached blocks hold
+    # only positions a step already sent computed, so a request that hits them reads KV written before its step.
+    written = {table[p // 4].block_id for p in (stop, stop + 1) if p // 4 < len(table)}
+    assert all(sched.kv.pool.blocks[b].block_hash is None for b in written)
+    later = Request("b", [3, 4, 5, 1, 2, 3] + [1] * (stop - 6) + [EOS, 1, 1, 1, 1], SamplingParams(max_tokens=1))
+    sched.add_request(later)
+    assert sched.kv.get_computed_blocks(later)[1] <= stop // 4 * 4
+    # A KV pull into one of these blocks waits for the newest step that may write it: the second one in flight.
+    assert sched.kv.pool.last_writer([b.block_id for b in table]) == pipe.n - 1
+    sched.abort_requests("b")
+    assert [d.req_id for _ in range(2) for d in pipe.answer()] == [], "a step after the stop gave it tokens"
+    _, msg = pipe.send()
+    assert list(msg.finished) == [0] and pipe.model.samples == stop - 6 + 1 + 2
+    assert pipe.model.batch.num_reqs == 0
+
+
+def test_a_request_preempted_with_two_steps_in_flight_resumes_only_once_both_are_answered():
+    # Two requests of 4 tokens, blocks of 4 and 5 blocks: both grow a third block at position 8, where the later
+    # one is preempted, with the two steps before it in flight. Resumed after only one of them was answered, it
+    # would be a token short of its row on the executor: that step would sample nothing, and its placeholder
+    # never come back (found with a pool of 8 blocks and three requests).
+    reqs = [("a", [1, 2, 3, 4], SamplingParams(max_tokens=16, ignore_eos=True)),
+            ("b", [5, 4, 3, 2], SamplingParams(max_tokens=16, ignore_eos=True))]
+    sched, model = make(reqs, num_blocks=6, long_prefill_token_threshold=0)
+    ref, _ = drive(sched, model, depth=1)
+    sched, model = make(reqs, num_blocks=6, long_prefill_token_threshold=0)
+    pipe, b = Pipe(sched, model), sched.requests["b"]
+    while True:
+        if len(pipe.sent) == 3:
+            pipe.answer()
+        out, _ = pipe.send()
+        if sched.num_preemptions:
+            break
+    assert "b" in out.preempted_req_ids and b.num_output_placeholders == 2 and len(pipe.sent) == 3
+    pipe.answer()
+    assert b.num_output_placeholders == 1 and -(-b.num_tokens // 4) <= sched.kv.num_free_blocks, \
+        "it would fit: only the rule holds it back"
+    out, _ = pipe.send()
+    assert "b" not in out.num_scheduled_tokens
+    resumed = None
+    while sched.has_unfinished_requests() or pipe.sent:
+        if len(pipe.sent) < 3 and sched.has_unfinished_requests():
+            placeholders = b.num_output_placeholders
+            out, _ = pipe.send()
+            cached = out.scheduled_cached_reqs
+            if "b" in cached.resumed_req_ids:
+                # Back with every token it has, the two in flight's included: the step computes to its end.
+                k = cached.req_ids.index("b")
+                resumed = (placeholders, cached.num_computed_tokens[k] + out.num_scheduled_tokens["b"] - b.num_tokens)
+        else:
+            pipe.answer()
+    assert resumed == (0, 0)
+    assert pipe.outputs == ref and set(pipe.reasons.values()) == {"length"}
+    assert model.samples == 32, "a token was sampled twice, or one dropped"
+    assert sched.kv.num_free_blocks == 5

@@ -211,7 +211,7 @@ def test_holes_never_reach_the_model(model):
 @pytest.mark.processes
 def test_an_executor_running_ahead_serves_what_a_lockstep_one_serves_through_preemptions(tmp_path):
     """Real processes: the scheduler's async scheduling sends the next step while one runs, and an executor with
-    --run-ahead on leaves a step in flight while it launches that one. Eight concurrent completions, greedy and
+    --run-ahead true leaves a step in flight while it launches that one. Eight concurrent completions, greedy and
     seeded, in a KV cache too small for all of them at once, get the same tokens from both executors. Both are
     deterministic (batch-invariant): otherwise how a step's batch is made up, which timing decides, changes near
     ties, and two runs of one lockstep executor already differ now and then."""
@@ -236,8 +236,8 @@ def test_an_executor_running_ahead_serves_what_a_lockstep_one_serves_through_pre
 
     got, counters = {}, {}
     for mode in ("off", "on"):
-        with tiny_stack(tmp_path / mode, executor_flags={f"--{'' if mode == 'on' else 'no-'}run-ahead": True,
-                                                                    "--deterministic": True},
+        with tiny_stack(tmp_path / mode, executor_flags={"--run-ahead": "true" if mode == "on" else "false",
+                                                         "--deterministic": True},
                         kv_blocks=48) as s:
             got[mode] = asyncio.run(serve(s.url))
             counters[mode] = {name: metric(url, name) for url, name in (
