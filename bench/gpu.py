@@ -439,16 +439,12 @@ def main() -> None:
     args.hbm_gbps = args.hbm_gbps or 3000.0
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     for name in args.models.split(","):
-        model = Path(args.models_dir) / name
-        print(f"== {name}", flush=True)
-        hf = None
-        for i, quantization in enumerate(args.quantizations.split(",")):
-            hf = measure(model, name, quantization, args, concurrencies, hf, split=i == 0)
+        main_model(name, args, concurrencies)
 
 
-def measure(model: Path, name: str, quantization: str, args, concurrencies: list[int], hf, split: bool):
-    """One engine's figures (offline, the decode step against its floor, and with `split` the split stacks), with
-    `quantization`'s weights; transformers' best (hf: (tok/s, batch)) is measured once, with the first."""
+def measure(model: Path, name: str, quantization: str, args, concurrencies: list[int], hf):
+    """One engine's figures (offline, the decode step against its floor) with `quantization`'s weights:
+    (the engine, {figure: value}, hf); transformers' best (hf: (tok/s, batch)) is measured once, with the first."""
     engine = make_engine(model, args, max(args.decode_batch, *concurrencies, 256 if args.device != "cpu" else 8),
                          quantization)
     d = engine.runner.describe()
@@ -485,25 +481,43 @@ def measure(model: Path, name: str, quantization: str, args, concurrencies: list
               ", ".join(f"{k} {v:.0f}" for k, v in prof["launches"].items()), flush=True)
         for key, count, ms in prof["top"]:
             print(f"    {ms:7.3f} ms  x{count:<5.0f} {key}", flush=True)
-    ratios, config = {}, None
-    configs = [Split.parse(c) for c in args.split.split(",") if c] if split else []
+    gpu_ratio = "n/a" if prof is None else f"{prof['gpu'] / step['floor']:.2f}"
+    figures = {"step_floor_ratio": step["wall"] / step["floor"], "offline_ratio": ours / hf[0]}
+    print(f"  ({name}, {quantization}: " + " ".join(f"{k}={v:.2f}" for k, v in figures.items()) +
+          f"; transformers' best batch: {hf[1]}; decode step GPU time / floor: {gpu_ratio})", flush=True)
+    return engine, figures, hf
+
+
+def main_model(name: str, args, concurrencies: list[int]) -> None:
+    """Each quantization's engine, then the split stacks against the first's engine: the split stacks take the
+    longest, so a run cut short still has every engine's figures."""
+    model = Path(args.models_dir) / name
+    print(f"== {name}", flush=True)
+    hf, first = None, None
+    for i, quantization in enumerate(args.quantizations.split(",")):
+        engine, figures, hf = measure(model, name, quantization, args, concurrencies, hf)
+        if i == 0:
+            first = (quantization, engine, figures)
+            continue
+        print(f"RESULT gpu quantization={quantization} " + " ".join(f"{k}={v:.2f}" for k, v in figures.items()),
+              flush=True)
+        del engine
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    quantization, engine, figures = first
+    configs = [Split.parse(c) for c in args.split.split(",") if c]
     if configs:
         by_config = {c: split_runs(model, engine, concurrencies, c, args) for c in configs}
         # split_ratio is the worse of the concurrencies (each is printed above), for the config that does best.
         config, ratios = max(by_config.items(), key=lambda kv: min(kv[1].values()))
-    split_key = f" split_ratio={min(ratios.values()):.2f}" if ratios else ""
+        figures["split_ratio"] = min(ratios.values())
+        print(f"  ({name}, {quantization}: split with {config}: " +
+              ", ".join(f"c{c} {r:.2f}" for c, r in ratios.items()) + ")", flush=True)
     tag = "" if quantization == "none" else f" quantization={quantization}"
-    print(f"RESULT gpu{tag} step_floor_ratio={step['wall'] / step['floor']:.2f} offline_ratio={ours / hf[0]:.2f}"
-          f"{split_key}", flush=True)
-    gpu_ratio = "n/a" if prof is None else f"{prof['gpu'] / step['floor']:.2f}"
-    where = "" if config is None else (f"split with {config}: " +
-                                       ", ".join(f"c{c} {r:.2f}" for c, r in ratios.items()) + "; ")
-    print(f"  ({name}, {quantization}; {where}transformers' best batch: {hf[1]}; decode step GPU time / floor: "
-          f"{gpu_ratio})", flush=True)
+    print(f"RESULT gpu{tag} " + " ".join(f"{k}={v:.2f}" for k, v in figures.items()), flush=True)
     del engine
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
-    return hf
 
 
 if __name__ == "__main__":
