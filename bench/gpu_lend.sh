@@ -31,6 +31,17 @@ kernels)
   run "${GPU_BENCH_SECONDS:-330}" gpu python3 bench/gpu.py --models llama-1b --hf-batches 256 --quantizations "$quant" \
     --split "${GPU_SPLIT:-8:512:auto:on:auto}" --serve-rounds 4 $fused --out "$out"
   ;;
+short)   # what matters most when a lend has under ten minutes left: kernels' tests, bench/gpu.py, LoRA
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  fused=""; quant="none,fp8"
+  run 60 tests-fused python3 -m pytest -q -x -p no:cacheprovider tests/test_fused_kernels.py -k "not fp8" \
+    || fused="--no-fused-kernels"
+  run 45 tests-fp8 python3 -m pytest -q -x -p no:cacheprovider tests/test_fp8.py tests/test_fused_kernels.py \
+    -k "fp8" || quant="none"
+  run 280 gpu python3 bench/gpu.py --models llama-1b --hf-batches 256 --quantizations "$quant" \
+    --split "${GPU_SPLIT:-8:512:auto:on:auto}" --serve-rounds 2 $fused --out "$out"
+  run 80 lora env STEPWIRE_EXECUTOR_DEVICE=cuda python3 bench/lora.py --rounds 1
+  ;;
 modes)
   run 100 lora env STEPWIRE_EXECUTOR_DEVICE=cuda python3 bench/lora.py --rounds 1
   run 90 determinism-1 python3 bench/determinism.py --device cuda --rounds 1
