@@ -39,7 +39,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     kernel (torch's ops would be four kernels for each projection of each layer)."""
     if x.is_cuda:
         from executor_service.fp8_triton import quantize_rows as on_gpu
-        return on_gpu(x)
+        return on_gpu(x, FP8, FP8_MAX, MIN_SCALE)
     scale = (x.float().abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 

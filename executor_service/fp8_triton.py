@@ -7,8 +7,6 @@ import torch
 import triton
 import triton.language as tl
 
-from executor_service.fp8 import FP8, FP8_MAX, MIN_SCALE
-
 
 @triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, N, stride_x, stride_q, FMAX: tl.constexpr, SMIN: tl.constexpr,
@@ -25,13 +23,14 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, N, stride_x, stride_q, FMAX: tl.c
     tl.store(s_ptr + row, scale)
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (float8 [M, K], scale [M, 1] float32)."""
+def quantize_rows(x: torch.Tensor, fp8: torch.dtype, fp8_max: float, min_scale: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (`fp8` [M, K], scale [M, 1] float32), fp8.py's quantization and constants."""
     m, k = x.shape
-    q = torch.empty(m, k, dtype=FP8, device=x.device)
+    q = torch.empty(m, k, dtype=fp8, device=x.device)
     scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
     if m:
         block = triton.next_power_of_2(k)
-        _quantize_rows_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), FMAX=FP8_MAX, SMIN=MIN_SCALE,
+        _quantize_rows_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), FMAX=fp8_max, SMIN=min_scale,
                                     BLOCK=block, num_warps=8 if block >= 4096 else 4)
     return q, scale
