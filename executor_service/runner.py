@@ -94,7 +94,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             keep_freed_memory()
         self.dtype = DTYPES[cfg.dtype]
-        self.attention = attention_backend(cfg.attention_backend, self.device, cfg.deterministic)
+        self.attention = attention_backend(cfg.attention_backend, self.device, cfg.deterministic, self.dtype)
         if self.attention == "triton":
             from executor_service.triton_attention import paged_metadata
             group = self.model_config.num_heads // self.model_config.num_kv_heads

@@ -54,16 +54,17 @@ def check_combinations(cfg: RunnerConfig) -> None:
         raise ValueError(f"--max-cpu-loras {cfg.max_cpu_loras} is below --max-loras {cfg.max_loras}")
 
 
-def attention_backend(choice: str, device: torch.device, deterministic: bool = False) -> str:
+def attention_backend(choice: str, device: torch.device, deterministic: bool = False,
+                      dtype: torch.dtype | None = None) -> str:
     """"torch" (gather, then SDPA) or "triton" (paged in place). auto: triton on CUDA when it is installed.
     Chosen once at start-up, so no step ever waits on a backend's per-shape planning."""
-    backend = _attention_backend(choice, device)
+    backend = _attention_backend(choice, device, dtype)
     if deterministic:
         check_deterministic_backend(backend, device)
     return backend
 
 
-def _attention_backend(choice: str, device: torch.device) -> str:
+def _attention_backend(choice: str, device: torch.device, dtype: torch.dtype | None) -> str:
     # Only looked up, not imported: importing triton costs start-up time that a CPU executor never uses.
     have_triton = importlib.util.find_spec("triton") is not None
     if choice == "auto":
@@ -73,6 +74,10 @@ def _attention_backend(choice: str, device: torch.device) -> str:
             raise ValueError("--attention-backend triton: triton is not installed (it comes with CUDA builds of torch)")
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(f"--attention-backend triton runs on CUDA devices, not {device}")
+        if device.type != "cuda" and dtype == torch.bfloat16:
+            # Its interpreter keeps bfloat16 as integers and multiplies those in tl.dot: logits of 1e10, served.
+            raise ValueError("--attention-backend triton off CUDA runs in Triton's interpreter, which computes "
+                             "bfloat16 products on the raw bits (triton-lang/triton#11584): use --dtype float32")
     return choice
 
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton", reason="triton is not installed (the test extra installs it)")
 
-from tiny_model import kv_bytes, write_tiny_llama  # noqa: E402
+from tiny_model import executor_dtype, kv_bytes, write_tiny_llama  # noqa: E402
 
 from executor_service.attention import write_slots  # noqa: E402
 from executor_service.fused_kernels import rotary_kv, silu_mul  # noqa: E402
@@ -100,9 +100,11 @@ def test_rotary_kv_rotates_q_and_writes_k_and_v_at_their_slots_only(dtype, heads
 
 
 def engine(model, fused: bool, **runner) -> LLMEngine:
-    return LLMEngine(RunnerConfig(str(model), device=DEVICE, block_size=4, kv_cache_memory=kv_bytes(64),
-                                  max_num_seqs=8, max_model_len=128, attention_backend="triton", cuda_graphs=False,
-                                  fused_kernels=fused, **runner),
+    # float32: the fused model must give the unfused one's tokens and logits to 1e-4, exactness that bfloat16's
+    # rounding at other points cannot give (and without a GPU, Triton's interpreter computes no bfloat16 products).
+    return LLMEngine(RunnerConfig(str(model), device=DEVICE, dtype="float32", block_size=4,
+                                  kv_cache_memory=kv_bytes(64), max_num_seqs=8, max_model_len=128,
+                                  attention_backend="triton", cuda_graphs=False, fused_kernels=fused, **runner),
                      SchedulerConfig(block_size=4, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=16))
 
 
@@ -155,10 +157,14 @@ def test_fp8_weights_with_the_fused_kernels_through_the_graph_buffers_track_the_
     model = write_tiny_llama(tmp_path / "llama", hidden_size=64, intermediate_size=128)
     prompts = [[5, 6, 7, 8, 9], list(range(20, 41)), [40, 41]]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    eager = LLMEngine(RunnerConfig(str(model), device=DEVICE, block_size=4, kv_cache_memory=kv_bytes(64) * 2,
+    # A tolerance, so any dtype: the environment's on a GPU; float32 in Triton's interpreter, which computes no
+    # bfloat16 products.
+    dtype = None if DEVICE == "cuda" else "float32"
+    memory = kv_bytes(64, dtype=dtype or executor_dtype(DEVICE)) * 2    # 64 blocks: twice the tiny model's head size
+    eager = LLMEngine(RunnerConfig(str(model), device=DEVICE, dtype=dtype, block_size=4, kv_cache_memory=memory,
                                    max_num_seqs=8, max_model_len=128, attention_backend="torch", quantization="fp8"),
                       SchedulerConfig(block_size=4, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=16))
-    graphs = LLMEngine(RunnerConfig(str(model), device=DEVICE, block_size=4, kv_cache_memory=kv_bytes(64) * 2,
+    graphs = LLMEngine(RunnerConfig(str(model), device=DEVICE, dtype=dtype, block_size=4, kv_cache_memory=memory,
                                     max_num_seqs=8, max_model_len=128, attention_backend="triton", cuda_graphs=True,
                                     cuda_graph_max_tokens=32, quantization="fp8"),
                        SchedulerConfig(block_size=4, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=16))

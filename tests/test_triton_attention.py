@@ -103,8 +103,11 @@ def test_the_model_with_the_triton_backend_gives_the_torch_backends_greedy_token
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)
     runs = {}
     for backend in ("torch", "triton"):
-        engine = LLMEngine(RunnerConfig(str(model), device=DEVICE, block_size=4, kv_cache_memory=kv_bytes(64),
-                                        max_num_seqs=8, max_model_len=128, attention_backend=backend),
+        # float32: the same tokens from two kernels is exactness, which bfloat16 rounding cannot give (and
+        # without a GPU, Triton's interpreter computes no bfloat16 products).
+        engine = LLMEngine(RunnerConfig(str(model), device=DEVICE, dtype="float32", block_size=4,
+                                        kv_cache_memory=kv_bytes(64), max_num_seqs=8, max_model_len=128,
+                                        attention_backend=backend),
                            SchedulerConfig(block_size=4, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=12))
         assert engine.runner.describe()["attention"] == backend
         runs[backend] = engine.generate(prompts, params)
@@ -123,3 +126,14 @@ def test_auto_picks_triton_only_on_cuda_and_an_explicit_triton_on_cpu_is_refused
         attention_backend("triton", torch.device("cpu"))
     if torch.cuda.is_available():
         assert attention_backend("auto", torch.device("cuda")) == "triton"
+
+
+def test_the_interpreted_kernel_is_refused_in_bfloat16_whose_products_the_interpreter_takes_on_raw_bits(
+        monkeypatch):
+    from executor_service.runner_config import attention_backend
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cpu = torch.device("cpu")
+    assert attention_backend("triton", cpu, dtype=torch.float32) == "triton"
+    with pytest.raises(ValueError, match="Triton's interpreter, which computes bfloat16 products on the raw bits"):
+        attention_backend("triton", cpu, dtype=torch.bfloat16)
+    assert attention_backend("torch", cpu, dtype=torch.bfloat16) == "torch"

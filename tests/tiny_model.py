@@ -39,10 +39,22 @@ def write_tiny_llama(path: Path, seed: int = 0, **overrides) -> Path:
     return path
 
 
-def kv_bytes(num_blocks: int, block_size: int = 4) -> int:
-    """KV-cache memory that holds `num_blocks` blocks of the tiny model in float32 (K and V, every layer)."""
+def executor_dtype(device: str = "cpu") -> str:
+    """The dtype of an executor or in-process engine whose test does not choose one: STEPWIRE_EXECUTOR_DTYPE
+    (conftest's float32, or a run's forced bfloat16), else the executor's default on `device`."""
+    import os
+
+    from executor_service.runner_config import default_dtype
+    return os.environ.get("STEPWIRE_EXECUTOR_DTYPE") or default_dtype(device)
+
+
+def kv_bytes(num_blocks: int, block_size: int = 4, dtype: str = "float32") -> int:
+    """KV-cache memory that holds `num_blocks` blocks of the tiny model in `dtype` (K and V, every layer)."""
+    from executor_service.runner_config import DTYPES
+
     head_dim = TINY["hidden_size"] // TINY["num_attention_heads"]
-    return num_blocks * 2 * TINY["num_hidden_layers"] * block_size * TINY["num_key_value_heads"] * head_dim * 4
+    return (num_blocks * 2 * TINY["num_hidden_layers"] * block_size * TINY["num_key_value_heads"] * head_dim
+            * DTYPES[dtype].itemsize)
 
 
 def chunked_and_cached_prompts(seed: int = 0) -> list[list[int]]:
@@ -57,16 +69,18 @@ def chunked_and_cached_prompts(seed: int = 0) -> list[list[int]]:
             rng.integers(3, 97, 17).tolist()]
 
 
-def reference_greedy(model: Path, prompts: list[list[int]], max_tokens: int = 10, budget: int = 16) -> list[list[int]]:
+def reference_greedy(model: Path, prompts: list[list[int]], max_tokens: int = 10, budget: int = 16,
+                     **runner) -> list[list[int]]:
     """Greedy tokens from the in-process engine, configured as the tests configure the tiny-model services
-    (blocks of 4, 64 of them, 8 sequences, 128 tokens of context, `budget` tokens per step)."""
+    (blocks of 4, kv_bytes(64) of memory, 8 sequences, 128 tokens of context, `budget` tokens per step);
+    `runner`: more RunnerConfig fields (a dtype), as the services' flags choose them."""
     from executor_service.runner_config import RunnerConfig
     from launcher.engine import LLMEngine
     from scheduler_service import SchedulerConfig
     from stepwire.contract import SamplingParams
 
     engine = LLMEngine(RunnerConfig(str(model), block_size=4, kv_cache_memory=kv_bytes(64), max_num_seqs=8,
-                                    max_model_len=128),
+                                    max_model_len=128, **runner),
                        SchedulerConfig(block_size=4, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=budget))
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     return [c.token_ids for c in engine.generate(prompts, params)]
