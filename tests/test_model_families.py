@@ -16,9 +16,20 @@ from launcher.engine import LLMEngine  # noqa: E402
 from scheduler_service import SchedulerConfig  # noqa: E402
 from stepwire.contract import SamplingParams  # noqa: E402
 
+# bfloat16 logits against float32's, relative to the largest: rounding in every product and norm of two layers,
+# measured at 2.3 units of bfloat16 (2^-8) at most on these models. Too coarse to see a dropped q bias (0.6%
+# here): the float32 case, at 1e-4, is the one that checks every tensor is used.
+BF16_TOLERANCE = 2 ** -5
 
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", list(FAMILIES))
-def test_greedy_tokens_and_logits_match_transformers(tmp_path, name):
+def test_greedy_tokens_and_logits_match_transformers(tmp_path, name, dtype):
+    """float32: transformers' greedy tokens, and its logits within 1e-4. bfloat16: at every step, transformers'
+    float32 logits on the tokens the engine chose, within bfloat16's tolerance, and its top token wherever that
+    leads by more than the tolerance can move."""
+    if dtype == "bfloat16" and (why := bf16_linear_unsupported()) is not None:
+        pytest.skip(why)
     hf, path = write_family(tmp_path, name, shard=name == "mistral")
     if name == "mistral":
         assert (path / "model.safetensors.index.json").exists()     # really sharded
@@ -26,8 +37,7 @@ def test_greedy_tokens_and_logits_match_transformers(tmp_path, name):
     with torch.no_grad():
         ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None,
                           pad_token_id=0)[0, len(prompt):].tolist()
-        ref_logits = hf(torch.tensor([prompt + ref])).logits[0]
-    e = LLMEngine(RunnerConfig(str(path), block_size=4, kv_cache_memory=4 << 20, max_model_len=256,
+    e = LLMEngine(RunnerConfig(str(path), dtype=dtype, block_size=4, kv_cache_memory=4 << 20, max_model_len=256,
                                max_num_seqs=4),
                   SchedulerConfig(block_size=4, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=5))
     seen = []
@@ -40,9 +50,20 @@ def test_greedy_tokens_and_logits_match_transformers(tmp_path, name):
 
     e.runner.forward = spy
     got = e.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0].token_ids
-    assert got == ref
-    for k, lg in enumerate(seen):
-        assert torch.allclose(lg, ref_logits[len(prompt) - 1 + k], rtol=1e-4, atol=1e-4)
+    with torch.no_grad():
+        ref_logits = hf(torch.tensor([prompt + got])).logits[0, len(prompt) - 1:-1]
+    assert len(seen) == len(ref_logits) == 12
+    if dtype == "float32":
+        assert got == ref
+        for lg, want in zip(seen, ref_logits, strict=True):
+            assert torch.allclose(lg, want, rtol=1e-4, atol=1e-4)
+        return
+    for k, (lg, want) in enumerate(zip(seen, ref_logits, strict=True)):
+        tol = BF16_TOLERANCE * want.abs().max()
+        assert (lg.float() - want).abs().max() < tol, (k, (lg.float() - want).abs().max() / want.abs().max())
+        top2 = want.topk(2).values
+        if top2[0] - top2[1] > 2 * tol:
+            assert got[k] == want.argmax(), k
 
 
 def test_a_missing_weight_file_or_unknown_architecture_is_a_clear_start_up_error(tmp_path):
