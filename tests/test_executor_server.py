@@ -8,7 +8,7 @@ import pytest
 grpc = pytest.importorskip("grpc")
 pytest.importorskip("torch")
 
-from tiny_model import kv_bytes, reference_greedy, write_tiny_llama  # noqa: E402
+from tiny_model import executor_dtype, kv_bytes, reference_greedy, write_tiny_llama  # noqa: E402
 
 from launcher.processes import Service, Stack  # noqa: E402
 from scheduler_service import Request, Scheduler, SchedulerConfig  # noqa: E402
@@ -16,7 +16,9 @@ from scheduler_service.wire import HandleTable, decode_result, encode_step  # no
 from stepwire.contract import SamplingParams  # noqa: E402
 from stepwire.internal import executor_pb2, executor_pb2_grpc, sampling_pb2  # noqa: E402
 
-KV_BYTES = kv_bytes(64)
+# 64 blocks in the dtype the executor runs (the environment's: its Describe says which).
+DTYPE = executor_dtype()
+KV_BYTES = kv_bytes(64, dtype=DTYPE)
 
 
 pytestmark = pytest.mark.processes   # starts services as separate processes: not in `make test-fast`
@@ -56,8 +58,8 @@ class StepStream:
 def test_describe_reports_the_model_and_the_kv_capacity(executor):
     model, channel = executor
     d = executor_pb2_grpc.ExecutorStub(channel).Describe(executor_pb2.DescribeRequest(), timeout=5)
-    assert (d.architecture, d.block_size, d.num_blocks, d.max_model_len, d.vocab_size) == \
-        ("LlamaForCausalLM", 4, 64, 128, 97)
+    assert (d.architecture, d.dtype, d.block_size, d.num_blocks, d.max_model_len, d.vocab_size) == \
+        ("LlamaForCausalLM", DTYPE, 4, 64, 128, 97)
     assert (d.max_num_seqs, d.tensor_parallel_size) == (8, 1)
     assert d.max_num_batched_tokens == 8192      # the default cap on a step's tokens, past this context
     assert d.instance_id
