@@ -186,3 +186,20 @@ def runs_service(pid: int, kind: str) -> bool:
     from launcher.processes import MODULE
     words = command_words(pid)
     return any(a == "-m" and b == MODULE[kind] for a, b in zip(words, words[1:], strict=False))
+
+
+def bf16_linear_unsupported() -> str | None:
+    """Why this machine's torch cannot run a bfloat16 linear layer, or None when it can. It is probed the way
+    the executor runs one (its oneDNN path, which needs more than one row) and through `F.linear`: oneDNN has
+    no bfloat16 inner product on CPUs without native bfloat16 instructions (no avx512_bf16 or AMX)."""
+    import torch
+
+    from executor_service.linear import linear
+
+    x, w = torch.ones(2, 8, dtype=torch.bfloat16), torch.ones(4, 8, dtype=torch.bfloat16)
+    try:
+        linear(x, w)
+        torch.nn.functional.linear(x, w)
+    except RuntimeError as e:
+        return f"this CPU's torch cannot run a bfloat16 linear layer: {str(e).splitlines()[0][:160]}"
+    return None

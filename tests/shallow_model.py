@@ -20,8 +20,16 @@ from conftest import MODEL
 
 LAYERS = 4
 SHALLOW = MODEL.parent / f".{MODEL.name}-{LAYERS}-layers"     # git-ignored, beside the model it is cut from
-# One KV block of the cut in float32 at the default block size: K and V, every layer, 16 slots, 3 KV heads of 64.
-BLOCK_BYTES = 2 * LAYERS * 16 * 3 * 64 * 4
+
+
+def block_bytes(dtype: str = "float32") -> int:
+    """One KV block of the cut in `dtype` at the default block size: K and V, every layer, 16 slots, 3 KV heads
+    of 64."""
+    from executor_service.runner_config import DTYPES
+    return 2 * LAYERS * 16 * 3 * 64 * DTYPES[dtype].itemsize
+
+
+BLOCK_BYTES = block_bytes("float32")
 
 
 def shallow_model() -> Path:

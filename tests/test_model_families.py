@@ -7,6 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from helpers import bf16_linear_unsupported  # noqa: E402
 from tiny_model import FAMILIES, write_family, write_tiny_llama  # noqa: E402
 
 from executor_service.loader import load_model  # noqa: E402
@@ -78,21 +79,6 @@ def test_a_missing_weight_file_or_unknown_architecture_is_a_clear_start_up_error
         load_model(path, 64)
     with pytest.raises(ModelLoadError, match="no config.json"):
         load_model(tmp_path / "nowhere", 64)
-
-
-def bf16_linear_unsupported() -> str | None:
-    """Why this machine's torch cannot run a bfloat16 linear layer, or None when it can. It is probed the way
-    the executor runs one (its oneDNN path, which needs more than one row) and through `F.linear`: oneDNN has
-    no bfloat16 inner product on CPUs without native bfloat16 instructions (no avx512_bf16 or AMX)."""
-    from executor_service.linear import linear
-
-    x, w = torch.ones(2, 8, dtype=torch.bfloat16), torch.ones(4, 8, dtype=torch.bfloat16)
-    try:
-        linear(x, w)
-        torch.nn.functional.linear(x, w)
-    except RuntimeError as e:
-        return f"this CPU's torch cannot run a bfloat16 linear layer: {str(e).splitlines()[0][:160]}"
-    return None
 
 
 def test_bfloat16_is_selectable_and_stays_close_to_float32(tmp_path):
