@@ -203,3 +203,11 @@ def bf16_linear_unsupported() -> str | None:
     except RuntimeError as e:
         return f"this CPU's torch cannot run a bfloat16 linear layer: {str(e).splitlines()[0][:160]}"
     return None
+
+
+def skip_unless_torch_runs(dtype: str) -> None:
+    """Skip the calling test where `dtype` is bfloat16 and this machine's torch cannot run it."""
+    import pytest
+
+    if dtype == "bfloat16" and (why := bf16_linear_unsupported()) is not None:
+        pytest.skip(why)

@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from helpers import bf16_linear_unsupported, record_logits  # noqa: E402
+from helpers import record_logits, skip_unless_torch_runs  # noqa: E402
 from shallow_model import block_bytes  # noqa: E402
 
 from executor_service.runner_config import RunnerConfig  # noqa: E402
@@ -76,8 +76,7 @@ def test_in_bfloat16_each_position_after_transformers_tokens_is_near_its_logits_
     """Teacher-forced: each prompt followed by transformers' first k greedy tokens, for every k, one request each
     (the prefix cache serves the shared part): the next token's logits within BF16_TOLERANCE of transformers'
     float32 ones, and its top token transformers' wherever that leads by CLEAR_LEAD."""
-    if (why := bf16_linear_unsupported()) is not None:
-        pytest.skip(why)
+    skip_unless_torch_runs("bfloat16")
     tokens, logits = hf_greedy
     engine = _engine(dtype="bfloat16")
     seen = record_logits(engine)
@@ -104,8 +103,7 @@ def test_mixed_batch_logits_match_each_request_computed_alone(chat_prompts, shal
     kernels round a row by its batch's shape (so the greedy tokens, and then the contexts, could part), in
     deterministic mode, whose kernels do not."""
     dtype, deterministic = kind.split()[0], kind.endswith("deterministic")
-    if dtype == "bfloat16" and (why := bf16_linear_unsupported()) is not None:
-        pytest.skip(why)
+    skip_unless_torch_runs(dtype)
     # The same runner settings but the pool for both engines (deterministic mode checks its kernels for them),
     # steps of 64 tokens at most: whole prompts alone.
     runner = dict(dtype=dtype, deterministic=deterministic, max_num_seqs=8, max_model_len=512,

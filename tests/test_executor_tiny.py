@@ -6,7 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from helpers import record_logits  # noqa: E402
+from helpers import record_logits, skip_unless_torch_runs  # noqa: E402
 from tiny_model import chunked_and_cached_prompts, executor_dtype, kv_bytes, write_tiny_llama  # noqa: E402
 
 from executor_service.attention import AttentionMetadata  # noqa: E402
@@ -53,6 +53,7 @@ def reference_logits(model, tokens: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_mixed_batch_with_chunks_prefix_hits_and_preemption_matches_each_request_alone(tiny_dir, dtype):
+    skip_unless_torch_runs(dtype)
     e = engine(tiny_dir, num_blocks=24, dtype=dtype, max_num_batched_tokens=16, long_prefill_token_threshold=8)
     seen = record_logits(e)
     prompts = chunked_and_cached_prompts()
@@ -105,6 +106,7 @@ EXACT = {"float32": {"dtype": "float32"},
 
 @pytest.mark.parametrize("kind", list(EXACT))
 def test_greedy_output_is_the_same_alone_batched_chunked_and_cached(tiny_dir, kind):
+    skip_unless_torch_runs(EXACT[kind]["dtype"])
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, 97, int(n)).tolist() for n in rng.integers(2, 40, 12)]
     prompts[5] = prompts[2][:10] + prompts[5]     # a shared prefix for the cache to find
@@ -118,6 +120,7 @@ def test_greedy_output_is_the_same_alone_batched_chunked_and_cached(tiny_dir, ki
 
 @pytest.mark.parametrize("kind", list(EXACT))
 def test_a_seeded_sampled_request_gives_the_same_tokens_alone_and_in_a_batch(tiny_dir, kind):
+    skip_unless_torch_runs(EXACT[kind]["dtype"])
     seeded = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
     prompt = [5, 6, 7, 8, 9]
     alone = engine(tiny_dir, **EXACT[kind]).generate([prompt], seeded)[0].token_ids

@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from helpers import bf16_linear_unsupported  # noqa: E402
+from helpers import skip_unless_torch_runs  # noqa: E402
 from tiny_model import FAMILIES, write_family, write_tiny_llama  # noqa: E402
 
 from executor_service.loader import load_model  # noqa: E402
@@ -29,8 +29,7 @@ def test_greedy_tokens_and_logits_match_transformers(tmp_path, name, dtype):
     """float32: transformers' greedy tokens, and its logits within 1e-4. bfloat16: at every step, transformers'
     float32 logits on the tokens the engine chose, within bfloat16's tolerance, and its top token wherever that
     leads by more than the tolerance can move."""
-    if dtype == "bfloat16" and (why := bf16_linear_unsupported()) is not None:
-        pytest.skip(why)
+    skip_unless_torch_runs(dtype)
     hf, path = write_family(tmp_path, name, shard=name == "mistral")
     if name == "mistral":
         assert (path / "model.safetensors.index.json").exists()     # really sharded
@@ -82,8 +81,7 @@ def test_a_missing_weight_file_or_unknown_architecture_is_a_clear_start_up_error
 
 
 def test_bfloat16_is_selectable_and_stays_close_to_float32(tmp_path):
-    if (why := bf16_linear_unsupported()) is not None:
-        pytest.skip(why)
+    skip_unless_torch_runs("bfloat16")
     path = write_tiny_llama(tmp_path / "m")
     outs = {}
     for dtype in ("float32", "bfloat16"):
