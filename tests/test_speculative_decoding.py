@@ -47,7 +47,10 @@ def tok():
 
 
 def engine(method: str, model=MODEL, **kw) -> LLMEngine:
-    cfg = {"kv_cache_memory": 64 << 20, "max_num_seqs": 8, "max_model_len": 1024} | kw
+    # float32 unless a test says otherwise: verifying proposals computes a request's rows in steps of other shapes
+    # than decoding one at a time, and only float32's default kernels, or bfloat16's deterministic ones, keep the
+    # same tokens across shapes.
+    cfg = {"dtype": "float32", "kv_cache_memory": 64 << 20, "max_num_seqs": 8, "max_model_len": 1024} | kw
     return LLMEngine(RunnerConfig(str(model), speculative_method=method, **cfg))
 
 
