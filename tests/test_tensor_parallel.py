@@ -79,7 +79,9 @@ def engines():
     torch.set_num_threads(1)
 
     def make(path, tp=2, sched=None, **runner):
-        kw = dict(block_size=4, kv_cache_memory=1 << 20, max_num_seqs=8, max_model_len=256) | runner
+        # float32 unless a test says otherwise: the ranks' partial sums add in another order than one rank's
+        # products, and only float32 keeps the same greedy tokens and logits within 1e-4 through that.
+        kw = dict(dtype="float32", block_size=4, kv_cache_memory=1 << 20, max_num_seqs=8, max_model_len=256) | runner
         sched = sched or SchedulerConfig(block_size=kw["block_size"], max_model_len=256, max_num_seqs=8,
                                          max_num_batched_tokens=16)
         one = LLMEngine(RunnerConfig(str(path), **kw), sched)
@@ -147,7 +149,7 @@ def test_the_embedded_model_on_two_ranks_generates_what_one_rank_does(engines, s
     one, two = engines(shallow, block_size=16, kv_cache_memory=32 << 20, max_model_len=256)
     assert two.runner.describe()["tensor_parallel_size"] == 2
     # 3 KV heads: each rank sizes its 32 MiB for the larger share (2 heads), and all hold that many blocks.
-    per_head = 2 * LAYERS * 16 * 64 * 4    # K and V, every layer, 16 tokens, head size 64, float32
+    per_head = 2 * LAYERS * 16 * 64 * one.runner.dtype.itemsize    # K and V, every layer, 16 tokens, head size 64
     budget = 32 << 20
     assert (one.runner.num_blocks, two.runner.num_blocks) == (budget // (3 * per_head), budget // (2 * per_head))
     assert two.runner.kv_caches[0][0].shape[2] == 1    # rank 0 caches its own head only
@@ -217,11 +219,15 @@ def alive(pid: int) -> bool:
 
 
 TP2 = ("--tensor-parallel-size", "2", "--tensor-parallel-timeout-seconds", "5")
+# Every executor here in float32, and the one-rank engine they are checked against: two ranks must give one
+# rank's tokens, and a request moved between degrees its tokens so far, which bfloat16's rounding of the ranks'
+# partial sums cannot promise (deterministic mode can: test_deterministic).
+F32 = ("--dtype", "float32")
 
 
 def test_a_two_rank_executor_behind_the_scheduler_gives_the_engines_tokens(tmp_path):
     metrics = free_port()
-    fleet = Fleet(tmp_path, 1, flags_of={0: (*TP2, "--metrics-address", f"127.0.0.1:{metrics}")})
+    fleet = Fleet(tmp_path, 1, executor_flags=F32, flags_of={0: (*TP2, "--metrics-address", f"127.0.0.1:{metrics}")})
     try:
         with grpc.insecure_channel(fleet.addresses[0]) as channel:
             d = executor_pb2_grpc.ExecutorStub(channel).Describe(executor_pb2.DescribeRequest(), timeout=5)
@@ -232,7 +238,8 @@ def test_a_two_rank_executor_behind_the_scheduler_gives_the_engines_tokens(tmp_p
         streams = Streams(fleet.stub, PROMPTS[:8])
         streams.join()
         assert streams.errors == [None] * 8
-        assert streams.tokens == reference_greedy(fleet.model, PROMPTS[:8], max_tokens=TOKENS, budget=BUDGET)
+        assert streams.tokens == reference_greedy(fleet.model, PROMPTS[:8], max_tokens=TOKENS, budget=BUDGET,
+                                                  dtype="float32")
         text = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=5).read().decode()
         values = {(m.name, tuple(sorted(m.labels.items()))): m.value
                   for family in text_string_to_metric_families(text) for m in family.samples}
@@ -249,9 +256,9 @@ def test_a_stranger_taking_over_the_step_stream_mid_load_leaves_every_rank_in_li
     # A stranger's Step stream replaces the scheduler's (the batch is reset on every rank), its bad steps
     # are refused on rank 0 without reaching the others, and the scheduler's stream takes the executor
     # back: the ranks still agree, so the answers are right and no rank has died.
-    fleet = Fleet(tmp_path, 1, flags_of={0: TP2})
+    fleet = Fleet(tmp_path, 1, executor_flags=F32, flags_of={0: TP2})
     try:
-        expected = reference_greedy(fleet.model, PROMPTS[:8], max_tokens=TOKENS, budget=BUDGET)
+        expected = reference_greedy(fleet.model, PROMPTS[:8], max_tokens=TOKENS, budget=BUDGET, dtype="float32")
         rank0 = fleet.procs["executor-0"]
         (rank1,) = children(rank0.pid)
         streams = Streams(fleet.stub, PROMPTS[:8])
@@ -273,12 +280,12 @@ def test_a_stranger_taking_over_the_step_stream_mid_load_leaves_every_rank_in_li
 @pytest.mark.parametrize("fault", ["kill rank 1", "kill rank 0", "freeze rank 1", "kill rank 1 while draining"])
 def test_a_lost_rank_stops_its_executor_and_its_requests_finish_on_another(tmp_path, fault):
     # executor-0 runs two ranks, executor-1 one; the fault hits executor-0 mid-stream.
-    fleet = Fleet(tmp_path, 2, "--executor-wait-seconds", "30", flags_of={0: TP2})
+    fleet = Fleet(tmp_path, 2, "--executor-wait-seconds", "30", executor_flags=F32, flags_of={0: TP2})
     frozen = None
     try:
         # Long answers when the fault comes in a drain: the running requests must still be there to lose.
         tokens = 120 if fault == "kill rank 1 while draining" else TOKENS
-        expected = reference_greedy(fleet.model, PROMPTS, max_tokens=tokens, budget=BUDGET)
+        expected = reference_greedy(fleet.model, PROMPTS, max_tokens=tokens, budget=BUDGET, dtype="float32")
         rank0 = fleet.procs["executor-0"]
         (rank1,) = children(rank0.pid)
         streams = Streams(fleet.stub, PROMPTS, max_tokens=tokens)
