@@ -27,8 +27,8 @@ BF16_TOLERANCE = 2 ** -5
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_greedy_tokens_and_logits_match_transformers(tmp_path, name, dtype):
     """float32: transformers' greedy tokens, and its logits within 1e-4. bfloat16: at every step, transformers'
-    float32 logits on the tokens the engine chose, within bfloat16's tolerance, and its top token wherever that
-    leads by more than the tolerance can move."""
+    float32 logits on the tokens the engine chose, within bfloat16's tolerance (so its top token wherever that
+    leads by more than twice the tolerance)."""
     skip_unless_torch_runs(dtype)
     hf, path = write_family(tmp_path, name, shard=name == "mistral")
     if name == "mistral":
@@ -59,11 +59,8 @@ def test_greedy_tokens_and_logits_match_transformers(tmp_path, name, dtype):
             assert torch.allclose(lg, want, rtol=1e-4, atol=1e-4)
         return
     for k, (lg, want) in enumerate(zip(seen, ref_logits, strict=True)):
-        tol = BF16_TOLERANCE * want.abs().max()
-        assert (lg.float() - want).abs().max() < tol, (k, (lg.float() - want).abs().max() / want.abs().max())
-        top2 = want.topk(2).values
-        if top2[0] - top2[1] > 2 * tol:
-            assert got[k] == want.argmax(), k
+        rel = (lg.float() - want).abs().max() / want.abs().max()
+        assert rel < BF16_TOLERANCE, (k, rel)
 
 
 def test_a_missing_weight_file_or_unknown_architecture_is_a_clear_start_up_error(tmp_path):
