@@ -2,14 +2,18 @@
 nothing is recomputed and the tokens are those of a run without a fault; a transfer that stalls, or whose
 target or source dies under it, ends in a recompute with the same tokens and no block held anywhere."""
 
+import os
+
 import grpc
 import httpx
 import pytest
+import torch
 from fleet_stack import TOKENS, Streams
 from tcp_proxy import Proxy
 from test_kv_transfer_executor import PROMPT
 from tiny_model import kv_bytes, reference_greedy, write_tiny_llama
 
+from executor_service.runner_config import DTYPES, default_dtype
 from launcher.processes import Service, Stack, free_ports
 from stepwire.internal import scheduler_pb2, scheduler_pb2_grpc
 
@@ -19,6 +23,20 @@ BUDGET = 32
 # Eight streams of 25 + 60 tokens: a few blocks each, well inside both pools, so nothing is preempted and every
 # recomputed token is one a move cost.
 PROMPTS = [[(t + i) % 90 + 3 for t in PROMPT] for i in range(8)]
+# The executors' dtype: the one the environment chooses (conftest's float32, or a run's forced bfloat16), else
+# their default on this machine.
+DTYPE = os.environ.get("STEPWIRE_EXECUTOR_DTYPE") or default_dtype("cpu")
+
+
+def block_bytes() -> int:
+    """One KV block of the tiny model (4 tokens, K and V, every layer) in the executors' dtype."""
+    return kv_bytes(1) // 4 * torch.empty((), dtype=DTYPES[DTYPE]).element_size()   # kv_bytes counts float32
+
+
+def kv_memory(num_blocks: int) -> int:
+    """KV-cache memory that holds `num_blocks` blocks in the executors' dtype: the same pools, and so the same
+    usage to rebalance by, whatever the dtype."""
+    return num_blocks * block_bytes()
 
 
 class KVFleet:
@@ -32,7 +50,7 @@ class KVFleet:
         self.names = [f"executor-{i}" for i in range(n)]
         executors = [Service("executor", name, {
             "--model": self.model, "--address": f"127.0.0.1:{port}", "--block-size": 4,
-            "--kv-cache-memory": kv_bytes(256), "--max-num-seqs": 8, "--max-model-len": 128, "--metrics-address": "",
+            "--kv-cache-memory": kv_memory(256), "--max-num-seqs": 8, "--max-model-len": 128, "--metrics-address": "",
             "--threads": 1, "--drain-seconds": 30, **(executor_flags or {}).get(name, {})})
             for name, port in zip(self.names, ports, strict=True)]
         listed = [f"127.0.0.1:{p}" for p in ports]
@@ -47,6 +65,7 @@ class KVFleet:
         self.channel = grpc.insecure_channel(scheduler.address)
         self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
         self.stack.wait_until(lambda: sum(e.connected for e in self.stats().executors) == n, "every executor", 60)
+        assert all(e.num_total_blocks == 256 - 1 for e in self.stats().executors)   # less the null block
 
     def stats(self) -> scheduler_pb2.StatsResponse:
         return self.stub.Stats(scheduler_pb2.StatsRequest(), timeout=5)
@@ -98,9 +117,10 @@ def test_a_drained_executors_requests_leave_with_their_kv_and_nothing_is_recompu
         if kv_transfer:
             assert s.num_kv_transfers > 0 and s.num_kv_transfer_failures == 0 and recomputed == 0
             assert s.recompute_avoided_tokens >= s.num_kv_transfers * len(PROMPT)
-            assert s.kv_transfer_bytes > 0 and s.kv_transfer_blocks >= s.num_kv_transfers * len(PROMPT) // 4
+            assert s.kv_transfer_blocks >= s.num_kv_transfers * len(PROMPT) // 4
+            assert s.kv_transfer_bytes == s.kv_transfer_blocks * block_bytes()     # blocks of the dtype they run
             assert 0 < s.kv_transfer_busy_seconds and 0 < s.kv_transfer_seconds
-            assert all(e.kv_layout.startswith("llama:LlamaForCausalLM:float32:") for e in s.executors if e.connected)
+            assert all(e.kv_layout.startswith(f"llama:LlamaForCausalLM:{DTYPE}:") for e in s.executors if e.connected)
             scraped = httpx.get(f"http://127.0.0.1:{metrics}/metrics").text
             assert f'stepwire:kv_transfers_total{{outcome="done"}} {float(s.num_kv_transfers)}' in scraped
             assert f"stepwire:recompute_avoided_tokens_total {float(s.recompute_avoided_tokens)}" in scraped
