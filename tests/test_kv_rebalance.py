@@ -6,8 +6,8 @@ stalls or dies ends in a recompute with the same tokens and no block held anywhe
 import httpx
 import pytest
 from fleet_stack import Streams
-from test_kv_transfer_fleet import BUDGET, KVFleet
-from tiny_model import reference_greedy, write_tiny_llama
+from test_kv_transfer_fleet import BUDGET, KVFleet, reference_greedy
+from tiny_model import write_tiny_llama
 
 from launcher.processes import free_ports
 

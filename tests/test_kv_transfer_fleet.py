@@ -2,14 +2,18 @@
 nothing is recomputed and the tokens are those of a run without a fault; a transfer that stalls, or whose
 target or source dies under it, ends in a recompute with the same tokens and no block held anywhere."""
 
+import os
+
 import grpc
 import httpx
 import pytest
+import torch
 from fleet_stack import TOKENS, Streams
 from tcp_proxy import Proxy
 from test_kv_transfer_executor import PROMPT
-from tiny_model import kv_bytes, reference_greedy, write_tiny_llama
+from tiny_model import kv_bytes, write_tiny_llama
 
+from executor_service.runner_config import DTYPES, default_dtype
 from launcher.processes import Service, Stack, free_ports
 from stepwire.internal import scheduler_pb2, scheduler_pb2_grpc
 
@@ -19,6 +23,47 @@ BUDGET = 32
 # Eight streams of 25 + 60 tokens: a few blocks each, well inside both pools, so nothing is preempted and every
 # recomputed token is one a move cost.
 PROMPTS = [[(t + i) % 90 + 3 for t in PROMPT] for i in range(8)]
+# The executors' dtype: the one the environment chooses (conftest's float32, or a run's forced bfloat16), else
+# their default on this machine.
+DTYPE = os.environ.get("STEPWIRE_EXECUTOR_DTYPE") or default_dtype("cpu")
+# The tests here compare every token with a reference run, after moves and after recomputes in batches of other
+# shapes. In bfloat16 (or float16) a batch's shape can change a logit's last bit and flip one of the tiny random
+# model's many near-ties, so there the executors and the reference run batch-invariant kernels: the same bits in
+# any batch, and still half-precision KV that moves. float32's default kernels are close enough as they are.
+DETERMINISTIC = DTYPE != "float32"
+
+
+def block_bytes() -> int:
+    """One KV block of the tiny model (4 tokens, K and V, every layer) in the executors' dtype."""
+    return kv_bytes(1) // 4 * torch.empty((), dtype=DTYPES[DTYPE]).element_size()   # kv_bytes counts float32
+
+
+def kv_memory(num_blocks: int) -> int:
+    """KV-cache memory that holds `num_blocks` blocks in the executors' dtype: the same pools, and so the same
+    usage to rebalance by, whatever the dtype."""
+    return num_blocks * block_bytes()
+
+
+def reference_greedy(model, prompts: list[list[int]], max_tokens: int, budget: int = BUDGET) -> list[list[int]]:
+    """Greedy tokens from the in-process engine, configured as the executors here (blocks of 4, 64 of them,
+    8 sequences, 128 tokens of context, deterministic where they are) and, like them (--threads 1), on one torch
+    thread: batch-invariant kernels are checked at, and promise the same bits for, their own thread count."""
+    from executor_service.runner_config import RunnerConfig
+    from launcher.engine import LLMEngine
+    from scheduler_service import SchedulerConfig
+    from stepwire.contract import SamplingParams
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        engine = LLMEngine(RunnerConfig(str(model), block_size=4, kv_cache_memory=kv_memory(64), max_num_seqs=8,
+                                        max_model_len=128, deterministic=DETERMINISTIC),
+                           SchedulerConfig(block_size=4, max_model_len=128, max_num_seqs=8,
+                                           max_num_batched_tokens=budget))
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        return [c.token_ids for c in engine.generate(prompts, params)]
+    finally:
+        torch.set_num_threads(threads)
 
 
 class KVFleet:
@@ -32,8 +77,9 @@ class KVFleet:
         self.names = [f"executor-{i}" for i in range(n)]
         executors = [Service("executor", name, {
             "--model": self.model, "--address": f"127.0.0.1:{port}", "--block-size": 4,
-            "--kv-cache-memory": kv_bytes(256), "--max-num-seqs": 8, "--max-model-len": 128, "--metrics-address": "",
-            "--threads": 1, "--drain-seconds": 30, **(executor_flags or {}).get(name, {})})
+            "--kv-cache-memory": kv_memory(256), "--max-num-seqs": 8, "--max-model-len": 128, "--metrics-address": "",
+            "--threads": 1, "--drain-seconds": 30, "--deterministic": DETERMINISTIC,
+            **(executor_flags or {}).get(name, {})})
             for name, port in zip(self.names, ports, strict=True)]
         listed = [f"127.0.0.1:{p}" for p in ports]
         if self.proxy:
@@ -47,6 +93,7 @@ class KVFleet:
         self.channel = grpc.insecure_channel(scheduler.address)
         self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
         self.stack.wait_until(lambda: sum(e.connected for e in self.stats().executors) == n, "every executor", 60)
+        assert all(e.num_total_blocks == 256 - 1 for e in self.stats().executors)   # less the null block
 
     def stats(self) -> scheduler_pb2.StatsResponse:
         return self.stub.Stats(scheduler_pb2.StatsRequest(), timeout=5)
@@ -98,9 +145,10 @@ def test_a_drained_executors_requests_leave_with_their_kv_and_nothing_is_recompu
         if kv_transfer:
             assert s.num_kv_transfers > 0 and s.num_kv_transfer_failures == 0 and recomputed == 0
             assert s.recompute_avoided_tokens >= s.num_kv_transfers * len(PROMPT)
-            assert s.kv_transfer_bytes > 0 and s.kv_transfer_blocks >= s.num_kv_transfers * len(PROMPT) // 4
+            assert s.kv_transfer_blocks >= s.num_kv_transfers * len(PROMPT) // 4
+            assert s.kv_transfer_bytes == s.kv_transfer_blocks * block_bytes()     # blocks of the dtype they run
             assert 0 < s.kv_transfer_busy_seconds and 0 < s.kv_transfer_seconds
-            assert all(e.kv_layout.startswith("llama:LlamaForCausalLM:float32:") for e in s.executors if e.connected)
+            assert all(e.kv_layout.startswith(f"llama:LlamaForCausalLM:{DTYPE}:") for e in s.executors if e.connected)
             scraped = httpx.get(f"http://127.0.0.1:{metrics}/metrics").text
             assert f'stepwire:kv_transfers_total{{outcome="done"}} {float(s.num_kv_transfers)}' in scraped
             assert f"stepwire:recompute_avoided_tokens_total {float(s.recompute_avoided_tokens)}" in scraped
