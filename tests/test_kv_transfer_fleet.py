@@ -2,8 +2,6 @@
 nothing is recomputed and the tokens are those of a run without a fault; a transfer that stalls, or whose
 target or source dies under it, ends in a recompute with the same tokens and no block held anywhere."""
 
-import os
-
 import grpc
 import httpx
 import pytest
@@ -11,9 +9,9 @@ import torch
 from fleet_stack import TOKENS, Streams
 from tcp_proxy import Proxy
 from test_kv_transfer_executor import PROMPT
-from tiny_model import kv_bytes, write_tiny_llama
+from tiny_model import executor_dtype, kv_bytes, write_tiny_llama
+from tiny_model import reference_greedy as tiny_reference
 
-from executor_service.runner_config import DTYPES, default_dtype
 from launcher.processes import Service, Stack, free_ports
 from stepwire.internal import scheduler_pb2, scheduler_pb2_grpc
 
@@ -25,7 +23,7 @@ BUDGET = 32
 PROMPTS = [[(t + i) % 90 + 3 for t in PROMPT] for i in range(8)]
 # The executors' dtype: the one the environment chooses (conftest's float32, or a run's forced bfloat16), else
 # their default on this machine.
-DTYPE = os.environ.get("STEPWIRE_EXECUTOR_DTYPE") or default_dtype("cpu")
+DTYPE = executor_dtype()
 # The tests here compare every token with a reference run, after moves and after recomputes in batches of other
 # shapes. In bfloat16 (or float16) a batch's shape can change a logit's last bit and flip one of the tiny random
 # model's many near-ties, so there the executors and the reference run batch-invariant kernels: the same bits in
@@ -35,33 +33,24 @@ DETERMINISTIC = DTYPE != "float32"
 
 def block_bytes() -> int:
     """One KV block of the tiny model (4 tokens, K and V, every layer) in the executors' dtype."""
-    return kv_bytes(1) // 4 * torch.empty((), dtype=DTYPES[DTYPE]).element_size()   # kv_bytes counts float32
+    return kv_bytes(1, dtype=DTYPE)
 
 
 def kv_memory(num_blocks: int) -> int:
     """KV-cache memory that holds `num_blocks` blocks in the executors' dtype: the same pools, and so the same
     usage to rebalance by, whatever the dtype."""
-    return num_blocks * block_bytes()
+    return kv_bytes(num_blocks, dtype=DTYPE)
 
 
 def reference_greedy(model, prompts: list[list[int]], max_tokens: int, budget: int = BUDGET) -> list[list[int]]:
-    """Greedy tokens from the in-process engine, configured as the executors here (blocks of 4, 64 of them,
-    8 sequences, 128 tokens of context, deterministic where they are) and, like them (--threads 1), on one torch
-    thread: batch-invariant kernels are checked at, and promise the same bits for, their own thread count."""
-    from executor_service.runner_config import RunnerConfig
-    from launcher.engine import LLMEngine
-    from scheduler_service import SchedulerConfig
-    from stepwire.contract import SamplingParams
-
+    """Greedy tokens from the in-process engine configured as the executors here (deterministic where they are)
+    and, like them (--threads 1), on one torch thread: batch-invariant kernels are checked at, and promise the same
+    bits for, their own thread count."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        engine = LLMEngine(RunnerConfig(str(model), block_size=4, kv_cache_memory=kv_memory(64), max_num_seqs=8,
-                                        max_model_len=128, deterministic=DETERMINISTIC),
-                           SchedulerConfig(block_size=4, max_model_len=128, max_num_seqs=8,
-                                           max_num_batched_tokens=budget))
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        return [c.token_ids for c in engine.generate(prompts, params)]
+        return tiny_reference(model, prompts, max_tokens, budget, kv_cache_memory=kv_memory(64),
+                              deterministic=DETERMINISTIC)
     finally:
         torch.set_num_threads(threads)
 

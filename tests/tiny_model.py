@@ -73,14 +73,15 @@ def reference_greedy(model: Path, prompts: list[list[int]], max_tokens: int = 10
                      **runner) -> list[list[int]]:
     """Greedy tokens from the in-process engine, configured as the tests configure the tiny-model services
     (blocks of 4, kv_bytes(64) of memory, 8 sequences, 128 tokens of context, `budget` tokens per step);
-    `runner`: more RunnerConfig fields (a dtype), as the services' flags choose them."""
+    `runner`: more RunnerConfig fields (a dtype, the KV memory, deterministic mode), as the services' flags choose
+    them."""
     from executor_service.runner_config import RunnerConfig
     from launcher.engine import LLMEngine
     from scheduler_service import SchedulerConfig
     from stepwire.contract import SamplingParams
 
-    engine = LLMEngine(RunnerConfig(str(model), block_size=4, kv_cache_memory=kv_bytes(64), max_num_seqs=8,
-                                    max_model_len=128, **runner),
+    runner.setdefault("kv_cache_memory", kv_bytes(64))
+    engine = LLMEngine(RunnerConfig(str(model), block_size=4, max_num_seqs=8, max_model_len=128, **runner),
                        SchedulerConfig(block_size=4, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=budget))
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     return [c.token_ids for c in engine.generate(prompts, params)]
