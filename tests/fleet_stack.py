@@ -36,18 +36,29 @@ def deterministic_flags() -> tuple[str, ...]:
 def reference_greedy(model: Path, prompts: list[list[int]], max_tokens: int = 10,
                      budget: int = BUDGET) -> list[list[int]]:
     """Greedy tokens from the in-process engine, configured as Fleet configures its executors (as tiny_model's
-    reference_greedy is), in the mode deterministic_flags chooses for them: in bfloat16 only deterministic
-    kernels give the bits that deterministic executors give."""
+    reference_greedy is) and on one thread as they are, in the mode deterministic_flags chooses for them: in
+    bfloat16 only deterministic kernels give the bits that deterministic executors give."""
+    import torch
+
     from executor_service.runner_config import RunnerConfig
     from launcher.engine import LLMEngine
     from scheduler_service import SchedulerConfig
     from stepwire.contract import SamplingParams
 
-    engine = LLMEngine(RunnerConfig(str(model), block_size=4, kv_cache_memory=kv_bytes(64), max_num_seqs=8,
-                                    max_model_len=128, deterministic=bool(deterministic_flags())),
-                       SchedulerConfig(block_size=4, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=budget))
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    return [c.token_ids for c in engine.generate(prompts, params)]
+    # Outside pytest-xdist's workers (conftest), this process has a torch thread per core, and on a busy machine
+    # two threads' thousands of small parallel regions took deterministic mode's start-up check from under a
+    # second to 10-40 seconds.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        engine = LLMEngine(RunnerConfig(str(model), block_size=4, kv_cache_memory=kv_bytes(64), max_num_seqs=8,
+                                        max_model_len=128, deterministic=bool(deterministic_flags())),
+                           SchedulerConfig(block_size=4, max_model_len=128, max_num_seqs=8,
+                                           max_num_batched_tokens=budget))
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        return [c.token_ids for c in engine.generate(prompts, params)]
+    finally:
+        torch.set_num_threads(threads)
 
 
 class Fleet:
