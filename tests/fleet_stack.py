@@ -1,6 +1,7 @@
 """A scheduler and its executors as processes on loopback, and streams read on threads: the fleet tests'
 harness."""
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -14,6 +15,50 @@ from stepwire.internal import sampling_pb2, scheduler_pb2, scheduler_pb2_grpc
 BUDGET = 16
 TOKENS = 60           # long enough that a fault lands mid-stream on the tiny model
 PROMPTS = [[5 + i, 6, 7, 8 + i] for i in range(16)]
+
+
+def executor_dtype() -> str:
+    """The dtype of the executors and in-process engines this process starts: the suite's float32 (conftest),
+    one forced through STEPWIRE_EXECUTOR_DTYPE, or else the machine's default."""
+    from executor_service.runner_config import default_dtype
+    return os.environ.get("STEPWIRE_EXECUTOR_DTYPE") or default_dtype("cpu")
+
+
+def deterministic_flags() -> tuple[str, ...]:
+    """Executor flags for a test that asserts a request's tokens are unchanged through a fault (a kill, a drain,
+    a move, a restart). The request is recomputed in a batch of another shape: in bfloat16 that rounds otherwise
+    and can flip a near tie, so there the executors run in deterministic mode, which gives a request the same
+    bits in any batch and keeps the assertion exact. In float32 a recompute moves a logit by about 1e-6, less
+    than any near tie of the tests' tiny models, and the executors run as they ship."""
+    return () if executor_dtype() == "float32" else ("--deterministic",)
+
+
+def reference_greedy(model: Path, prompts: list[list[int]], max_tokens: int = 10,
+                     budget: int = BUDGET) -> list[list[int]]:
+    """Greedy tokens from the in-process engine, configured as Fleet configures its executors (as tiny_model's
+    reference_greedy is) and on one thread as they are, in the mode deterministic_flags chooses for them: in
+    bfloat16 only deterministic kernels give the bits that deterministic executors give."""
+    import torch
+
+    from executor_service.runner_config import RunnerConfig
+    from launcher.engine import LLMEngine
+    from scheduler_service import SchedulerConfig
+    from stepwire.contract import SamplingParams
+
+    # Outside pytest-xdist's workers (conftest), this process has a torch thread per core, and on a busy machine
+    # two threads' thousands of small parallel regions took deterministic mode's start-up check from under a
+    # second to 10-40 seconds.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        engine = LLMEngine(RunnerConfig(str(model), block_size=4, kv_cache_memory=kv_bytes(64), max_num_seqs=8,
+                                        max_model_len=128, deterministic=bool(deterministic_flags())),
+                           SchedulerConfig(block_size=4, max_model_len=128, max_num_seqs=8,
+                                           max_num_batched_tokens=budget))
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        return [c.token_ids for c in engine.generate(prompts, params)]
+    finally:
+        torch.set_num_threads(threads)
 
 
 class Fleet:

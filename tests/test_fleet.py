@@ -10,19 +10,22 @@ grpc = pytest.importorskip("grpc")
 pytest.importorskip("torch")
 
 from fake_discovery import FakeDNS, FakeKubeAPI  # noqa: E402
-from fleet_stack import BUDGET, PROMPTS, TOKENS, Fleet, Streams  # noqa: E402
+from fleet_stack import BUDGET, PROMPTS, TOKENS, Fleet, Streams, deterministic_flags, reference_greedy  # noqa: E402
 from helpers import free_ports, wait_until  # noqa: E402
-from tiny_model import reference_greedy  # noqa: E402
 
 from stepwire.internal import executor_pb2, executor_pb2_grpc  # noqa: E402
 
 pytestmark = pytest.mark.processes   # starts services as separate processes: not in `make test-fast`
 
+# Every answer is compared token for token with the in-process engine's (reference_greedy, in the same mode):
+# in bfloat16 the executors run in deterministic mode, or a request recomputed elsewhere could round otherwise.
+EXACT = deterministic_flags()
+
 
 @pytest.fixture
 def two(tmp_path):
     fleet = Fleet(tmp_path, 2, "--executor-wait-seconds", "20", "--drain-seconds", "5",
-                  executor_flags=("--drain-seconds", "15"))
+                  executor_flags=("--drain-seconds", "15", *EXACT))
     yield fleet
     fleet.stop()
 
@@ -80,7 +83,7 @@ def test_in_bfloat16_deterministic_mode_a_killed_executor_changes_no_token(tmp_p
 
 def test_an_executor_that_stops_answering_is_found_by_keepalive_and_its_requests_move(tmp_path):
     # A frozen process keeps its connections open: only the keepalive pings going unanswered tell.
-    fleet = Fleet(tmp_path, 2, "--keepalive-seconds", "1", "--executor-wait-seconds", "20")
+    fleet = Fleet(tmp_path, 2, "--keepalive-seconds", "1", "--executor-wait-seconds", "20", executor_flags=EXACT)
     try:
         expected = reference_greedy(fleet.model, PROMPTS, max_tokens=TOKENS, budget=BUDGET)
         streams = Streams(fleet.stub, PROMPTS)
@@ -99,7 +102,7 @@ def test_an_executor_that_stops_answering_is_found_by_keepalive_and_its_requests
 
 def test_a_listed_executor_that_starts_under_load_takes_requests_without_a_restart(tmp_path):
     # Static membership: the second listed executor is down when the scheduler starts and comes up under load.
-    fleet = Fleet(tmp_path, 2, "--executor-wait-seconds", "20", started=1)
+    fleet = Fleet(tmp_path, 2, "--executor-wait-seconds", "20", started=1, executor_flags=EXACT)
     try:
         _joins_under_load_then_one_leaves(fleet, add=lambda: None)
     finally:
@@ -219,7 +222,7 @@ def test_kubernetes_endpoint_slices_add_and_drain_executors_under_load(tmp_path)
         kube.put("exec-b", port, [])
         fleet = Fleet(tmp_path, 2, discovery=("--discovery", "kubernetes", "--kubeconfig", str(kube.kubeconfig(
             tmp_path)), "--kubernetes-namespace", "ns", "--kubernetes-watch-seconds", "5"), started=1,
-            same_port=True, port=port)
+            same_port=True, port=port, executor_flags=EXACT)
 
         def add():
             kube.expire()                  # the watch ends with 410 Gone: the scheduler lists again
@@ -242,7 +245,7 @@ def test_dns_discovery_adds_and_drains_executors_under_load(tmp_path):
         port = free_ports(1)[0]
         fleet = Fleet(tmp_path, 2, discovery=("--discovery", "dns", "--executors", f"executors.test:{port}",
                                               "--dns-nameserver", dns.address, "--dns-refresh-seconds", "0.2"),
-                      started=1, same_port=True, port=port)
+                      started=1, same_port=True, port=port, executor_flags=EXACT)
         _joins_under_load_then_one_leaves(
             fleet, lambda: dns.records["executors.test"].append("127.0.0.2"),
             lambda: dns.records.__setitem__("executors.test", ["127.0.0.2"]))
@@ -255,7 +258,7 @@ def test_dns_discovery_adds_and_drains_executors_under_load(tmp_path):
 def test_an_executor_with_fewer_batch_rows_than_the_scheduler_allows_gets_no_more_at_once(tmp_path):
     # The scheduler allows 8 running requests per executor; this executor's batch holds 2. Describe says
     # so, and the scheduler keeps to it (it used to send 8 and have every step refused for ever).
-    fleet = Fleet(tmp_path, 1, flags_of={0: ("--max-num-seqs", "2")})
+    fleet = Fleet(tmp_path, 1, flags_of={0: ("--max-num-seqs", "2")}, executor_flags=EXACT)
     try:
         expected = reference_greedy(fleet.model, PROMPTS[:6], max_tokens=TOKENS, budget=BUDGET)
         streams = Streams(fleet.stub, PROMPTS[:6])

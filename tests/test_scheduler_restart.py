@@ -18,6 +18,7 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
+from fleet_stack import deterministic_flags
 from gateway_stack import tiny_model_with_tokenizer
 from helpers import wait_until
 from tiny_model import kv_bytes
@@ -35,14 +36,15 @@ pytestmark = pytest.mark.processes   # starts services as separate processes: no
 
 
 class Cluster:
-    """One executor, a scheduler that can be killed and started again on its port, and gateways."""
+    """One executor, a scheduler that can be killed and started again on its port, and gateways. The executor
+    is deterministic where its dtype needs it for a resumed request to keep its tokens (deterministic_flags)."""
 
     def __init__(self, tmp: Path, gateways: int = 1, wait_seconds: float = 60, executor_flags: tuple = ()):
         self.model = tiny_model_with_tokenizer(tmp / "model")
         self.stack = Stack([
             Service("executor", flags={"--model": self.model, "--block-size": 4, "--kv-cache-memory": kv_bytes(512),
                                        "--max-num-seqs": 16, "--max-model-len": 256, "--metrics-address": "",
-                                       **flag_dict(executor_flags)}),
+                                       **flag_dict(deterministic_flags()), **flag_dict(executor_flags)}),
             Service("scheduler", flags={"--metrics-address": ""}),
             *(Service("gateway", f"gateway{i}", {"--model": self.model, "--scheduler-wait-seconds": wait_seconds})
               for i in range(gateways))], tmp)

@@ -5,14 +5,21 @@ import pytest
 grpc = pytest.importorskip("grpc")
 pytest.importorskip("torch")
 
+from fleet_stack import deterministic_flags, reference_greedy  # noqa: E402
 from grpc_health.v1 import health_pb2  # noqa: E402
 from helpers import grpc_health, wait_executor_idle  # noqa: E402
-from tiny_model import kv_bytes, reference_greedy, write_tiny_llama  # noqa: E402
+from tiny_model import kv_bytes, write_tiny_llama  # noqa: E402
 
-from launcher.processes import Service, Stack  # noqa: E402
-from stepwire.internal import sampling_pb2, scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
+from launcher.processes import Service, Stack, flag_dict  # noqa: E402
+from stepwire.internal import (  # noqa: E402
+    executor_pb2,
+    executor_pb2_grpc,
+    sampling_pb2,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+)
 
-KV_BYTES = kv_bytes(64)
+KV_BYTES = kv_bytes(64)      # 64 blocks in float32, 128 in bfloat16
 BUDGET = 16
 
 
@@ -23,8 +30,10 @@ pytestmark = pytest.mark.processes   # starts services as separate processes: no
 def stack(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("stack")
     model = write_tiny_llama(tmp / "llama")
+    # Deterministic where the dtype needs it for the split to give the in-process engine's tokens in any batch.
     services = [Service("executor", flags={"--model": model, "--block-size": 4, "--kv-cache-memory": KV_BYTES,
-                                           "--max-num-seqs": 8, "--max-model-len": 128}, autostart=False),
+                                           "--max-num-seqs": 8, "--max-model-len": 128,
+                                           **flag_dict(deterministic_flags())}, autostart=False),
                 Service("scheduler", flags={"--max-num-batched-tokens": BUDGET, "--max-num-seqs": 8})]
     with Stack(services, tmp, wait=False) as stack, grpc.insecure_channel(stack["scheduler"].address) as channel:
         log = stack.log("scheduler")
@@ -48,8 +57,14 @@ def submit(stub, rid, prompt, max_tokens=10, **kw):
 
 
 def test_the_scheduler_started_first_waits_for_its_executor_and_says_so(stack):
-    text = stack[2].read_text()
-    assert "waiting for executor" in text and "connected: 64 blocks of 4 tokens" in text
+    _, stub, log = stack
+    (executor,) = stub.Stats(scheduler_pb2.StatsRequest()).executors
+    with grpc.insecure_channel(executor.address) as channel:
+        described = executor_pb2_grpc.ExecutorStub(channel).Describe(executor_pb2.DescribeRequest(), timeout=10)
+    # KV_BYTES holds twice the blocks in bfloat16 as in float32: the log names the pool the executor made.
+    assert described.num_blocks == {"float32": 64, "bfloat16": 128}[described.dtype]
+    text = log.read_text()
+    assert "waiting for executor" in text and f"connected: {described.num_blocks} blocks of 4 tokens" in text
     assert text.index("waiting for executor") < text.index("connected")
 
 

@@ -13,11 +13,10 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("torch")
 
 from conftest import MODEL  # noqa: E402
-from fleet_stack import BUDGET, PROMPTS, TOKENS, Fleet, Streams  # noqa: E402
+from fleet_stack import BUDGET, PROMPTS, TOKENS, Fleet, Streams, deterministic_flags, reference_greedy  # noqa: E402
 from helpers import wait_until  # noqa: E402
-from tiny_model import reference_greedy  # noqa: E402
 
-from launcher.processes import Service  # noqa: E402
+from launcher.processes import Service, Stack, flag_dict  # noqa: E402
 from tools import otlp_receiver  # noqa: E402
 
 pytestmark = pytest.mark.processes   # starts services as separate processes: not in `make test-fast`
@@ -27,33 +26,57 @@ TEXT = ("Executors are stateless by design. They keep persistent batches and rec
 MESSAGES = [{"role": "user", "content": "Repeat this text word for word: " + TEXT}]
 
 
+def _embedded_stack(logs, executor_flags: dict, env: dict | None = None) -> Stack:
+    """The three services on the embedded model, configured as conftest's http_stack, the executor with
+    `executor_flags`, the executor and the scheduler with `env`."""
+    return Stack([Service("executor", flags={"--model": MODEL, "--kv-cache-memory": 256 << 20, "--max-model-len": 2048,
+                                             **executor_flags}, env=env or {}),
+                  Service("scheduler", env=env or {}), Service("gateway", flags={"--model": MODEL})], logs)
+
+
+def _client(stack: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack["gateway"].url + "/v1", api_key="unused", max_retries=0)
+
+
 @pytest.fixture(scope="module")
 def spec_stack(tmp_path_factory):
-    from launcher.processes import Stack
     if not (MODEL / "conversion.json").exists():
         pytest.skip("embedded model not converted (make model)")
     server, sink, otlp = otlp_receiver.start("127.0.0.1:0")
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{otlp}", "OTEL_EXPORTER_OTLP_INSECURE": "true",
            "OTEL_TRACES_SAMPLER": "always_on", "OTEL_BSP_SCHEDULE_DELAY": "100"}
-    services = [Service("executor", flags={"--model": MODEL, "--kv-cache-memory": 256 << 20, "--max-model-len": 2048,
-                                           "--speculative-method": "ngram"}, env=env),
-                Service("scheduler", env=env), Service("gateway", flags={"--model": MODEL})]
-    with Stack(services, tmp_path_factory.mktemp("spec-logs")) as stack:
+    flags = {"--speculative-method": "ngram", **flag_dict(deterministic_flags())}
+    with _embedded_stack(tmp_path_factory.mktemp("spec-logs"), flags, env) as stack:
         metrics = "http://" + stack["executor"].flags["--metrics-address"] + "/metrics"
-        yield openai.OpenAI(base_url=stack["gateway"].url + "/v1", api_key="unused", max_retries=0), metrics, sink
+        yield _client(stack), metrics, sink
     server.stop(0)
+
+
+@pytest.fixture(scope="module")
+def plain_client(request, tmp_path_factory) -> openai.OpenAI:
+    """A client of the stack without speculation that spec_stack answers as. Verification computes a request's
+    tokens several at a time where plain decoding computes them one by one: in bfloat16 that rounds otherwise
+    (logprobs a few hundredths apart, a near tie flipped), so there both executors run in deterministic mode
+    (deterministic_flags) and this is a stack of its own; in float32 it is conftest's shared http_stack."""
+    if not deterministic_flags():
+        yield request.getfixturevalue("http_stack").client     # which skips without the embedded model
+        return
+    if not (MODEL / "conversion.json").exists():
+        pytest.skip("embedded model not converted (make model)")
+    with _embedded_stack(tmp_path_factory.mktemp("plain-logs"), flag_dict(deterministic_flags())) as stack:
+        yield _client(stack)
 
 
 def _counter(metrics: str, name: str) -> float:
     return float(re.search(rf"^stepwire:{name}(?:_total)? (\S+)$", httpx.get(metrics).text, re.M).group(1))
 
 
-def test_greedy_answers_stop_strings_and_logprobs_equal_those_without_speculation(http_stack, spec_stack):
+def test_greedy_answers_stop_strings_and_logprobs_equal_those_without_speculation(plain_client, spec_stack):
     client, metrics, _ = spec_stack
     before = _counter(metrics, "executor_spec_accepted_tokens")
     kw = {"model": "SmolLM2-135M-Instruct", "messages": MESSAGES, "max_tokens": 60, "temperature": 0,
           "logprobs": True, "top_logprobs": 2}
-    plain, spec = http_stack.client.chat.completions.create(**kw), client.chat.completions.create(**kw)
+    plain, spec = plain_client.chat.completions.create(**kw), client.chat.completions.create(**kw)
     assert spec.choices[0].message.content == plain.choices[0].message.content
     assert spec.usage.completion_tokens == plain.usage.completion_tokens
     a, b = spec.choices[0].logprobs.content, plain.choices[0].logprobs.content
@@ -67,17 +90,17 @@ def test_greedy_answers_stop_strings_and_logprobs_equal_those_without_speculatio
     stop = TEXT.split()[6]
     kw = {"model": "SmolLM2-135M-Instruct", "messages": MESSAGES, "max_tokens": 60, "temperature": 0,
           "stop": [stop]}
-    plain, spec = http_stack.client.chat.completions.create(**kw), client.chat.completions.create(**kw)
+    plain, spec = plain_client.chat.completions.create(**kw), client.chat.completions.create(**kw)
     assert spec.choices[0].message.content == plain.choices[0].message.content
     assert stop not in spec.choices[0].message.content and spec.choices[0].finish_reason == "stop"
 
 
-def test_seeded_streams_equal_those_without_speculation(http_stack, spec_stack):
+def test_seeded_streams_equal_those_without_speculation(plain_client, spec_stack):
     client, _, _ = spec_stack
     kw = {"model": "SmolLM2-135M-Instruct", "messages": MESSAGES, "max_tokens": 40, "temperature": 0.9,
           "seed": 1234, "stream": True}
     texts = []
-    for c in (http_stack.client, client):
+    for c in (plain_client, client):
         texts.append("".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(**kw)
                              if ch.choices))
     assert texts[0] == texts[1] and texts[0]
@@ -104,7 +127,8 @@ def test_request_and_step_spans_carry_what_speculation_kept(spec_stack):
 
 def test_killing_a_speculating_executor_mid_stream_changes_no_token(tmp_path):
     fleet = Fleet(tmp_path, 2, "--executor-wait-seconds", "20",
-                  executor_flags=("--speculative-method", "ngram", "--speculative-max-batch", "16"))
+                  executor_flags=("--speculative-method", "ngram", "--speculative-max-batch", "16",
+                                  *deterministic_flags()))
     try:
         expected = reference_greedy(fleet.model, PROMPTS, max_tokens=TOKENS, budget=BUDGET)
         greedy = Streams(fleet.stub, PROMPTS)

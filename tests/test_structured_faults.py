@@ -15,7 +15,7 @@ httpx = pytest.importorskip("httpx")
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("torch")
 
-from fleet_stack import PROMPTS, Fleet, Streams  # noqa: E402
+from fleet_stack import PROMPTS, Fleet, Streams, deterministic_flags  # noqa: E402
 from gateway_stack import tiny_model_with_tokenizer  # noqa: E402
 from helpers import wait_until  # noqa: E402
 from test_scheduler_restart import Cluster, kill_and_restart  # noqa: E402
@@ -108,7 +108,7 @@ def test_16_constrained_streams_through_the_kill_of_one_of_two_executors_stay_va
     model = tiny_model_with_tokenizer(tmp_path / "model")
     tok = ModelTokenizer(model)
     so = sampling_pb2.StructuredOutput(json_schema=json.dumps(LONG))
-    fleet = Fleet(tmp_path, 2, "--executor-wait-seconds", "20", model=model)
+    fleet = Fleet(tmp_path, 2, "--executor-wait-seconds", "20", model=model, executor_flags=deterministic_flags())
     try:
         ref = Streams(fleet.stub, PROMPTS, structured_output=so, max_tokens=120)
         ref.join()
@@ -147,7 +147,8 @@ def test_16_constrained_streams_through_the_drain_of_one_of_two_executors_stay_v
     model = tiny_model_with_tokenizer(tmp_path / "model")
     tok = ModelTokenizer(model)
     so = sampling_pb2.StructuredOutput(json_schema=json.dumps(LONG))
-    fleet = Fleet(tmp_path, 2, "--executor-wait-seconds", "20", "--drain-seconds", "0", model=model)
+    fleet = Fleet(tmp_path, 2, "--executor-wait-seconds", "20", "--drain-seconds", "0", model=model,
+                  executor_flags=deterministic_flags())
     try:
         ref = Streams(fleet.stub, PROMPTS, structured_output=so, max_tokens=120)
         ref.join()
