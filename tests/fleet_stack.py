@@ -1,13 +1,13 @@
 """A scheduler and its executors as processes on loopback, and streams read on threads: the fleet tests'
 harness."""
 
-import os
 import threading
 import time
 from pathlib import Path
 
 import grpc
-from tiny_model import kv_bytes, write_tiny_llama
+from tiny_model import executor_dtype, kv_bytes, write_tiny_llama
+from tiny_model import reference_greedy as tiny_reference
 
 from launcher.processes import Service, Stack, flag_dict, free_ports
 from stepwire.internal import sampling_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -15,13 +15,6 @@ from stepwire.internal import sampling_pb2, scheduler_pb2, scheduler_pb2_grpc
 BUDGET = 16
 TOKENS = 60           # long enough that a fault lands mid-stream on the tiny model
 PROMPTS = [[5 + i, 6, 7, 8 + i] for i in range(16)]
-
-
-def executor_dtype() -> str:
-    """The dtype of the executors and in-process engines this process starts: the suite's float32 (conftest),
-    one forced through STEPWIRE_EXECUTOR_DTYPE, or else the machine's default."""
-    from executor_service.runner_config import default_dtype
-    return os.environ.get("STEPWIRE_EXECUTOR_DTYPE") or default_dtype("cpu")
 
 
 def deterministic_flags() -> tuple[str, ...]:
@@ -35,30 +28,11 @@ def deterministic_flags() -> tuple[str, ...]:
 
 def reference_greedy(model: Path, prompts: list[list[int]], max_tokens: int = 10,
                      budget: int = BUDGET) -> list[list[int]]:
-    """Greedy tokens from the in-process engine, configured as Fleet configures its executors (as tiny_model's
-    reference_greedy is) and on one thread as they are, in the mode deterministic_flags chooses for them: in
-    bfloat16 only deterministic kernels give the bits that deterministic executors give."""
-    import torch
-
-    from executor_service.runner_config import RunnerConfig
-    from launcher.engine import LLMEngine
-    from scheduler_service import SchedulerConfig
-    from stepwire.contract import SamplingParams
-
-    # Outside pytest-xdist's workers (conftest), this process has a torch thread per core, and on a busy machine
-    # two threads' thousands of small parallel regions took deterministic mode's start-up check from under a
-    # second to 10-40 seconds.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        engine = LLMEngine(RunnerConfig(str(model), block_size=4, kv_cache_memory=kv_bytes(64), max_num_seqs=8,
-                                        max_model_len=128, deterministic=bool(deterministic_flags())),
-                           SchedulerConfig(block_size=4, max_model_len=128, max_num_seqs=8,
-                                           max_num_batched_tokens=budget))
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        return [c.token_ids for c in engine.generate(prompts, params)]
-    finally:
-        torch.set_num_threads(threads)
+    """Greedy tokens from the in-process engine, configured as Fleet configures its executors and on one thread as
+    they are, in the mode deterministic_flags chooses for them: in bfloat16 only deterministic kernels give the
+    bits that deterministic executors give."""
+    return tiny_reference(model, prompts, max_tokens, budget, one_thread=True,
+                          deterministic=bool(deterministic_flags()))
 
 
 class Fleet:

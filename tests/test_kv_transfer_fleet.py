@@ -5,7 +5,6 @@ target or source dies under it, ends in a recompute with the same tokens and no 
 import grpc
 import httpx
 import pytest
-import torch
 from fleet_stack import TOKENS, Streams
 from tcp_proxy import Proxy
 from test_kv_transfer_executor import PROMPT
@@ -43,16 +42,10 @@ def kv_memory(num_blocks: int) -> int:
 
 
 def reference_greedy(model, prompts: list[list[int]], max_tokens: int, budget: int = BUDGET) -> list[list[int]]:
-    """Greedy tokens from the in-process engine configured as the executors here (deterministic where they are)
-    and, like them (--threads 1), on one torch thread: batch-invariant kernels are checked at, and promise the same
-    bits for, their own thread count."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return tiny_reference(model, prompts, max_tokens, budget, kv_cache_memory=kv_memory(64),
-                              deterministic=DETERMINISTIC)
-    finally:
-        torch.set_num_threads(threads)
+    """Greedy tokens from the in-process engine configured as the executors here: deterministic where they are,
+    and on one torch thread as they run (--threads 1)."""
+    return tiny_reference(model, prompts, max_tokens, budget, one_thread=True, kv_cache_memory=kv_memory(64),
+                          deterministic=DETERMINISTIC)
 
 
 class KVFleet:

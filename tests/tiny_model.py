@@ -70,21 +70,32 @@ def chunked_and_cached_prompts(seed: int = 0) -> list[list[int]]:
 
 
 def reference_greedy(model: Path, prompts: list[list[int]], max_tokens: int = 10, budget: int = 16,
-                     **runner) -> list[list[int]]:
+                     one_thread: bool = False, **runner) -> list[list[int]]:
     """Greedy tokens from the in-process engine, configured as the tests configure the tiny-model services
     (blocks of 4, kv_bytes(64) of memory, 8 sequences, 128 tokens of context, `budget` tokens per step);
     `runner`: more RunnerConfig fields (a dtype, the KV memory, deterministic mode), as the services' flags choose
-    them."""
+    them. `one_thread`: on one torch thread, as executors started with --threads 1 run; deterministic kernels are
+    checked at, and promise their bits for, their own thread count (and outside pytest-xdist's workers two
+    threads' small parallel regions took the mode's start-up check from under a second to 10-40 s here)."""
+    import torch
+
     from executor_service.runner_config import RunnerConfig
     from launcher.engine import LLMEngine
     from scheduler_service import SchedulerConfig
     from stepwire.contract import SamplingParams
 
     runner.setdefault("kv_cache_memory", kv_bytes(64))
-    engine = LLMEngine(RunnerConfig(str(model), block_size=4, max_num_seqs=8, max_model_len=128, **runner),
-                       SchedulerConfig(block_size=4, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=budget))
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    return [c.token_ids for c in engine.generate(prompts, params)]
+    threads = torch.get_num_threads()
+    if one_thread:
+        torch.set_num_threads(1)
+    try:
+        engine = LLMEngine(RunnerConfig(str(model), block_size=4, max_num_seqs=8, max_model_len=128, **runner),
+                           SchedulerConfig(block_size=4, max_model_len=128, max_num_seqs=8,
+                                           max_num_batched_tokens=budget))
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        return [c.token_ids for c in engine.generate(prompts, params)]
+    finally:
+        torch.set_num_threads(threads)
 
 
 # Small Hugging Face checkpoints of every supported family, written by transformers itself.
