@@ -28,10 +28,16 @@ MIN_SCALE = 1e-12        # an all-zero row keeps a finite scale (its values stay
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
+def _by_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (float8 [M, K], scale [M, 1] float32): each row's largest magnitude maps to FP8_MAX."""
+    scale = (x.float().abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] -> (float8 [N, K], scale [N] float32): w[n] ~= q[n] * scale[n]."""
-    scale = (w.float().abs().amax(dim=1) / FP8_MAX).clamp(min=MIN_SCALE)
-    return (w.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    q, scale = _by_rows(w)
+    return q, scale[:, 0]
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,8 +46,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if x.is_cuda:
         from executor_service.fp8_triton import quantize_rows as on_gpu
         return on_gpu(x, FP8, FP8_MAX, MIN_SCALE)
-    scale = (x.float().abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    return _by_rows(x)
 
 
 class Fp8Linear(nn.Module):

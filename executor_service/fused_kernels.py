@@ -6,11 +6,12 @@ the rotary embedding (chunk, four multiplies, two adds, a concatenation, for q a
 and two indexed writes into the KV cache per layer. Each kernel reads and writes the activations again; here each
 group is one kernel that reads them once.
 
-The kernels round where the torch ops they replace round, so that in bfloat16 they give the same bits wherever the
-order of a sum does not enter: the residual sum is rounded to the activations' dtype before it is normalised (it is
-the next layer's residual too), the normalised row is rounded before the weight multiplies it, SiLU's output is
-rounded before the product, and each rotary product is rounded before the sum. Only the RMSNorm's mean of squares
-adds in another order than torch's reduction.
+The kernels round where the torch ops they replace round: the residual sum is rounded to the activations' dtype
+before it is normalised (it is the next layer's residual too), the normalised row is rounded before the weight
+multiplies it, SiLU's output is rounded before the product, and each rotary product is rounded before the sum.
+They are not bit for bit torch's even so: the RMSNorm's mean of squares adds in another order, and on an H200 the
+rotated values differed by a unit in the last place here and there (in float32 the GPU fused a product into its
+sum); tests/test_fused_kernels.py holds them to that.
 
 Used on CUDA with the Triton attention backend, outside deterministic mode (whose invariant kernels are
 invariant_triton.py's). The tests run them on the CPU in Triton's interpreter against the torch path.
