@@ -113,12 +113,15 @@ def test_sigterm_drains_an_executor_under_load_and_no_client_sees_an_error(two):
     expected = reference_greedy(two.model, PROMPTS, max_tokens=TOKENS, budget=BUDGET)
     streams = Streams(two.stub, PROMPTS)
     wait_until(streams.started, 30, "every stream's first token", interval=0.005)
-    t0 = time.monotonic()
-    two.stack.terminate("executor-0")
-    # While it drains, the executor opens nothing new: Describe (and so a new Step stream) is refused.
+    # While it drains, the executor opens nothing new: Describe (and so a new Step stream) is refused. The channel
+    # is connected before the SIGTERM: under a loaded machine's scheduling, connecting after it could take longer
+    # than a drain whose requests all move at once, and meet a server already closed instead of a draining one.
     refused = None
     with grpc.insecure_channel(two.addresses[0]) as channel:
         describe = executor_pb2_grpc.ExecutorStub(channel).Describe
+        describe(executor_pb2.DescribeRequest(), timeout=5)
+        t0 = time.monotonic()
+        two.stack.terminate("executor-0")
         while refused is None and two.stack.alive("executor-0"):
             try:
                 describe(executor_pb2.DescribeRequest(), timeout=1)
