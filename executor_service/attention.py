@@ -9,9 +9,10 @@ reads K/V that already exist.
 Decodes (one query token) are batched into one masked SDPA over their gathered blocks. Longer chunks are
 few per step, so each gets its own SDPA with a causal mask offset by the tokens already in its cache.
 
-In deterministic mode (`plan` set) both go through `batch_invariant.attend` instead: SDPA's blocking follows
-the query and key counts of the call, so a decode padded to a longer neighbour's length, or a prompt
-computed in other chunks, would add its terms in another order.
+In deterministic mode (`fixed` set) every token goes through fixed_order.c's attention instead, one query
+token at a time over its own keys in ascending order: SDPA's blocking follows the query and key counts of the
+call, so a decode padded to a longer neighbour's length, or a prompt computed in other chunks, would add its
+terms in another order.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from executor_service.batch_invariant import AttentionPlan, attend
+from executor_service import fixed_order
 
 
 class GatherScratch:
@@ -62,6 +63,26 @@ class AttentionMetadata:
     # Set when the step runs the Triton kernel (triton_attention.PagedMetadata): every token reads the
     # blocks in place, and the fields above are left empty.
     paged: object | None = None
+    # Deterministic mode: (block tables [S, nb], each token's table row [T], each token's position [T]), made
+    # from the fields above by the first layer that needs them (`token_index`).
+    fixed_index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def token_index(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.fixed_index is None:
+            bd, t = self.decode_token_idx.numel(), self.slot_mapping.numel()
+            nb = max([self.decode_block_table.shape[-1] if bd else 0, *(c[3].numel() for c in self.chunks)])
+            tables = torch.zeros(bd + len(self.chunks), max(nb, 1), dtype=torch.int32)
+            seq, pos = torch.zeros(t, dtype=torch.int32), torch.zeros(t, dtype=torch.int32)
+            if bd:
+                tables[:bd, :self.decode_block_table.shape[-1]] = self.decode_block_table
+                seq[self.decode_token_idx] = torch.arange(bd, dtype=torch.int32)
+                pos[self.decode_token_idx] = (self.decode_seq_lens - 1).to(torch.int32)
+            for i, (start, q_len, seq_len, blocks, _) in enumerate(self.chunks):
+                tables[bd + i, :blocks.numel()] = blocks
+                seq[start:start + q_len] = bd + i
+                pos[start:start + q_len] = torch.arange(seq_len - q_len, seq_len, dtype=torch.int32)
+            self.fixed_index = (tables, seq, pos)
+        return self.fixed_index
 
 
 def write_slots(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
@@ -77,7 +98,7 @@ class PagedAttention:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim ** -0.5
-        self.plan: AttentionPlan | None = None      # deterministic mode
+        self.fixed = False      # deterministic mode on the CPU: fixed_order.c's kernel
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -86,8 +107,8 @@ class PagedAttention:
         write_slots(v_cache, meta.slot_mapping, v)
         if meta.paged is not None:
             return meta.paged.attend(q, k_cache, v_cache, self.scale)
-        if self.plan is not None:
-            return self._invariant(q, k_cache, v_cache, meta)
+        if self.fixed:
+            return fixed_order.attention(q, k_cache, v_cache, *meta.token_index(), self.scale)
         if not meta.chunks:
             # Pure decode, the common step: the decode index is the identity, so no scatter into a copy.
             return self._decode(q, k_cache, v_cache, meta)
@@ -105,35 +126,6 @@ class PagedAttention:
                 values = self._gather(v_cache, blocks, meta.scratch, "v")[:, :seq_len]
                 out[start:end] = self._attend(q[start:end], keys, values, mask)
         return out
-
-    def _invariant(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        """Every query through `attend`: a decode's query heads are its KV head's rows; a chunk's rows are its
-        tokens times those heads, each at its own position."""
-        kvh, d = self.num_kv_heads, self.head_dim
-        g = self.num_heads // kvh
-        per_chunk = self.plan.chunk // k_cache.shape[1]
-        out = torch.empty_like(q)
-        bd = meta.decode_token_idx.numel()
-        if bd:
-            keys, values = self._gather_chunks(k_cache, v_cache, meta.decode_block_table, per_chunk, meta.scratch)
-            pos = (meta.decode_seq_lens - 1)[:, None].expand(bd, g)
-            o = attend(q[meta.decode_token_idx].view(bd, kvh, g, d), keys, values, pos, self.scale, self.plan)
-            out[meta.decode_token_idx] = o.reshape(bd, self.num_heads, d).to(q.dtype)
-        for start, q_len, seq_len, blocks, _ in meta.chunks:
-            keys, values = self._gather_chunks(k_cache, v_cache, blocks[None], per_chunk, meta.scratch)
-            rows = q[start:start + q_len].view(q_len, kvh, g, d).transpose(0, 1).reshape(1, kvh, q_len * g, d)
-            pos = torch.arange(seq_len - q_len, seq_len, device=q.device).repeat_interleave(g)[None]
-            o = attend(rows, keys, values, pos, self.scale, self.plan)
-            out[start:start + q_len] = o[0].view(kvh, q_len, g, d).transpose(0, 1).reshape(q_len, -1, d).to(q.dtype)
-        return out
-
-    def _gather_chunks(self, k_cache, v_cache, blocks: torch.Tensor, per_chunk: int, scratch: GatherScratch | None):
-        """Keys and values [B, KVH, L, D] of `blocks` [B, nb], padded with the null block to whole chunks (views
-        into `scratch`, overwritten by the next gather)."""
-        pad = -blocks.shape[-1] % per_chunk
-        if pad:
-            blocks = F.pad(blocks, (0, pad))
-        return self._gather(k_cache, blocks, scratch, "k"), self._gather(v_cache, blocks, scratch, "v")
 
     def _gather(self, cache: torch.Tensor, blocks: torch.Tensor, scratch: GatherScratch | None,
                 name: str) -> torch.Tensor:

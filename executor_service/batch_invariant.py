@@ -1,24 +1,17 @@
-"""Batch-invariant kernels for deterministic mode: a row's numbers never depend on the rows beside it.
+"""The start-up check of deterministic mode's GEMMs where their order is not the project's own code: a row's
+numbers must never depend on the rows beside it.
 
-A library GEMM picks its code path, blocking and thread split from the shape of the call. Fed a row alone,
-then the same row among 31 others, it may add that row's products in another order, and in bfloat16 the
-last bit of a logit is enough to flip a greedy token. Deterministic mode therefore never lets a row's
-neighbours choose its kernel:
+On the CPU the kernels are fixed_order.c's, invariant by construction, and nothing here runs. On CUDA the
+GEMM is invariant_triton's, whose tile and launch are constants, and it is still checked here before the
+executor promises anything: a GEMM picks its code path, blocking and thread split from the shape of the call,
+and fed a row alone, then among 31 others, may add that row's products in another order; in bfloat16 the
+last bit of a logit is enough to flip a greedy token.
 
-- **GEMMs** (`RowPlan`): each call's row count is kept inside a range the executor has checked, on its own
-  shapes, dtype and threads, at start-up (`plan_rows`): calls are padded to at least `min_rows` and split to
-  at most `max_rows`. Where the library is not row-invariant over any such range, every call is exactly
-  `max_rows` rows (`tiled`): one fixed shape, and only the row's position in the tile may vary, which the
-  check covers too. Where neither holds the executor refuses to start rather than promise what it cannot.
-- **Attention** (`attend`): every query, whether a decode, a prefill chunk's or a cache hit's continuation,
-  is reduced over keys in fixed chunks of `chunk` keys at absolute positions 0, C, 2C, ..., in float32.
-  Chunks are merged by a pairwise tree over the absolute chunk index, so chunks that exist only because a
-  longer neighbour needed them add exact zeros at the top of the tree. Softmax statistics come from
-  fixed-length reductions (max is exact; a row-wise sum over C keys is the same kernel call whatever else
-  is in the batch).
-
-RMSNorm, rotary embeddings, SiLU, residual adds and the sampler already work row by row, and the start-up
-check covers them through the tests, not here.
+Each call's row count is kept inside a range the executor has checked, on its own shapes, dtype and threads,
+at start-up (`plan_rows`): calls are padded to at least `min_rows` and split to at most `max_rows`. Where the
+kernel is not row-invariant over any such range, every call is exactly `max_rows` rows (`tiled`): one fixed
+shape, and only the row's position in the tile may vary, which the check covers too. Where neither holds the
+executor refuses to start rather than promise what it cannot.
 """
 
 from __future__ import annotations
@@ -158,74 +151,3 @@ def matches_reference(fn: Callable[[torch.Tensor], torch.Tensor], plan: RowPlan,
     with _one_thread():
         want = reference(x)
     return torch.equal(got, want)
-
-
-# ---- attention ---------------------------------------------------------------------------------------------
-
-
-def chunk_keys(block_size: int) -> int:
-    """Keys per attention chunk: ATTENTION_CHUNK rounded up to whole blocks, so chunks never split a block."""
-    return block_size * -(-ATTENTION_CHUNK // block_size)
-
-
-def _tree_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """Sum over `dim` by pairs of absolute indices (0+1, 2+3, ...), level after level: trailing zeros, however
-    many, change no partial sum of the entries before them."""
-    x = x.movedim(dim, -1)
-    n = x.shape[-1]
-    width = 1 << (n - 1).bit_length()
-    if width != n:
-        x = F.pad(x, (0, width - n))
-    while x.shape[-1] > 1:
-        x = x[..., 0::2] + x[..., 1::2]
-    return x[..., 0]
-
-
-@dataclass(frozen=True)
-class AttentionPlan:
-    chunk: int          # keys per chunk
-    scores: RowPlan     # rows of q @ k^T per chunk ([rows, D] @ [D, chunk])
-    values: RowPlan     # rows of p @ v per chunk ([rows, chunk] @ [chunk, D])
-
-
-def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_pos: torch.Tensor, scale: float,
-           plan: AttentionPlan) -> torch.Tensor:
-    """Causal attention of B sequences, in float32.
-
-    q [B, KVH, R, D]: R query rows per KV head (the query heads sharing it, for each query token);
-    keys/values [B, KVH, L, D] with L a multiple of plan.chunk (slots past a sequence hold any finite values);
-    q_pos [B, R]: each row's position: it sees keys at positions <= it. Returns [B, KVH, R, D] float32.
-    """
-    b, kvh, r, d = q.shape
-    c = plan.chunk
-    n = keys.shape[2] // c
-    # One copy each, to float32 and contiguous: the gathered blocks are a strided view, which would be copied
-    # again inside every product. The keys keep their layout and enter the product transposed as a view, as
-    # plan_attention checks them: a transposing copy cost 8x a plain one (0.50 against 0.06 ms a layer at
-    # c32 on an EPYC) and the product reads the view as fast.
-    kt = keys.unflatten(2, (n, c)).to(torch.float32, memory_format=torch.contiguous_format).transpose(-1, -2)
-    v = values.unflatten(2, (n, c)).to(torch.float32, memory_format=torch.contiguous_format)   # [B, KVH, n, C, D]
-    qf = q.float().unsqueeze(2).expand(b, kvh, n, r, d)
-    s = by_rows(lambda qq: torch.matmul(qq, kt), qf, plan.scores) * scale    # [B, KVH, n, R, C]
-    key_pos = torch.arange(n * c, device=q.device).view(1, 1, n, 1, c)
-    s = s.masked_fill(key_pos > q_pos.view(b, 1, 1, r, 1), float("-inf"))
-    m = s.amax(-1)                                                           # [B, KVH, n, R]; -inf: no key
-    p = torch.exp(s - torch.where(torch.isinf(m), 0.0, m).unsqueeze(-1))
-    l_chunk = p.sum(-1)
-    o_chunk = by_rows(lambda pp: torch.matmul(pp, v), p, plan.values)        # [B, KVH, n, R, D]
-    # Chunk 0 always holds key 0, which every query sees: the overall max is finite.
-    w = torch.exp(m - m.amax(2, keepdim=True))
-    total = _tree_sum(l_chunk * w, 2)
-    out = _tree_sum(o_chunk * w.unsqueeze(-1), 2)
-    return out / total.unsqueeze(-1)
-
-
-def plan_attention(head_dim: int, block_size: int, device: torch.device) -> AttentionPlan:
-    """Check attention's two per-chunk GEMMs on this machine (float32, like `attend`)."""
-    c = chunk_keys(block_size)
-    g = torch.Generator(device="cpu").manual_seed(0)
-    rnd = lambda *shape: torch.randn(*shape, generator=g).to(device)  # noqa: E731
-    k, v = rnd(3, c, head_dim).transpose(-1, -2), rnd(3, c, head_dim)      # the layouts `attend` multiplies
-    scores = plan_rows(lambda x: torch.matmul(x, k), lambda m: rnd(3, m, head_dim), "attention scores")
-    values = plan_rows(lambda x: torch.matmul(x, v), lambda m: rnd(3, m, c).softmax(-1), "attention values")
-    return AttentionPlan(c, scores, values)

@@ -4,8 +4,9 @@ On CPUs where torch's default float32 GEMM picks a slow code path (we measured i
 oneDNN's speed on AVX-512 EPYC machines), oneDNN's linear is called directly. Same weights, same layout,
 results equal up to float rounding; CUDA and other dtypes keep `F.linear`.
 
-In deterministic mode a layer carries a `RowPlan` (batch_invariant.py): one kernel, whatever the row count,
-called on row counts the executor checked at start-up.
+In deterministic mode a layer calls a kernel whose sums are in a fixed order: on the CPU fixed_order.c's GEMM
+on weights packed once (`set_packed`), on CUDA invariant_triton's under a `RowPlan` checked at start-up
+(batch_invariant.py).
 """
 
 from __future__ import annotations
@@ -54,26 +55,30 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def fixed_kernel(weight: torch.Tensor, bias: torch.Tensor | None,
-                 triton: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
-    """x -> x @ weight.T + bias by one kernel chosen from the dtype and device alone, never the row count
-    (`linear` switches to a GEMV for one row, which adds in another order). The layers' inputs are 2-D.
-    `triton`: deterministic mode's own GEMM (invariant_triton.py), as on CUDA, where no library GEMM is."""
-    if triton:
-        from executor_service.invariant_triton import matmul
-        return lambda x: matmul(x, weight, bias)
-    if _onednn_takes(weight.dtype, weight.device):
-        return lambda x: _onednn(x, weight, bias)
-    return lambda x: F.linear(x, weight, bias)
+def triton_kernel(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x -> x @ weight.T + bias by deterministic mode's Triton GEMM (invariant_triton.py): one kernel whatever
+    the row count (`linear` switches to a GEMV for one row, which adds in another order)."""
+    from executor_service.invariant_triton import matmul
+    return lambda x: matmul(x, weight, bias)
 
 
 class Linear(nn.Linear):
-    row_plan: RowPlan | None = None     # deterministic mode: set_row_plan, once the weights are loaded
+    row_plan: RowPlan | None = None     # deterministic mode on CUDA: set_row_plan, once the weights are loaded
+    packed: Callable[[torch.Tensor], torch.Tensor] | None = None   # deterministic mode on the CPU: set_packed
 
-    def set_row_plan(self, plan: RowPlan, triton: bool = False) -> None:
-        self.row_plan, self._fixed = plan, fixed_kernel(self.weight, self.bias, triton)
+    def set_packed(self, packed: Callable[[torch.Tensor], torch.Tensor], keep_weight: bool) -> None:
+        """Compute with `packed` (fixed_order.PackedLinear) from now on. Unless something else reads the weight
+        (`keep_weight`: a tied embedding), its unpacked copy is dropped: the packed one replaces it."""
+        self.packed = packed
+        if not keep_weight:
+            self.weight.data = self.weight.data.new_empty(0)
+
+    def set_row_plan(self, plan: RowPlan) -> None:
+        self.row_plan, self._fixed = plan, triton_kernel(self.weight, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return self.packed(x)
         if self.row_plan is not None:
             return by_rows(self._fixed, x, self.row_plan)
         return linear(x, self.weight, self.bias)

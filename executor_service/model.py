@@ -11,10 +11,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from executor_service import fixed_order
 from executor_service.attention import AttentionMetadata, PagedAttention
-from executor_service.batch_invariant import MAX_ROWS, DeterminismUnavailable, plan_attention, plan_rows
+from executor_service.batch_invariant import MAX_ROWS, DeterminismUnavailable, plan_rows
 from executor_service.collectives import Collectives
-from executor_service.linear import Linear, fixed_kernel
+from executor_service.linear import Linear, triton_kernel
 from executor_service.model_config import ModelConfig
 from executor_service.partition import Partition
 from executor_service.rope import RotaryEmbedding, apply_rotary
@@ -26,11 +27,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
         self.triton = False     # deterministic mode on CUDA: one program per row (invariant_triton.py)
+        self.fixed = False      # deterministic mode on the CPU: fixed_order.c's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.triton:
             from executor_service.invariant_triton import rms_norm
             return rms_norm(x, self.weight, self.eps)
+        if self.fixed:
+            return fixed_order.rms_norm(x, self.weight, self.eps)
         # Normalise in float32 whatever the weights' dtype: bfloat16 variance is too coarse.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -69,6 +73,7 @@ class DecoderLayer(nn.Module):
             self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
             self.down_proj = Linear(part.intermediate_size, cfg.hidden_size, bias=False)
         self.attn = PagedAttention(h, kvh, d)
+        self.fixed = False      # deterministic mode on the CPU: SiLU by fixed_order.c, whose exp is its own
 
     def forward(self, x, residual, rope, k_cache, v_cache, meta: AttentionMetadata, lora=None, fused: bool = False):
         """The block on x, the last block's output not yet added to `residual`, the residual stream (None in the
@@ -110,6 +115,8 @@ class DecoderLayer(nn.Module):
         if fused:
             from executor_service.fused_kernels import silu_mul
             h = silu_mul(gate_up)
+        elif self.fixed:
+            h = fixed_order.silu_mul(gate_up)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             h = F.silu(gate) * up
@@ -124,8 +131,13 @@ class DecoderLayer(nn.Module):
         gather, w = self.comm.gather_columns, self.widths
         h, residual = self.post_attention_layernorm.add(gather(self.o_proj(gather(attn, w["q"])), w["hidden"]),
                                                         residual)
-        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
-        return gather(self.down_proj(gather(F.silu(gate) * up, w["ff"])), w["hidden"]), residual
+        gate_up = self.gate_up_proj(h)
+        if self.fixed:
+            h = fixed_order.silu_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        return gather(self.down_proj(gather(h, w["ff"])), w["hidden"]), residual
 
 
 class LlamaModel(nn.Module):
@@ -175,12 +187,17 @@ class LlamaModel(nn.Module):
 
     def make_deterministic(self, block_size: int, max_sampled_rows: int, triton: bool = False,
                            max_rows: int = MAX_ROWS) -> dict:
-        """Batch-invariant kernels for every layer, each checked on this machine once per kind (the layers of
-        a kind share its plan). Each kind must also give the bits of the single-rank layer on one thread, so
-        executors of any thread count and tensor-parallel degree agree. Raises DeterminismUnavailable where
-        this cannot be made so. Returns the plans by layer kind, for the log: a tiled fallback costs.
-        `triton`: the GEMMs and norms are invariant_triton's kernels, and attention is the Triton kernel's.
-        `max_rows`: the most rows a layer is called with (a step's token budget); larger calls are split."""
+        """Kernels whose sums never depend on the batch, the threads or the tensor-parallel slice. Returns what
+        each layer kind runs, for the log.
+
+        On the CPU (`triton` False): fixed_order.c's GEMM, RMSNorm, SiLU and attention, invariant by
+        construction, so nothing is checked at start-up. With `triton` (CUDA, or the interpreter in tests): the
+        GEMMs and norms are invariant_triton's kernels and attention the Triton kernel's, and each GEMM kind is
+        still checked on this machine (`plan_rows`), and must give the bits of the single-rank layer on one
+        thread; raises DeterminismUnavailable where not. `max_rows`: the most rows a layer is called with (a
+        step's token budget); larger calls are split."""
+        if not triton:
+            return self._fixed_order()
         cfg, plans = self.config, {}
         g, like = torch.Generator().manual_seed(0), self.lm_head.weight   # every layer's dtype and device
 
@@ -200,44 +217,53 @@ class LlamaModel(nn.Module):
                  for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")} | {"lm_head": [self.lm_head]}
         for name, (full_shape, rows) in self.part.full_rows(cfg).items():
             w = kinds[name][0].weight
-            mine, whole = _slice_and_whole(rnd, w.shape[0], full_shape, rows, kinds[name][0].bias is not None,
-                                           triton)
+            mine, whole = _slice_and_whole(rnd, w.shape[0], full_shape, rows, kinds[name][0].bias is not None)
             # The LM head only ever sees the step's sampled rows: a batch's worth is all it needs checked.
             most = max(2, min(MAX_ROWS, max_rows, max_sampled_rows if name == "lm_head" else MAX_ROWS))
             plans[name] = plan_rows(mine, lambda m, k=w.shape[1]: probe(m, k), f"{name} {w.shape[1]} -> "
                                     f"{w.shape[0]}", max_rows=most, reference=whole)
             for lin in kinds[name]:
-                lin.set_row_plan(plans[name], triton)
+                lin.set_row_plan(plans[name])
         unplanned = [n for n, m in self.named_modules() if isinstance(m, Linear) and m.row_plan is None]
         if unplanned:   # e.g. a row-parallel layer of a model not split for this mode: it would sum across ranks
             raise DeterminismUnavailable(f"no batch-invariant plan for {unplanned[:3]}")
-        if triton:
-            for norm in (m for m in self.modules() if isinstance(m, RMSNorm)):
-                norm.triton = True
-            return {"linear": plans, "attention": "the Triton kernel, one query-block shape", "norm": "Triton"}
-        attention = plan_attention(cfg.head_dim, block_size, self.lm_head.weight.device)
-        for layer in self.layers:
-            layer.attn.plan = attention
-        return {"linear": plans, "attention": attention}
+        for norm in (m for m in self.modules() if isinstance(m, RMSNorm)):
+            norm.triton = True
+        return {"linear": plans, "attention": "the Triton kernel, one query-block shape", "norm": "Triton"}
+
+    def _fixed_order(self) -> dict:
+        dtype = self.embed_tokens.weight.dtype
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise DeterminismUnavailable(f"deterministic mode on the CPU runs float32 or bfloat16, not {dtype}")
+        if self.comm.size > 1 and not self.part.exact:   # o and down would add partial sums across ranks
+            raise DeterminismUnavailable("the model is split by input across ranks (load it with exact=True)")
+        shared = {self.embed_tokens.weight.data_ptr()}
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.set_packed(fixed_order.PackedLinear.of(m.weight, m.bias), m.weight.data_ptr() in shared)
+            elif isinstance(m, RMSNorm):
+                m.fixed = True
+            elif isinstance(m, DecoderLayer):
+                m.fixed = m.attn.fixed = True
+        return {"linear": "fixed_order GEMM (packed)", "attention": "fixed_order", "norm": "fixed_order",
+                "silu": "fixed_order"}
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[rows, vocab] float32 logits on rank 0; None on the other ranks, which only lend their columns."""
         return self.comm.gather_vocab(self.lm_head(hidden).float(), self.config.vocab_size)
 
 
-def _slice_and_whole(rnd, rows_held: int, full_shape: tuple[int, int], rows: list[int], bias: bool,
-                     triton: bool = False):
+def _slice_and_whole(rnd, rows_held: int, full_shape: tuple[int, int], rows: list[int], bias: bool):
     """For deterministic mode's check: a random single-rank layer's kernel (`whole`, cut to `rows`), and this
     rank's kernel on its slice of the same numbers (`mine`, rows_held rows: the LM head's last slice is padded
     with zero rows, whose columns it drops here)."""
     full_w, full_b = rnd(*full_shape), (rnd(full_shape[0]) if bias else None)
-    whole_k = fixed_kernel(full_w, full_b, triton)
+    whole_k = triton_kernel(full_w, full_b)
     if len(rows) == full_shape[0] == rows_held:   # one rank: its layer is the whole one (no copy of it)
         return whole_k, whole_k
     mine_w = full_w.new_zeros(rows_held, full_shape[1])
     mine_w[:len(rows)] = full_w[rows]
-    mine_k = fixed_kernel(mine_w, None if full_b is None else F.pad(full_b[rows], (0, rows_held - len(rows))),
-                          triton)
+    mine_k = triton_kernel(mine_w, None if full_b is None else F.pad(full_b[rows], (0, rows_held - len(rows))))
     idx = torch.tensor(rows, device=full_w.device)
     return (lambda x: mine_k(x)[:, :len(rows)]), (lambda x: whole_k(x)[:, idx])
 

@@ -26,8 +26,8 @@ def default_dtype(device: str) -> str:
 
 
 def check_deterministic_backend(attention: str, device: torch.device) -> None:
-    """Deterministic mode's kernels: on the CPU the library GEMM under start-up checked row counts and torch
-    attention (batch_invariant.py), or Triton's (the interpreter, for tests); on CUDA only Triton's
+    """Deterministic mode's kernels: on the CPU fixed_order.c's, or Triton's (the interpreter, for tests); on
+    CUDA only Triton's
     (invariant_triton.py): cuBLAS and torch's CUDA reductions choose their order from the whole batch."""
     if device.type == "cuda" and attention != "triton":
         raise ValueError("--deterministic on CUDA needs Triton (its GEMM, norm and attention kernels); "

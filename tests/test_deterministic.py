@@ -11,11 +11,8 @@ from helpers import record_logits  # noqa: E402
 
 from executor_service.batch_invariant import (  # noqa: E402
     TILE_ROWS,
-    AttentionPlan,
     DeterminismUnavailable,
     RowPlan,
-    _tree_sum,
-    attend,
     by_rows,
     plan_rows,
 )
@@ -71,44 +68,6 @@ def test_a_kernel_that_depends_on_a_rows_position_is_refused_with_the_shape_name
         return x @ W + torch.arange(x.shape[0])[:, None] * 1e-3
     with pytest.raises(DeterminismUnavailable, match="positional layer"):
         plan_rows(positional, rows_of, "positional layer")
-
-
-def test_trailing_zeros_change_no_tree_sum():
-    x = torch.randn(3, 5, generator=torch.Generator().manual_seed(2))
-    ref = _tree_sum(x, 1)
-    for extra in (1, 3, 11, 27):
-        assert torch.equal(_tree_sum(torch.cat([x, torch.zeros(3, extra)], 1), 1), ref)
-    assert torch.allclose(ref, x.sum(1), atol=1e-6)
-
-
-def _attention_case(seed=3, b=2, kvh=2, r=6, d=8, length=128):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, kvh, r, d, generator=g)
-    keys, values = torch.randn(b, kvh, length, d, generator=g), torch.randn(b, kvh, length, d, generator=g)
-    pos = torch.randint(0, length // 2, (b, r), generator=g)
-    return q, keys, values, pos
-
-
-def test_invariant_attention_is_causal_softmax_attention():
-    q, keys, values, pos = _attention_case()
-    plan = AttentionPlan(16, RowPlan(1, 512), RowPlan(1, 512))
-    got = attend(q, keys, values, pos, 0.3, plan)
-    s = (q.double() @ keys.double().transpose(-1, -2)) * 0.3
-    s = s.masked_fill(torch.arange(keys.shape[2]) > pos[:, None, :, None], float("-inf"))
-    ref = torch.softmax(s, -1) @ values.double()
-    assert torch.allclose(got.double(), ref, atol=1e-5)
-
-
-def test_invariant_attention_ignores_keys_past_the_query_and_which_rows_come_with_it():
-    q, keys, values, pos = _attention_case()
-    plan = AttentionPlan(16, RowPlan(4, 512), RowPlan(1, 512))
-    ref = attend(q, keys, values, pos, 0.3, plan)
-    # Twice the keys (a longer neighbour's length), the extra ones garbage: not one bit moves.
-    longer = torch.cat([keys, 1e3 * torch.randn_like(keys)], 2), torch.cat([values, torch.randn_like(values)], 2)
-    assert torch.equal(attend(q, *longer, pos, 0.3, plan), ref)
-    # One sequence alone, and two of its rows alone.
-    assert torch.equal(attend(q[1:], keys[1:], values[1:], pos[1:], 0.3, plan), ref[1:])
-    assert torch.equal(attend(q[:1, :, 2:4], keys[:1], values[:1], pos[:1, 2:4], 0.3, plan), ref[:1, :, 2:4])
 
 
 # ---- the embedded model's first layers (conftest.shallow), in-process --------------------------------------
@@ -185,15 +144,21 @@ def test_a_request_gets_the_same_bits_alone_and_among_1_to_64_neighbours_any_chu
             assert len(got) == len(ref) and all(map(torch.equal, got, ref)), (dtype, n, budget)
 
 
-def test_deterministic_mode_on_the_cpu_takes_torch_attention_by_default(tmp_path):
+def test_deterministic_mode_on_the_cpu_runs_the_fixed_order_kernels_with_no_probe(tmp_path, monkeypatch):
     from tiny_model import write_tiny_llama
 
     from executor_service.runner import ModelRunner
     from executor_service.runner_config import RunnerConfig
     path = str(write_tiny_llama(tmp_path))
     # (On CUDA it takes the Triton kernels, and refuses to start without them: test_deterministic_triton.py.)
+    probed = []
+    monkeypatch.setattr("executor_service.model.plan_rows", lambda *a, **k: probed.append(a))
     runner = ModelRunner(RunnerConfig(path, deterministic=True, kv_cache_memory=1 << 20))
     assert runner.describe()["deterministic"] is True and runner.attention == "torch"
+    layer = runner.model.layers[0]
+    assert layer.fixed and layer.attn.fixed and layer.input_layernorm.fixed and runner.model.norm.fixed
+    assert layer.qkv_proj.packed is not None and runner.model.lm_head.packed is not None
+    assert probed == []     # invariant by construction: nothing is checked at start-up
 
 
 def test_a_kernel_that_is_row_invariant_but_differs_from_the_whole_layer_on_one_thread_is_refused():

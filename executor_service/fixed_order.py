@@ -1,0 +1,185 @@
+"""Deterministic mode's CPU kernels (fixed_order.c), built once per machine with the system's C compiler and
+called through ctypes.
+
+Their sums are added in the order the C code writes, whatever the shape, thread count, tensor-parallel slice or
+instruction set: a request's tokens cannot depend on its batch by construction, with no start-up probe of a
+library's choices. The library is compiled for the CPU it runs on (`-march=native`); the bits do not depend on
+which instructions that picks (fused multiply-adds are correctly rounded everywhere), which the tests check by
+building it for older instruction sets too (`STEPWIRE_FIXED_ORDER_ARCH`, a gcc `-march` value).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("fixed_order.c")
+# No -ffast-math, and no contraction: a * b + c stays two roundings unless the source says fmaf.
+FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared"]
+MAX_HEAD_DIM = 512      # the attention kernel's per-head buffers
+_I64, _INT, _F32, _PTR = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+
+
+class FixedOrderUnavailable(RuntimeError):
+    """No C compiler could build the kernels: deterministic mode cannot start on this CPU."""
+
+
+def _cache_dir() -> Path:
+    for d in (os.environ.get("STEPWIRE_KERNEL_CACHE"), Path.home() / ".cache" / "stepwire"):
+        if d:
+            try:
+                Path(d).mkdir(parents=True, exist_ok=True)
+                if os.access(d, os.W_OK):
+                    return Path(d)
+            except OSError:
+                continue
+    return Path(tempfile.gettempdir())    # a read-only home (a hardened pod): build in /tmp
+
+
+def build(arch: str | None = None) -> Path:
+    """The compiled library for `arch` (default: this CPU), built if no cached copy of this source exists. Safe
+    when several executors start at once: each writes its own file and renames it into place."""
+    arch = arch or os.environ.get("STEPWIRE_FIXED_ORDER_ARCH") or "native"
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        raise FixedOrderUnavailable("deterministic mode on the CPU compiles its kernels with a C compiler; none "
+                                    "was found (install gcc, or set CC)")
+    flags = [*FLAGS, f"-march={arch}"]
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc, *flags]).encode()).hexdigest()[:16]
+    if arch == "native":     # a cached copy built on another CPU must not be taken: key on this one's flags
+        key += hashlib.sha256(_cpu_flags().encode()).hexdigest()[:8]
+    lib = _cache_dir() / f"fixed_order-{arch}-{key}.so"
+    if not lib.exists():
+        tmp = lib.with_suffix(f".{os.getpid()}.tmp")
+        try:
+            done = subprocess.run([cc, *flags, str(SOURCE), "-o", str(tmp), "-lm"], capture_output=True, text=True)
+        except OSError as e:
+            raise FixedOrderUnavailable(f"deterministic mode on the CPU compiles its kernels with a C compiler; "
+                                        f"{cc} did not run ({e})") from e
+        if done.returncode != 0:
+            raise FixedOrderUnavailable(f"building {SOURCE.name} for -march={arch} failed: {done.stderr[-2000:]}")
+        os.replace(tmp, lib)
+    return lib
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+@cache
+def library(arch: str | None = None) -> ctypes.CDLL:
+    import torch  # noqa: F401  (loaded first: the kernels share torch's OpenMP runtime, not a second one)
+    lib = ctypes.CDLL(str(build(arch)))
+    lib.pack_f32.argtypes = [_PTR, _I64, _I64, _PTR]
+    lib.pack_bf16.argtypes = [_PTR, _I64, _I64, _PTR]
+    lib.gemm.argtypes = [_PTR, _I64, _INT, _PTR, _PTR, _PTR, _I64, _INT, _I64, _I64, _I64, _INT]
+    lib.rms_norm.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _F32, _INT, _INT]
+    lib.silu_mul.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _I64, _INT, _INT]
+    lib.attention.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64,
+                              _I64, _I64, _I64, _I64, _F32, _INT, _INT]
+    for f in (lib.pack_f32, lib.pack_bf16, lib.gemm, lib.rms_norm, lib.silu_mul, lib.attention):
+        f.restype = None
+    return lib
+
+
+def _bf16(dtype: torch.dtype) -> int:
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"deterministic mode's CPU kernels take float32 or bfloat16, not {dtype}")
+    return int(dtype == torch.bfloat16)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as 2-D rows whose last dim is contiguous (the kernels take a row stride)."""
+    x = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+@dataclass(frozen=True)
+class PackedLinear:
+    """A weight [N, K] in the GEMM's panels, its bias in float32, and the output width."""
+
+    panels: torch.Tensor
+    bias: torch.Tensor | None
+    n: int
+    k: int
+    dtype: torch.dtype
+    arch: str | None = None
+
+    @classmethod
+    def of(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, arch: str | None = None) -> PackedLinear:
+        n, k = weight.shape
+        bf = _bf16(weight.dtype)
+        w = weight.detach().contiguous()
+        panels = -(-n // 16)
+        out = torch.empty(panels * 16 * (-(-k // 2) * 2 if bf else k), dtype=weight.dtype)
+        (library(arch).pack_bf16 if bf else library(arch).pack_f32)(w.data_ptr(), n, k, out.data_ptr())
+        b = None if bias is None else bias.detach().float().contiguous()
+        return cls(out, b, n, k, weight.dtype, arch)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.dtype:
+            raise TypeError(f"input {x.dtype} against weights {self.dtype}")
+        lead = x.shape[:-1]
+        x2 = _rows(x)
+        m = x2.shape[0]
+        out = torch.empty(m, self.n, dtype=self.dtype)
+        if m:
+            library(self.arch).gemm(x2.data_ptr(), x2.stride(0), _bf16(self.dtype), self.panels.data_ptr(),
+                                    None if self.bias is None else self.bias.data_ptr(), out.data_ptr(), self.n,
+                                    _bf16(self.dtype), m, self.n, self.k, torch.get_num_threads())
+        return out.view(*lead, self.n)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, arch: str | None = None) -> torch.Tensor:
+    x2 = _rows(x)
+    out = torch.empty(x2.shape, dtype=x.dtype)
+    w = weight.to(x.dtype).contiguous()
+    library(arch).rms_norm(x2.data_ptr(), x2.stride(0), w.data_ptr(), out.data_ptr(), out.stride(0), x2.shape[0],
+                           x2.shape[1], eps, _bf16(x.dtype), torch.get_num_threads())
+    return out.view(x.shape)
+
+
+def silu_mul(x: torch.Tensor, arch: str | None = None) -> torch.Tensor:
+    """silu(gate) * up for x = [gate | up] along the last dim."""
+    x2 = _rows(x)
+    f = x2.shape[1] // 2
+    out = torch.empty(x2.shape[0], f, dtype=x.dtype)
+    library(arch).silu_mul(x2.data_ptr(), x2.stride(0), out.data_ptr(), f, x2.shape[0], f, _bf16(x.dtype),
+                           torch.get_num_threads())
+    return out.view(*x.shape[:-1], f)
+
+
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+              seq: torch.Tensor, pos: torch.Tensor, scale: float, arch: str | None = None) -> torch.Tensor:
+    """q [T, H, D]; caches [num_blocks, block_size, KVH, D] (strided views of one layer are fine, the head dim
+    contiguous); tables [S, nb] int32 block ids; seq [T] int32, each token's row of `tables`; pos [T] int32,
+    each token's position (it attends to keys 0..pos). Returns [T, H, D] in q's dtype."""
+    t, h, d = q.shape
+    if d > MAX_HEAD_DIM:
+        raise ValueError(f"head dim {d} > {MAX_HEAD_DIM}")
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError("the K and V caches must share one layout with a contiguous head dim")
+    q2 = q.reshape(t, h * d) if q.is_contiguous() else q.contiguous().view(t, h * d)
+    out = torch.empty(t, h, d, dtype=q.dtype)
+    tables, seq, pos = (a.to(torch.int32).contiguous() for a in (tables, seq, pos))
+    sb, ss, sh, _ = k_cache.stride()
+    library(arch).attention(q2.data_ptr(), q2.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), sb, ss, sh,
+                            k_cache.shape[1], tables.data_ptr(), tables.stride(0), seq.data_ptr(), pos.data_ptr(),
+                            out.data_ptr(), h * d, t, h, k_cache.shape[2], d, scale, _bf16(q.dtype),
+                            torch.get_num_threads())
+    return out
