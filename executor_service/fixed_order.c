@@ -9,15 +9,19 @@
  *   thread count, a tensor-parallel rank's slice of the columns, or the vector width.
  * - Sums over a row (a norm's squares, an attention dot product over the head dim): 16 lane accumulators,
  *   lane i taking terms i, i+16, ..., then a fixed pairwise tree over the lanes.
- * - exp: our own polynomial (fixed_exp), not the C library's or a vector library's, whose bits differ.
+ * - exp and log: our own polynomials (fixed_exp, fixed_log), not the C library's or a vector library's, whose
+ *   bits differ; the sampler's softmax and its noise's log are here too, so a seeded token is the same bits.
  *
  * Built with -ffp-contract=off and without -ffast-math: the compiler may not fuse or reorder what is written.
  * fmaf and the IEEE basic operations are correctly rounded, so AVX-512, AVX2 and plain C give the same bits.
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
-#include <immintrin.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>     /* elsewhere (aarch64) the plain C paths below, which give the same bits */
+#endif
 
 #define NR 16      /* output columns per packed weight panel */
 #define LANES 16   /* accumulators of a row sum */
@@ -259,11 +263,11 @@ static inline float tree16(float *a) {
 /* e^x to about 1 ulp: x = n ln2 + r, |r| <= ln2/2, a degree-7 polynomial in r, times 2^n. Every step is
  * written out, so every CPU gives these bits. Below -87.3 (where e^x is no longer a normal float) it is 0. */
 static inline float fixed_exp(float x) {
-    if (x != x) return x;
-    if (x > 88.7f) x = 88.7f;
-    if (x < -87.3f) return 0.0f;
-    float n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;   /* round to nearest */
-    float r = fmaf(-n, 0.693145752f, x);
+    /* Branch-free, so that a loop of them vectorizes: clamp, compute, then select. NaN passes through. */
+    float xc = x > 88.7f ? 88.7f : x;
+    xc = xc < -87.3f ? -87.3f : xc;
+    float n = (xc * 1.44269504f + 12582912.0f) - 12582912.0f;   /* round to nearest */
+    float r = fmaf(-n, 0.693145752f, xc);
     r = fmaf(-n, 1.42860677e-06f, r);
     float p = 1.98412701e-04f;
     p = fmaf(p, r, 1.38888889e-03f);
@@ -273,7 +277,9 @@ static inline float fixed_exp(float x) {
     p = fmaf(p, r, 0.5f);
     p = fmaf(p, r, 1.0f);
     p = fmaf(p, r, 1.0f);
-    return p * bits_f32((uint32_t)((int32_t)n + 127) << 23);
+    int32_t ni = (int32_t)n;
+    float y = p * bits_f32((uint32_t)(ni + 127) << 23);
+    return x < -87.3f ? 0.0f : y;
 }
 
 /* RMSNorm, as the model writes it: y = round(x * 1/sqrt(mean(x^2) + eps)) * w, each product rounded to the
@@ -314,45 +320,162 @@ void silu_mul(const void *x, int64_t ldx, void *out, int64_t ldo, int64_t m, int
 
 /* ---- attention ------------------------------------------------------------------------------------------- */
 
-/* Causal attention over a paged cache, one query token at a time. Query token t belongs to the sequence whose
- * block ids are tables[seq[t]] (stride table_stride) and sits at pos[t]: it sees keys 0..pos[t]. For each of
- * its heads the keys are visited in ascending order with an online softmax (the running max, the running sum
- * and the output rescaled when the max rises), the dot products over the head dim in LANES lanes and a tree.
- * Nothing depends on the other tokens of the step. q [T, H, D] (row stride ldq), out likewise (ldo); the caches
- * are addressed by element strides (block, slot, head), the head dim contiguous. */
+#define KB 16        /* keys per block: a query's keys are visited in blocks at absolute positions 0, 16, 32, ... */
+#define ROWS 32      /* query rows (tokens x the query heads of one KV head) computed together */
+
+/* sc[kk] = sum over c of q[c] * kt[c][kk], c ascending, one fmaf each: the KB scores of one key block. */
+static inline void scores16(const float *qr, const float *kt, int64_t d, float *sc) {
+#if defined(__AVX512F__)
+    __m512 a = _mm512_setzero_ps();
+    for (int64_t c = 0; c < d; c++) a = _mm512_fmadd_ps(_mm512_set1_ps(qr[c]), _mm512_loadu_ps(kt + c * KB), a);
+    _mm512_storeu_ps(sc, a);
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+    for (int64_t c = 0; c < d; c++) {
+        __m256 b = _mm256_set1_ps(qr[c]);
+        lo = _mm256_fmadd_ps(b, _mm256_loadu_ps(kt + c * KB), lo);
+        hi = _mm256_fmadd_ps(b, _mm256_loadu_ps(kt + c * KB + 8), hi);
+    }
+    _mm256_storeu_ps(sc, lo);
+    _mm256_storeu_ps(sc + 8, hi);
+#else
+    for (int kk = 0; kk < KB; kk++) sc[kk] = 0.0f;
+    for (int64_t c = 0; c < d; c++)
+        for (int kk = 0; kk < KB; kk++) sc[kk] = fmaf(qr[c], kt[c * KB + kk], sc[kk]);
+#endif
+}
+
+/* Causal attention over a paged cache. Query token t belongs to the sequence whose block ids are tables[seq[t]]
+ * (stride table_stride) and sits at pos[t]: it sees keys 0..pos[t]. For each query row (a token's head), in this
+ * order and nothing else:
+ *   score_j = (sum over d = 0..D-1 of q[d] * k_j[d], one fmaf each from 0) * scale;
+ *   keys in blocks of KB at absolute positions; per block, the running max rises to the block's largest score
+ *   among the keys the row sees (the sum and the output are scaled by e^(old - new) when it does), then for
+ *   each key it sees, in order: p = e^(score - max), sum += p, out[d] = fmaf(p, v_j[d], out[d]);
+ *   out / sum at the end.
+ * Keys past a row's position are never touched, so nothing depends on the other tokens of the step, the length
+ * of a neighbour or what the cache holds past the row. A query token's rows are computed beside the rows of the
+ * tokens before it in the same sequence (up to ROWS), to read each key once for all of them: that shares loads,
+ * not sums. q [T, H, D] (row stride ldq), out likewise; the caches are addressed by element strides (block,
+ * slot, head), the head dim contiguous. */
 void attention(const void *q, int64_t ldq, const void *kc, const void *vc, int64_t s_block, int64_t s_slot,
                int64_t s_head, int64_t block_size, const int32_t *tables, int64_t table_stride, const int32_t *seq,
                const int32_t *pos, void *out, int64_t ldo, int64_t t, int64_t heads, int64_t kv_heads, int64_t d,
                float scale, int bf16, int threads) {
-    int64_t g = heads / kv_heads;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-    for (int64_t job = 0; job < t * heads; job++) {
-        int64_t ti = job / heads, hq = job % heads, hk = hq / g;
-        const int32_t *blocks = tables + (int64_t)seq[ti] * table_stride;
-        float qv[512], o[512];      /* head dim <= 512, checked by the caller */
-        for (int64_t c = 0; c < d; c++) { qv[c] = load(q, ti * ldq + hq * d + c, bf16); o[c] = 0.0f; }
-        float mx = -INFINITY, l = 0.0f;
-        for (int64_t j = 0; j <= pos[ti]; j++) {
-            int64_t base = (int64_t)blocks[j / block_size] * s_block + (j % block_size) * s_slot + hk * s_head;
-            float a[LANES] = {0};
-            for (int64_t c = 0; c < d; c += LANES)
-                for (int ln = 0; ln < LANES; ln++)
-                    if (c + ln < d) a[ln] = fmaf(qv[c + ln], load(kc, base + c + ln, bf16), a[ln]);
-            float s = tree16(a) * scale;
-            if (s > mx) {
-                float shrink = fixed_exp(mx - s);   /* 0 for the first key */
-                l = l * shrink;
-                for (int64_t c = 0; c < d; c++) o[c] = o[c] * shrink;
-                mx = s;
+    int64_t g = heads / kv_heads, per = ROWS / g > 0 ? ROWS / g : 1;
+    /* Groups of consecutive tokens of one sequence, at most `per` each. */
+    int64_t *starts = (int64_t *)malloc(sizeof(int64_t) * (size_t)(t + 1)), groups = 0;
+    for (int64_t i = 0; i < t; i++)
+        if (i == 0 || seq[i] != seq[i - 1] || i - starts[groups - 1] >= per) starts[groups++] = i;
+    starts[groups] = t;
+#pragma omp parallel num_threads(threads)
+    {
+        int64_t rows_max = per * g;
+        float *qv = (float *)malloc(sizeof(float) * (size_t)(rows_max * d)),
+              *o = (float *)malloc(sizeof(float) * (size_t)(rows_max * d)),
+              *kt = (float *)malloc(sizeof(float) * (size_t)(d * KB)),
+              *vb = (float *)malloc(sizeof(float) * (size_t)(KB * d + LANES)),
+              *mx = (float *)malloc(sizeof(float) * (size_t)rows_max), *l = (float *)malloc(sizeof(float) * (size_t)rows_max);
+        int64_t *rpos = (int64_t *)malloc(sizeof(int64_t) * (size_t)rows_max);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t job = 0; job < groups * kv_heads; job++) {
+            int64_t gi = job / kv_heads, hk = job % kv_heads, t0 = starts[gi], nt = starts[gi + 1] - t0;
+            int64_t rows = nt * g, last = 0;
+            const int32_t *blocks = tables + (int64_t)seq[t0] * table_stride;
+            for (int64_t r = 0; r < rows; r++) {
+                int64_t ti = t0 + r / g, hq = hk * g + r % g;
+                for (int64_t c = 0; c < d; c++) { qv[r * d + c] = load(q, ti * ldq + hq * d + c, bf16); o[r * d + c] = 0.0f; }
+                mx[r] = -INFINITY; l[r] = 0.0f; rpos[r] = pos[ti];
+                if (pos[ti] > last) last = pos[ti];
             }
-            float p = fixed_exp(s - mx);
-            l = l + p;
-            for (int64_t c = 0; c < d; c++) o[c] = fmaf(p, load(vc, base + c, bf16), o[c]);
+            for (int64_t j0 = 0; j0 <= last; j0 += KB) {
+                int nk = (int)(last - j0 + 1 < KB ? last - j0 + 1 : KB);
+                for (int kk = 0; kk < KB; kk++) {     /* this block's keys, transposed, and values */
+                    if (kk < nk) {
+                        int64_t j = j0 + kk;
+                        int64_t base = (int64_t)blocks[j / block_size] * s_block + (j % block_size) * s_slot + hk * s_head;
+                        for (int64_t c = 0; c < d; c++) { kt[c * KB + kk] = load(kc, base + c, bf16); vb[kk * d + c] = load(vc, base + c, bf16); }
+                    } else {
+                        for (int64_t c = 0; c < d; c++) { kt[c * KB + kk] = 0.0f; vb[kk * d + c] = 0.0f; }
+                    }
+                }
+                for (int64_t r = 0; r < rows; r++) {
+                    if (j0 > rpos[r]) continue;
+                    int seen = (int)(rpos[r] - j0 + 1 < nk ? rpos[r] - j0 + 1 : nk);
+                    float sc[KB], p[KB], *orow = o + r * d;
+                    scores16(qv + r * d, kt, d, sc);
+                    for (int kk = 0; kk < KB; kk++) sc[kk] = kk < seen ? sc[kk] * scale : -INFINITY;
+                    float bm = mx[r];
+                    for (int kk = 0; kk < KB; kk++) bm = sc[kk] > bm ? sc[kk] : bm;
+                    if (bm > mx[r]) {
+                        float shrink = fixed_exp(mx[r] - bm);   /* 0 for the first block */
+                        l[r] = l[r] * shrink;
+                        for (int64_t c = 0; c < d; c++) orow[c] = orow[c] * shrink;
+                        mx[r] = bm;
+                    }
+                    for (int kk = 0; kk < KB; kk++) p[kk] = fixed_exp(sc[kk] - bm);   /* unseen keys: 0 */
+                    for (int kk = 0; kk < seen; kk++) {
+                        l[r] = l[r] + p[kk];
+                        const float *vr = vb + kk * d;
+                        for (int64_t c = 0; c < d; c++) orow[c] = fmaf(p[kk], vr[c], orow[c]);
+                    }
+                }
+            }
+            for (int64_t r = 0; r < rows; r++) {
+                int64_t ti = t0 + r / g, hq = hk * g + r % g;
+                for (int64_t c = 0; c < d; c++) {
+                    float v = o[r * d + c] / l[r];
+                    if (bf16) ((uint16_t *)out)[ti * ldo + hq * d + c] = f32_bf16(v);
+                    else ((float *)out)[ti * ldo + hq * d + c] = v;
+                }
+            }
         }
-        for (int64_t c = 0; c < d; c++) {
-            float v = o[c] / l;
-            if (bf16) ((uint16_t *)out)[ti * ldo + hq * d + c] = f32_bf16(v);
-            else ((float *)out)[ti * ldo + hq * d + c] = v;
-        }
+        free(qv); free(o); free(kt); free(vb); free(mx); free(l); free(rpos);
     }
+    free(starts);
+}
+
+/* ---- sampling ---------------------------------------------------------------------------------------------- */
+
+/* log x for normal positive x, to about 1 ulp: x = 2^e m with m in [sqrt(1/2), sqrt(2)), log m = 2 atanh(s) with
+ * s = (m - 1) / (m + 1), an odd polynomial in s. 0 gives -inf; negatives and NaN give NaN. */
+static inline float fixed_log(float x) {
+    if (!(x > 0.0f)) return x == 0.0f ? -INFINITY : NAN;
+    if (x == INFINITY) return x;
+    uint32_t u = f32_bits(x);
+    int32_t e = (int32_t)(u >> 23) - 127;
+    if ((u >> 23) == 0) return -INFINITY;      /* denormal: never asked for (callers floor at the least normal) */
+    float m = bits_f32((u & 0x007fffffu) | 0x3f800000u);
+    if (m > 1.41421356f) { m = m * 0.5f; e += 1; }
+    float s = (m - 1.0f) / (m + 1.0f), s2 = s * s;
+    float p = 0.117647059f;                      /* 2/17 ... 2/3: 2 atanh(s) = 2s + 2s^3/3 + ... */
+    p = fmaf(p, s2, 0.133333333f);
+    p = fmaf(p, s2, 0.153846154f);
+    p = fmaf(p, s2, 0.181818182f);
+    p = fmaf(p, s2, 0.222222222f);
+    p = fmaf(p, s2, 0.285714286f);
+    p = fmaf(p, s2, 0.4f);
+    p = fmaf(p, s2, 0.666666667f);
+    float lm = fmaf(p * s2, s, 2.0f * s);
+    return fmaf((float)e, 0.693145752f, fmaf((float)e, 1.42860677e-06f, lm));
+}
+
+/* Softmax of each row of x [m, n] (float32) into out: the max, e^(x - max) by fixed_exp, their sum in LANES
+ * lanes and a tree, each divided by the sum. A row of -inf only gives NaN, as torch's does. */
+void softmax_rows(const float *x, float *out, int64_t m, int64_t n, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t i = 0; i < m; i++) {
+        const float *r = x + i * n;
+        float *o = out + i * n, mx = -INFINITY, a[LANES] = {0};
+        for (int64_t c = 0; c < n; c++) mx = r[c] > mx ? r[c] : mx;
+        for (int64_t c = 0; c < n; c += LANES)
+            for (int l = 0; l < LANES; l++)
+                if (c + l < n) { o[c + l] = fixed_exp(r[c + l] - mx); a[l] = a[l] + o[c + l]; }
+        float sum = tree16(a);
+        for (int64_t c = 0; c < n; c++) o[c] = o[c] / sum;
+    }
+}
+
+void log_elems(const float *x, float *out, int64_t n) {
+    for (int64_t i = 0; i < n; i++) out[i] = fixed_log(x[i]);
 }

@@ -25,7 +25,6 @@ import torch
 SOURCE = Path(__file__).with_name("fixed_order.c")
 # No -ffast-math, and no contraction: a * b + c stays two roundings unless the source says fmaf.
 FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared"]
-MAX_HEAD_DIM = 512      # the attention kernel's per-head buffers
 _I64, _INT, _F32, _PTR = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 
 
@@ -92,7 +91,10 @@ def library(arch: str | None = None) -> ctypes.CDLL:
     lib.silu_mul.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _I64, _INT, _INT]
     lib.attention.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64,
                               _I64, _I64, _I64, _I64, _F32, _INT, _INT]
-    for f in (lib.pack_f32, lib.pack_bf16, lib.gemm, lib.rms_norm, lib.silu_mul, lib.attention):
+    lib.softmax_rows.argtypes = [_PTR, _PTR, _I64, _I64, _INT]
+    lib.log_elems.argtypes = [_PTR, _PTR, _I64]
+    for f in (lib.pack_f32, lib.pack_bf16, lib.gemm, lib.rms_norm, lib.silu_mul, lib.attention, lib.softmax_rows,
+              lib.log_elems):
         f.restype = None
     return lib
 
@@ -170,8 +172,6 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tab
     contiguous); tables [S, nb] int32 block ids; seq [T] int32, each token's row of `tables`; pos [T] int32,
     each token's position (it attends to keys 0..pos). Returns [T, H, D] in q's dtype."""
     t, h, d = q.shape
-    if d > MAX_HEAD_DIM:
-        raise ValueError(f"head dim {d} > {MAX_HEAD_DIM}")
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
         raise ValueError("the K and V caches must share one layout with a contiguous head dim")
     q2 = q.reshape(t, h * d) if q.is_contiguous() else q.contiguous().view(t, h * d)
@@ -182,4 +182,20 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tab
                             k_cache.shape[1], tables.data_ptr(), tables.stride(0), seq.data_ptr(), pos.data_ptr(),
                             out.data_ptr(), h * d, t, h, k_cache.shape[2], d, scale, _bf16(q.dtype),
                             torch.get_num_threads())
+    return out
+
+
+def softmax(x: torch.Tensor, arch: str | None = None) -> torch.Tensor:
+    """Softmax over the last dim of float32 rows, its sum and exp in fixed_order.c's order."""
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    out = torch.empty_like(x2)
+    library(arch).softmax_rows(x2.data_ptr(), out.data_ptr(), x2.shape[0], x2.shape[1], torch.get_num_threads())
+    return out.view(x.shape)
+
+
+def log(x: torch.Tensor, arch: str | None = None) -> torch.Tensor:
+    """Natural log of float32 elements by fixed_order.c's polynomial."""
+    x2 = x.contiguous()
+    out = torch.empty_like(x2)
+    library(arch).log_elems(x2.data_ptr(), out.data_ptr(), x2.numel())
     return out

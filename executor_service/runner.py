@@ -146,7 +146,7 @@ class ModelRunner:
             except RuntimeError as e:   # a kernel that cannot be captured (one that waits on the host, say)
                 log.warning("CUDA graphs could not be captured (%s); every step runs eagerly", e)
                 self.graphs = None
-        self.sampler = Sampler()
+        self.sampler = Sampler(fixed=cfg.deterministic and self.device.type == "cpu")
         # Rank 0 samples, so it alone enforces grammars; the matchers appear with the first constrained row.
         self.structured = StructuredRows(cfg.model, self.model_config.vocab_size, self.model_config.eos_token_ids,
                                          self.device) if self.rank == 0 else None

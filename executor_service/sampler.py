@@ -6,6 +6,10 @@ the mix of requests. Random rows are sampled by the exponential race, argmax(pro
 each row's noise is a plain [V] draw, so a seeded request draws its noise from its own generator and gets the
 same tokens alone or in any batch, at any row.
 
+In deterministic mode on the CPU (`Sampler(fixed=True)`) the softmax and the noise's log are fixed_order.c's,
+whose sums and polynomials are the code's own, so a seeded token is the same bits on every CPU; the rest
+(division by the temperature, sort, cumulative sum, masks, argmax) is exact or sequential already.
+
 The same code runs on CPU and CUDA (the device of the logits). Nothing here reads a tensor back to the host:
 every decision that picks a code path is a Python flag computed when the parameters were built.
 """
@@ -17,6 +21,22 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+
+
+class Maths(NamedTuple):
+    """The two reductions whose bits a library may choose: torch's, or fixed_order's (deterministic mode)."""
+
+    softmax: object
+    log: object
+
+
+TORCH = Maths(lambda x: x.softmax(dim=-1), torch.log)
+
+
+def fixed_maths() -> Maths:
+    from executor_service import fixed_order
+    return Maths(fixed_order.softmax, fixed_order.log)
+
 
 # Temperatures below this are greedy: dividing by them would overflow, and they mean "argmax" anyway.
 SAMPLING_EPS = 1e-5
@@ -116,7 +136,11 @@ class SamplerOutput:
 
 
 class Sampler:
-    """Stateless: all per-request state (parameters, seeded generators) is passed in on each call."""
+    """Stateless: all per-request state (parameters, seeded generators) is passed in on each call. `fixed`:
+    deterministic mode's softmax and log (fixed_order.c), CPU only."""
+
+    def __init__(self, fixed: bool = False):
+        self.maths = fixed_maths() if fixed else TORCH
 
     def __call__(
         self,
@@ -133,7 +157,7 @@ class Sampler:
         if st.all_greedy:
             token_ids = logits.argmax(dim=-1)
         else:
-            sampled = _sample_random(logits, st, generators)
+            sampled = _sample_random(logits, st, generators, self.maths)
             # Greedy rows take the argmax of the raw logits, not of the processed ones.
             greedy = st.temperature < SAMPLING_EPS
             token_ids = sampled if st.all_random else torch.where(greedy, logits.argmax(dim=-1), sampled)
@@ -141,12 +165,13 @@ class Sampler:
         return SamplerOutput(token_ids=token_ids, logprobs=lp)
 
 
-def _sample_random(logits: torch.Tensor, st: SamplingTensors, generators: dict[int, torch.Generator]) -> torch.Tensor:
+def _sample_random(logits: torch.Tensor, st: SamplingTensors, generators: dict[int, torch.Generator],
+                   maths: Maths = TORCH) -> torch.Tensor:
     # Greedy rows ride along with temperature 1 (their result is discarded) so nothing divides by zero.
     temp = torch.where(st.temperature < SAMPLING_EPS, 1.0, st.temperature)
     logits = logits / temp.unsqueeze(1)  # a fresh tensor: everything below may work in place
     if not st.no_min_p:
-        logits = apply_min_p(logits, st.min_p)
+        logits = apply_min_p(logits, st.min_p, maths)
     if not (st.no_top_k and st.no_top_p):
         vocab = logits.shape[-1]
         k = None if st.no_top_k else normalize_top_k(st.top_k, vocab)
@@ -154,9 +179,8 @@ def _sample_random(logits: torch.Tensor, st: SamplingTensors, generators: dict[i
         if p is None:
             logits = apply_top_k_only(logits, k, st.max_top_k)
         else:
-            logits = apply_top_k_top_p(logits, k, p)
-    probs = logits.softmax(dim=-1)
-    return exponential_race(probs, generators)
+            logits = apply_top_k_top_p(logits, k, p, maths)
+    return exponential_race(maths.softmax(logits), generators, maths)
 
 
 def normalize_top_k(top_k: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -164,11 +188,11 @@ def normalize_top_k(top_k: torch.Tensor, vocab: int) -> torch.Tensor:
     return torch.where((top_k <= 0) | (top_k >= vocab), vocab, top_k)
 
 
-def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor, maths: Maths = TORCH) -> torch.Tensor:
     """Keep tokens with p_i >= min_p * p_max (in place). Since p_i / p_max = exp(l_i - l_max) this is the
     same test on logits, l_i >= l_max + log(min_p), and needs no softmax. min_p = 0 gives log 0 = -inf:
     nothing is masked; min_p = 1 keeps only the max."""
-    thresh = logits.amax(dim=-1, keepdim=True) + min_p.log().unsqueeze(1)
+    thresh = logits.amax(dim=-1, keepdim=True) + maths.log(min_p).unsqueeze(1)
     return logits.masked_fill_(logits < thresh, float("-inf"))
 
 
@@ -187,20 +211,22 @@ def apply_top_k_only(logits: torch.Tensor, k: torch.Tensor, max_top_k: int) -> t
     return logits.masked_fill_(logits < thresh, float("-inf"))
 
 
-def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
+def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None,
+                      maths: Maths = TORCH) -> torch.Tensor:
     """Top-k then top-p with one ascending sort (in place on `logits`, which is returned).
 
     Ascending order puts the small tail first, so its cumulative sum is accurate in float32 and top-p is
     "drop the tokens whose cumulative mass from the bottom is <= 1 - p". The top token is always kept.
     Rows with k = vocab and p = 1 come back unchanged (up to tokens whose probability is exactly 0)."""
     vocab = logits.shape[-1]
-    sorted_logits, order = logits.sort(dim=-1)
+    # Stable: tied logits keep their vocabulary order, so which of them top-p drops is not the sort's choice.
+    sorted_logits, order = logits.sort(dim=-1, stable=True)
     if k is not None:
         # The k-th largest sits at ascending position vocab - k; k = vocab keeps everything.
         thresh = sorted_logits.gather(1, (vocab - k).unsqueeze(1))
         sorted_logits.masked_fill_(sorted_logits < thresh, float("-inf"))
     if p is not None:
-        cum = sorted_logits.softmax(dim=-1).cumsum_(dim=-1)
+        cum = maths.softmax(sorted_logits).cumsum_(dim=-1)
         drop = cum <= (1.0 - p).unsqueeze(1)
         drop[:, -1] = False
         sorted_logits.masked_fill_(drop, float("-inf"))
@@ -209,7 +235,8 @@ def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Ten
     return logits.scatter_(1, order, sorted_logits)
 
 
-def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator], maths: Maths = TORCH
+                     ) -> torch.Tensor:
     """argmax(probs / q), q ~ Exp(1) i.i.d., picks token i with probability probs[i] (in place on probs).
 
     Unseeded rows share one batched draw from the default generator; each seeded row then overwrites its
@@ -222,7 +249,7 @@ def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]
     # q = -log(u) is Exp(1); written out because CPU's exponential_() is ~5x slower than uniform_ + log.
     # uniform_ gives u in [0, 1), so q > 0 and a masked token (p = 0) scores exactly 0: it never wins.
     # The floor keeps q finite: u = 0 would give q = inf and zero out a row whose only allowed token drew it.
-    q = u.clamp_min_(torch.finfo(u.dtype).tiny).log_().neg_()
+    q = maths.log(u.clamp_min_(torch.finfo(u.dtype).tiny)).neg_()
     return probs.div_(q).argmax(dim=-1)
 
 

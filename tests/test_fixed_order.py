@@ -2,6 +2,7 @@
 rows beside it, the threads, a column slice, or the instruction set they were built for), and they compute what
 they name."""
 
+import platform
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,8 @@ from executor_service import fixed_order  # noqa: E402
 def _arches() -> list[str]:
     """This CPU's build and every older one it can run: AVX2 where it has it, and plain x86-64 (no FMA unit:
     fmaf in software). Each build takes another code path for the same sums."""
+    if platform.machine() != "x86_64":
+        return ["native"]
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     out = ["native"]
     if " avx2" in flags and " fma" in flags:
@@ -136,3 +139,19 @@ def test_no_c_compiler_is_a_clear_refusal_not_a_crash(monkeypatch, tmp_path):
     monkeypatch.setenv("STEPWIRE_KERNEL_CACHE", str(tmp_path))
     with pytest.raises(fixed_order.FixedOrderUnavailable, match="C compiler"):
         fixed_order.build("x86-64")
+
+
+def test_the_samplers_softmax_and_log_are_accurate_and_the_same_on_every_build():
+    g = torch.Generator().manual_seed(13)
+    x = 8 * torch.randn(5, 49152 + 3, generator=g)
+    x[1, :100] = float("-inf")      # masked tokens: probability exactly 0
+    got = fixed_order.softmax(x)
+    assert torch.allclose(got.double(), x.double().softmax(-1), rtol=1e-5, atol=1e-12)
+    assert torch.all(got[1, :100] == 0) and torch.allclose(got.double().sum(-1), torch.ones(5, dtype=torch.float64))
+    u = torch.rand(100_000, generator=g).clamp_min_(torch.finfo(torch.float32).tiny)
+    lg = fixed_order.log(u)
+    assert torch.allclose(lg.double(), u.double().log(), rtol=3e-7, atol=1e-7)
+    assert fixed_order.log(torch.tensor([0.0, 1.0])).tolist() == [float("-inf"), 0.0]
+    for arch in _arches():
+        assert torch.equal(_bits(fixed_order.softmax(x, arch=arch)), _bits(got)), arch
+        assert torch.equal(_bits(fixed_order.log(u, arch=arch)), _bits(lg)), arch
