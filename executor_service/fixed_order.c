@@ -479,3 +479,18 @@ void softmax_rows(const float *x, float *out, int64_t m, int64_t n, int threads)
 void log_elems(const float *x, float *out, int64_t n) {
     for (int64_t i = 0; i < n; i++) out[i] = fixed_log(x[i]);
 }
+
+/* log_softmax of each row: (x - max) - log(sum of e^(x - max)), the sum as softmax_rows adds it. */
+void log_softmax_rows(const float *x, float *out, int64_t m, int64_t n, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t i = 0; i < m; i++) {
+        const float *r = x + i * n;
+        float *o = out + i * n, mx = -INFINITY, a[LANES] = {0};
+        for (int64_t c = 0; c < n; c++) mx = r[c] > mx ? r[c] : mx;
+        for (int64_t c = 0; c < n; c += LANES)
+            for (int l = 0; l < LANES; l++)
+                if (c + l < n) a[l] = a[l] + fixed_exp(r[c + l] - mx);
+        float lse = fixed_log(tree16(a));
+        for (int64_t c = 0; c < n; c++) o[c] = (r[c] - mx) - lse;
+    }
+}

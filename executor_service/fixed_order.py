@@ -93,8 +93,9 @@ def library(arch: str | None = None) -> ctypes.CDLL:
                               _I64, _I64, _I64, _I64, _F32, _INT, _INT]
     lib.softmax_rows.argtypes = [_PTR, _PTR, _I64, _I64, _INT]
     lib.log_elems.argtypes = [_PTR, _PTR, _I64]
+    lib.log_softmax_rows.argtypes = [_PTR, _PTR, _I64, _I64, _INT]
     for f in (lib.pack_f32, lib.pack_bf16, lib.gemm, lib.rms_norm, lib.silu_mul, lib.attention, lib.softmax_rows,
-              lib.log_elems):
+              lib.log_elems, lib.log_softmax_rows):
         f.restype = None
     return lib
 
@@ -185,12 +186,21 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tab
     return out
 
 
-def softmax(x: torch.Tensor, arch: str | None = None) -> torch.Tensor:
-    """Softmax over the last dim of float32 rows, its sum and exp in fixed_order.c's order."""
+def _by_rows(name: str, x: torch.Tensor, arch: str | None) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     out = torch.empty_like(x2)
-    library(arch).softmax_rows(x2.data_ptr(), out.data_ptr(), x2.shape[0], x2.shape[1], torch.get_num_threads())
+    getattr(library(arch), name)(x2.data_ptr(), out.data_ptr(), x2.shape[0], x2.shape[1], torch.get_num_threads())
     return out.view(x.shape)
+
+
+def softmax(x: torch.Tensor, arch: str | None = None) -> torch.Tensor:
+    """Softmax over the last dim of float32 rows, its sum and exp in fixed_order.c's order."""
+    return _by_rows("softmax_rows", x, arch)
+
+
+def log_softmax(x: torch.Tensor, arch: str | None = None) -> torch.Tensor:
+    """log_softmax over the last dim of float32 rows, as `softmax` sums them."""
+    return _by_rows("log_softmax_rows", x, arch)
 
 
 def log(x: torch.Tensor, arch: str | None = None) -> torch.Tensor:

@@ -6,9 +6,10 @@ the mix of requests. Random rows are sampled by the exponential race, argmax(pro
 each row's noise is a plain [V] draw, so a seeded request draws its noise from its own generator and gets the
 same tokens alone or in any batch, at any row.
 
-In deterministic mode on the CPU (`Sampler(fixed=True)`) the softmax and the noise's log are fixed_order.c's,
-whose sums and polynomials are the code's own, so a seeded token is the same bits on every CPU; the rest
-(division by the temperature, sort, cumulative sum, masks, argmax) is exact or sequential already.
+In deterministic mode on the CPU (`Sampler(fixed=True)`) the softmax, the noise's log and the logprobs'
+log_softmax are fixed_order.c's, whose sums and polynomials are the code's own, so a seeded token and its
+logprobs are the same bits on every CPU; the rest (division by the temperature, sort, cumulative sum, masks,
+argmax) is exact or sequential already.
 
 The same code runs on CPU and CUDA (the device of the logits). Nothing here reads a tensor back to the host:
 every decision that picks a code path is a Python flag computed when the parameters were built.
@@ -24,18 +25,19 @@ import torch
 
 
 class Maths(NamedTuple):
-    """The two reductions whose bits a library may choose: torch's, or fixed_order's (deterministic mode)."""
+    """The reductions whose bits a library may choose: torch's, or fixed_order's (deterministic mode)."""
 
     softmax: object
     log: object
+    log_softmax: object
 
 
-TORCH = Maths(lambda x: x.softmax(dim=-1), torch.log)
+TORCH = Maths(lambda x: x.softmax(dim=-1), torch.log, lambda x: x.log_softmax(dim=-1))
 
 
 def fixed_maths() -> Maths:
     from executor_service import fixed_order
-    return Maths(fixed_order.softmax, fixed_order.log)
+    return Maths(fixed_order.softmax, fixed_order.log, fixed_order.log_softmax)
 
 
 # Temperatures below this are greedy: dividing by them would overflow, and they mean "argmax" anyway.
@@ -161,7 +163,7 @@ class Sampler:
             # Greedy rows take the argmax of the raw logits, not of the processed ones.
             greedy = st.temperature < SAMPLING_EPS
             token_ids = sampled if st.all_random else torch.where(greedy, logits.argmax(dim=-1), sampled)
-        lp = None if num_logprobs is None else compute_logprobs(logits, token_ids, num_logprobs)
+        lp = None if num_logprobs is None else compute_logprobs(logits, token_ids, num_logprobs, self.maths)
         return SamplerOutput(token_ids=token_ids, logprobs=lp)
 
 
@@ -253,10 +255,10 @@ def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]
     return probs.div_(q).argmax(dim=-1)
 
 
-def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, n: int) -> LogprobsTensors:
+def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, n: int, maths: Maths = TORCH) -> LogprobsTensors:
     """Raw logprobs (log_softmax of the unprocessed logits, vLLM's default): the sampled token's own in
     column 0, then the top-n descending."""
-    logprobs = logits.log_softmax(dim=-1)
+    logprobs = maths.log_softmax(logits)
     sampled = logprobs.gather(1, token_ids.unsqueeze(1))
     n = min(n, logprobs.shape[-1])
     if n == 0:

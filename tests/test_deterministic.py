@@ -225,3 +225,65 @@ def test_one_two_and_three_tensor_parallel_ranks_give_a_request_the_same_bits(dt
         assert tokens == tokens1, (dtype, tp)
         assert logits.keys() == logits1.keys()
         assert all(torch.equal(logits[k], logits1[k]) for k in logits1), (dtype, tp)
+
+
+_ISA_RUN = r"""
+import hashlib, json, sys
+sys.path[:0] = [sys.argv[2], sys.argv[3]]
+from helpers import record_logits
+from executor_service.runner_config import RunnerConfig
+from launcher.engine import LLMEngine
+from scheduler_service import SchedulerConfig
+from stepwire.contract import SamplingParams
+prompts = [[5, 9, 23, 7, 81, 2, 44], [17, 3], [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70]]
+params = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+          SamplingParams(max_tokens=8, temperature=0.9, top_p=0.8, seed=4, ignore_eos=True),
+          SamplingParams(max_tokens=8, temperature=0.7, top_k=20, min_p=0.05, seed=9, ignore_eos=True)]
+out = {}
+for dtype in ("float32", "bfloat16"):
+    engine = LLMEngine(RunnerConfig(sys.argv[1], dtype=dtype, deterministic=True, block_size=4, kv_cache_memory=1 << 22,
+                                    max_num_seqs=4, max_model_len=64, max_num_batched_tokens=5),
+                       SchedulerConfig(block_size=4, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=5))
+    seen = record_logits(engine)
+    tokens = [c.token_ids for c in engine.generate(prompts, params)]
+    h = hashlib.sha256()
+    for rid, pos, lg in sorted(seen, key=lambda s: (s[0], s[1])):
+        h.update(lg.float().numpy().tobytes())
+    out[dtype] = [tokens, h.hexdigest()]
+print(json.dumps(out))
+"""
+
+
+def test_deterministic_tokens_and_logits_are_the_same_bits_on_every_instruction_set(tmp_path):
+    """The CPU kinds of a fleet differ in instruction sets (AVX2-only, AVX-512 without BF16, AVX512-BF16, AMX):
+    the same engine built for each of the older ones here, torch's kernels included (ATEN_CPU_CAPABILITY), gives
+    the tokens and logits of the native build, to the bit, greedy and seeded, in float32 and bfloat16."""
+    import json
+    import os
+    import platform
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tiny_model import write_tiny_llama
+    model = str(write_tiny_llama(tmp_path))
+    root, tests = Path(__file__).resolve().parent.parent, Path(__file__).resolve().parent
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    variants = [("native", None)]
+    if platform.machine() == "x86_64":
+        if " avx512f" in flags:
+            variants.append(("x86-64-v4", "avx512"))
+        if " avx2" in flags:
+            variants.append(("x86-64-v3", "avx2"))
+        variants.append(("x86-64", "default"))
+    results = {}
+    for arch, aten in variants:
+        env = {**os.environ, "STEPWIRE_FIXED_ORDER_ARCH": arch, "OMP_NUM_THREADS": "1"}
+        if aten:
+            env["ATEN_CPU_CAPABILITY"] = aten
+        done = subprocess.run([sys.executable, "-c", _ISA_RUN, model, str(root), str(tests)], env=env,
+                              capture_output=True, text=True, timeout=300, cwd=root)
+        assert done.returncode == 0, done.stderr[-3000:]
+        results[arch] = json.loads(done.stdout.strip().splitlines()[-1])
+    for arch, got in results.items():
+        assert got == results["native"], arch

@@ -152,6 +152,10 @@ def test_the_samplers_softmax_and_log_are_accurate_and_the_same_on_every_build()
     lg = fixed_order.log(u)
     assert torch.allclose(lg.double(), u.double().log(), rtol=3e-7, atol=1e-7)
     assert fixed_order.log(torch.tensor([0.0, 1.0])).tolist() == [float("-inf"), 0.0]
+    ls = fixed_order.log_softmax(x)
+    assert torch.allclose(ls[:, 100:].double(), x.double().log_softmax(-1)[:, 100:], rtol=1e-5, atol=1e-5)
+    assert torch.all(ls[1, :100] == float("-inf"))
     for arch in _arches():
         assert torch.equal(_bits(fixed_order.softmax(x, arch=arch)), _bits(got)), arch
         assert torch.equal(_bits(fixed_order.log(u, arch=arch)), _bits(lg)), arch
+        assert torch.equal(_bits(fixed_order.log_softmax(x, arch=arch)), _bits(ls)), arch
