@@ -460,18 +460,27 @@ static inline float fixed_log(float x) {
     return fmaf((float)e, 0.693145752f, fmaf((float)e, 1.42860677e-06f, lm));
 }
 
-/* Softmax of each row of x [m, n] (float32) into out: the max, e^(x - max) by fixed_exp, their sum in LANES
- * lanes and a tree, each divided by the sum. A row of -inf only gives NaN, as torch's does. */
+/* A row's max, and its sum of e^(x - max) in LANES lanes and a tree; the terms kept in `terms` unless NULL. */
+static inline float row_exp_sum(const float *r, int64_t n, float *mx_out, float *terms) {
+    float mx = -INFINITY, a[LANES] = {0};
+    for (int64_t c = 0; c < n; c++) mx = r[c] > mx ? r[c] : mx;
+    for (int64_t c = 0; c < n; c += LANES)
+        for (int l = 0; l < LANES; l++)
+            if (c + l < n) {
+                float e = fixed_exp(r[c + l] - mx);
+                if (terms) terms[c + l] = e;
+                a[l] = a[l] + e;
+            }
+    *mx_out = mx;
+    return tree16(a);
+}
+
+/* Softmax of each row of x [m, n] (float32) into out: e^(x - max) / their sum (row_exp_sum). A row of -inf
+ * only gives NaN, as torch's does. */
 void softmax_rows(const float *x, float *out, int64_t m, int64_t n, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t i = 0; i < m; i++) {
-        const float *r = x + i * n;
-        float *o = out + i * n, mx = -INFINITY, a[LANES] = {0};
-        for (int64_t c = 0; c < n; c++) mx = r[c] > mx ? r[c] : mx;
-        for (int64_t c = 0; c < n; c += LANES)
-            for (int l = 0; l < LANES; l++)
-                if (c + l < n) { o[c + l] = fixed_exp(r[c + l] - mx); a[l] = a[l] + o[c + l]; }
-        float sum = tree16(a);
+        float mx, *o = out + i * n, sum = row_exp_sum(x + i * n, n, &mx, o);
         for (int64_t c = 0; c < n; c++) o[c] = o[c] / sum;
     }
 }
@@ -485,12 +494,7 @@ void log_softmax_rows(const float *x, float *out, int64_t m, int64_t n, int thre
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t i = 0; i < m; i++) {
         const float *r = x + i * n;
-        float *o = out + i * n, mx = -INFINITY, a[LANES] = {0};
-        for (int64_t c = 0; c < n; c++) mx = r[c] > mx ? r[c] : mx;
-        for (int64_t c = 0; c < n; c += LANES)
-            for (int l = 0; l < LANES; l++)
-                if (c + l < n) a[l] = a[l] + fixed_exp(r[c + l] - mx);
-        float lse = fixed_log(tree16(a));
+        float mx, *o = out + i * n, lse = fixed_log(row_exp_sum(r, n, &mx, NULL));
         for (int64_t c = 0; c < n; c++) o[c] = (r[c] - mx) - lse;
     }
 }
