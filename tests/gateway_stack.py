@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
-from tiny_model import kv_bytes, write_tiny_llama
+from tiny_model import executor_dtype, kv_bytes, write_tiny_llama
 
 from launcher.processes import Service, Stack, flag_dict
 
@@ -47,10 +47,11 @@ def tiny_stack(tmp: Path, gateway_args: list[str] = (), env: dict | None = None,
                executor_flags: dict | None = None, kv_blocks: int = 256, scheduler_flags: dict | None = None):
     """Executor (with extra `executor_flags`), scheduler (with `scheduler_flags`) and gateway (with `gateway_args`
     and extra environment `env`), ready; stopped on exit, failing if one of them died meanwhile. The KV cache
-    holds `kv_blocks` blocks of 4 tokens."""
+    holds `kv_blocks` blocks of 4 tokens, in the executor's dtype."""
     model = tiny_model_with_tokenizer(tmp / "model", max_position_embeddings=max(max_model_len, 256))
-    executor = {"--model": model, "--block-size": 4, "--kv-cache-memory": kv_bytes(kv_blocks), "--max-num-seqs": 8,
-                "--max-model-len": max_model_len, **(executor_flags or {})}
+    dtype = (executor_flags or {}).get("--dtype") or executor_dtype()
+    executor = {"--model": model, "--block-size": 4, "--kv-cache-memory": kv_bytes(kv_blocks, dtype=dtype),
+                "--max-num-seqs": 8, "--max-model-len": max_model_len, **(executor_flags or {})}
     with Stack([Service("executor", flags=executor),
                 Service("scheduler", flags=scheduler_flags or {}),
                 Service("gateway", flags={"--model": model, **flag_dict(gateway_args)}, env=env or {})], tmp) as s:
