@@ -231,17 +231,24 @@ class LlamaModel(nn.Module):
             norm.triton = True
         return {"linear": plans, "attention": "the Triton kernel, one query-block shape", "norm": "Triton"}
 
+    def pack_linears(self) -> None:
+        """Every linear layer on fixed_order's GEMM, its weights packed once into the kernel's panels (CPU,
+        float32 or bfloat16); the unpacked copies are dropped, but for a weight the embedding shares."""
+        shared = {self.embed_tokens.weight.data_ptr()}
+        for m in self.modules():
+            if isinstance(m, Linear) and m.packed is None:
+                m.set_packed(fixed_order.PackedLinear.of(m.weight, m.bias), m.weight.data_ptr() in shared)
+
     def _fixed_order(self) -> dict:
         dtype = self.embed_tokens.weight.dtype
         if dtype not in (torch.float32, torch.bfloat16):
             raise DeterminismUnavailable(f"deterministic mode on the CPU runs float32 or bfloat16, not {dtype}")
         if self.comm.size > 1 and not self.part.exact:   # o and down would add partial sums across ranks
             raise DeterminismUnavailable("the model is split by input across ranks (load it with exact=True)")
-        shared = {self.embed_tokens.weight.data_ptr()}
+        if self.lm_head.packed is None:
+            self.pack_linears()
         for m in self.modules():
-            if isinstance(m, Linear):
-                m.set_packed(fixed_order.PackedLinear.of(m.weight, m.bias), m.weight.data_ptr() in shared)
-            elif isinstance(m, RMSNorm):
+            if isinstance(m, RMSNorm):
                 m.fixed = True
             elif isinstance(m, DecoderLayer):
                 m.fixed = m.attn.fixed = True

@@ -32,6 +32,7 @@ from executor_service.runner_config import (
     check_combinations,
     default_dtype,
     rank_device,
+    uses_packed_gemm,
 )
 from executor_service.sample_rows import sample_rows, step_result
 from executor_service.sampler import Sampler
@@ -109,6 +110,8 @@ class ModelRunner:
                                        or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_model_len))
         self.model = load_model(cfg.model, self.max_model_len, self.device, self.dtype, self.comm, cfg.deterministic,
                                 cfg.quantization)
+        if self.device.type == "cpu" and uses_packed_gemm(cfg, self.dtype):
+            self.model.pack_linears()
         # Deterministic mode's kernels are its own (invariant_triton.py); the fused ones are not batch-invariant.
         self.model.fused = cfg.fused_kernels and self.attention == "triton" and not cfg.deterministic
         if cfg.deterministic:

@@ -4,12 +4,15 @@ attention backend, each rank's device and threads, deterministic mode's limits."
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 from dataclasses import dataclass
 
 import torch
 
 from executor_service.linear import cpu_has_native_bf16
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTIZATIONS = ("none", "fp8")
@@ -98,6 +101,7 @@ class RunnerConfig:
     cuda_graph_max_tokens: int = 512         # mixed steps (prompts beside decodes) up to this many tokens too
     fused_kernels: bool = True               # with triton attention: norm, rotary + KV write, SiLU (fused_kernels.py)
     quantization: str = "none"               # none, or fp8: the projections' weights in float8 (fp8.py)
+    cpu_gemm: str = "auto"                   # auto, packed (fixed_order.c on packed weights) or library (oneDNN)
     tensor_parallel_size: int = 1            # ranks, one process each, that split every layer (partition.py)
     tensor_parallel_timeout_seconds: float = 60.0   # longest wait in a collective, or for a rank to start
     deterministic: bool = False              # batch-invariant kernels (batch_invariant.py): same tokens in any batch
@@ -111,6 +115,30 @@ class RunnerConfig:
     max_lora_rank: int = 16                  # the largest adapter rank a slot takes
     max_cpu_loras: int | None = None         # adapters kept in host memory; None: twice max_loras
     lora_dir: str = ""                       # adapters are read only from inside this directory ("": anywhere)
+
+
+def uses_packed_gemm(cfg: RunnerConfig, dtype: torch.dtype) -> bool:
+    """Whether a CPU executor's linear layers take fixed_order's GEMM on packed weights (`cpu_gemm`): on every
+    shape of SmolLM2-135M it measured faster than oneDNN's on a 2-core AVX512-BF16 EPYC (docs/executor.md).
+    `auto` falls back to the library where the kernels cannot be built (no C compiler), or for a dtype or a
+    quantization they do not take; `packed` refuses to start there instead. Deterministic mode packs anyway."""
+    if cfg.cpu_gemm == "library" or cfg.deterministic:
+        return False
+    fits = dtype in (torch.float32, torch.bfloat16) and cfg.quantization == "none"
+    if cfg.cpu_gemm == "packed" and not fits:
+        raise ValueError(f"--cpu-gemm packed takes float32 or bfloat16 weights without quantization, not {dtype} "
+                         f"with {cfg.quantization!r}")
+    if not fits:
+        return False
+    from executor_service.fixed_order import FixedOrderUnavailable, library
+    try:
+        library()
+    except FixedOrderUnavailable as e:
+        if cfg.cpu_gemm == "packed":
+            raise
+        log.warning("the CPU GEMM falls back to the library: %s", e)
+        return False
+    return True
 
 
 def rank_device(device: str, rank: int) -> str:

@@ -76,6 +76,10 @@ class ExecutorSettings(RoleSettings):
         "output channel, activations a scale per token, products on FP8 tensor cores (CUDA, compute capability "
         "8.9 or newer; refused elsewhere on CUDA); half the bytes a decode step reads. Embeddings, LM head, "
         "norms and the KV cache keep --dtype")
+    cpu_gemm: Literal["auto", "packed", "library"] = Field(
+        "auto", description="the CPU's linear layers: packed (weights packed at load into panels for the project's "
+        "own GEMM, executor_service/fixed_order.c, built by gcc for this CPU), library (oneDNN or torch); auto: "
+        "packed in float32 and bfloat16 where the kernels build, else library. Deterministic mode always packs")
     kv_cache_memory: int = Field(1 << 30, ge=1, description="bytes for the KV cache of all layers, on each rank "
                                  "(each holds its own KV heads of every block)")
     block_size: int = Field(16, ge=1, description="tokens per KV block")
@@ -93,8 +97,7 @@ class ExecutorSettings(RoleSettings):
 
     deterministic: bool = Field(False, description="batch-invariant kernels: a request's tokens (greedy or seeded) "
                                 "do not depend on its batch, its prompt's chunks, prefix-cache hits, or which "
-                                "executor runs it, in bfloat16 as in float32; costs some throughput "
-                                "(docs/operations.md)")
+                                "executor runs it, or the CPU kind, in bfloat16 as in float32 (docs/operations.md)")
     speculative_method: Literal["none", "ngram", "draft"] = Field(
         "none", description="speculative decoding: ngram proposes the tokens that followed the latest earlier "
         "occurrence of a request's last few tokens (prompt lookup); draft runs --speculative-model; proposals "
