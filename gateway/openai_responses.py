@@ -128,15 +128,18 @@ async def _sse(backend, deltas, p, usage, rid, created, chat, include_usage, obs
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
     want_lp = p.sampling.logprobs is not None
-    if chat:
-        for i in range(p.n):
-            yield event([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None}])
+    # A choice's role chunk goes out with its first output, as vLLM's does: sent at once, it would read as a
+    # first token to every client that times TTFT by the first chunk (vLLM's own benchmark client does).
+    announced = [not chat] * p.n
     finish: list[str | None] = [None] * p.n
     calls = parsers(tools, p.n) if chat else None
     error = None
     try:
         async for c in deltas:
+            if not announced[c.index]:
+                announced[c.index] = True
+                yield event([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}])
             if c.finish_reason is not None:
                 finish[c.index] = c.finish_reason
             if chat:
