@@ -16,7 +16,10 @@ a new one with a fresh random prompt), in phases of `--seconds` each after a sho
 while both have requests waiting; `light_ttft_ratio`: A's TTFT p99 in phase 5 over phase 4;
 `throughput_ratio`: total tokens/s of phase 2 over phase 1. The table also gives A's TTFT p99 in steps (the
 steps from its arrival to its first token, the scheduler's share of the wait; on a CPU a step's time grows
-with its tokens, so a step beside a flooding tenant is longer). Prints the table and exactly
+with its tokens, so a step beside a flooding tenant is longer), how many first tokens of A the p99 is taken
+from, and what the step that gave A its first token computed besides A's own tokens: other tenants' prompt
+tokens (p99) and their decodes (p50). The scheduler decides those, the same on every machine; the machine
+decides what they cost. Prints the table and exactly
 `RESULT fairness jain=... light_ttft_ratio=... throughput_ratio=...`.
 """
 
@@ -56,6 +59,7 @@ def phase(engine: LLMEngine, load: dict[str, tuple[int, float]], fair: bool, sec
     tokens = dict.fromkeys(load, 0)
     ttft: dict[str, list[float]] = {t: [] for t in load}
     ttft_steps: dict[str, list[int]] = {t: [] for t in load}
+    beside: dict[str, list[tuple[int, int]]] = {t: [] for t in load}   # (others' prompt tokens, others' decodes)
     step_no = 0
 
     def submit(tenant: str) -> None:
@@ -70,6 +74,14 @@ def phase(engine: LLMEngine, load: dict[str, tuple[int, float]], fair: bool, sec
             submit(tenant)
     sched = engine.scheduler
     preempt0, fair0 = sched.num_preemptions, sched.fair_preemptions
+    last = {}
+    schedule = sched.schedule
+
+    def recording():                    # the engine's step calls this: keep the step's output
+        out = last["out"] = schedule()
+        return out
+
+    sched.schedule = recording
     start = time.perf_counter()
     measure_from, end = start + warmup, start + warmup + seconds
     steps = both_waiting = 0
@@ -81,6 +93,7 @@ def phase(engine: LLMEngine, load: dict[str, tuple[int, float]], fair: bool, sec
             both_waiting += waiting >= set(load)
         deltas = engine.step()
         step_no += 1
+        computed = [(live[rid][0], n) for rid, n in last["out"].num_scheduled_tokens.items() if rid in live]
         for d in deltas:
             tenant, submitted, first, at_step = live[d.req_id]
             t = time.perf_counter()
@@ -89,21 +102,25 @@ def phase(engine: LLMEngine, load: dict[str, tuple[int, float]], fair: bool, sec
                 if submitted >= measure_from:
                     ttft[tenant].append(t - submitted)
                     ttft_steps[tenant].append(step_no - at_step)
+                    others = [n for u, n in computed if u != tenant]
+                    beside[tenant].append((sum(n for n in others if n > 1), sum(n == 1 for n in others)))
             if measuring:
                 tokens[tenant] += len(d.new_token_ids)
             if d.finish_reason is not None:
                 del live[d.req_id]
                 submit(tenant)
+    del sched.schedule
     engine.abort(list(live))
     while engine.has_unfinished():
         engine.step()
     return {"tok_s": {t: n / seconds for t, n in tokens.items()}, "ttft": ttft, "ttft_steps": ttft_steps,
+            "beside": beside,
             "both_waiting": both_waiting / max(steps, 1), "steps": steps,
             "preemptions": (sched.num_preemptions - preempt0, sched.fair_preemptions - fair0)}
 
 
 def p99(xs: list[float]) -> float:
-    return float(np.percentile(xs, 99)) if xs else float("nan")
+    return float(np.percentile(xs, 99)) if len(xs) else float("nan")
 
 
 def main() -> None:
@@ -141,7 +158,7 @@ def main() -> None:
           f"request on average, prompts {args.min_prompt}-{args.max_prompt}, {steps.max_num_batched_tokens} tokens a "
           f"step, {args.seconds:g} s a phase")
     print(f"{'phase':<22} {'A tok/s':>8} {'B tok/s':>8} {'total':>8} {'jain':>6} {'A TTFT p50/p99 ms (p99 steps)':>29} "
-          f"{'both waiting':>12} {'steps':>6} {'preempted (fair)':>16}")
+          f"{'n':>4} {'beside':>7} {'both waiting':>12} {'steps':>6} {'preempted (fair)':>16}")
     got = {}
     for name, (load, fair) in phases.items():
         # The light phases run 3x as long: a p99 needs more of A's few requests than 20 s give.
@@ -151,9 +168,12 @@ def main() -> None:
         a = r["ttft"]["A"]
         sa = r["ttft_steps"]["A"]
         ttfts = f"{np.median(a) * 1e3:.0f} / {p99(a) * 1e3:.0f} ({p99(sa):.0f})" if a else "-"
+        # Beside A's first tokens: other tenants' prompt tokens (p99) + their decodes (p50) in those steps.
+        ba = np.array(r["beside"]["A"]).reshape(-1, 2)
+        besides = f"{p99(ba[:, 0]):.0f}+{np.median(ba[:, 1]):.0f}" if len(ba) else "-"
         print(f"{name:<22} {rates.get('A', 0):8.1f} {rates.get('B', 0):8.1f} {sum(rates.values()):8.1f} "
-              f"{jain(norm) if len(load) > 1 else 1.0:6.3f} {ttfts:>29} {r['both_waiting']:12.2f} {r['steps']:6d} "
-              f"{r['preemptions'][0]:>9} ({r['preemptions'][1]})", flush=True)
+              f"{jain(norm) if len(load) > 1 else 1.0:6.3f} {ttfts:>29} {len(a):4d} {besides:>7} "
+              f"{r['both_waiting']:12.2f} {r['steps']:6d} {r['preemptions'][0]:>9} ({r['preemptions'][1]})", flush=True)
     names = list(phases)
 
     def norm_jain(name: str) -> float:

@@ -27,6 +27,7 @@ furthest ahead in virtual time (`kv_victim`). Tenants reach the scheduler throug
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import NamedTuple
 
 from scheduler_service.request import Request
 from scheduler_service.request_queue import FCFSQueue, PriorityQueue, make_queue
@@ -87,9 +88,11 @@ class FairQueue:
         self.policy, self.clock = policy, clock
         self.queues: dict[str, FCFSQueue | PriorityQueue] = {}
         self._n = 0
-        # Set for one admission pass (`admit_waiting`): tenants with requests waiting here and none running here,
-        # served before the virtual-time order until each has one running (`admission_tenants`).
+        # Set for one admission pass (`admit_waiting`), from `admission_tenants`: tenants with requests waiting here
+        # and none running here, served before the virtual-time order until each has one running; and the light
+        # tenants whose prompts this step computes with no other tenant's (`shield`), served before all others.
         self.first: set[str] | None = None
+        self.shield: set[str] | None = None
 
     def _queue(self, tenant: str):
         q = self.queues.get(tenant)
@@ -110,8 +113,9 @@ class FairQueue:
             return next(iter(self.queues.values()))
         vt = self.clock.vtime
         queues = [q for q in self.queues.values() if q]
-        if self.first:
-            queues = [q for q in queues if q.peek().tenant in self.first] or queues
+        for favoured in (self.shield, self.first):
+            if favoured:
+                queues = [q for q in queues if q.peek().tenant in favoured] or queues
         # Ties (equal virtual times) go to the tenant whose head arrived first.
         return min(queues, key=lambda q: (vt.get(q.peek().tenant, 0.0), q.peek().arrival_time))
 
@@ -185,10 +189,17 @@ def shares(running: list[Request], waiting: FairQueue, clock: TenantClock, max_n
     return held, weight, {t: max_num_seqs * weight.get(t, 1.0) / total for t in clock.live}
 
 
-def admission_tenants(running: list[Request], waiting: FairQueue, clock: TenantClock,
-                      max_num_seqs: int) -> tuple[set[str] | None, set[str] | None]:
-    """(first, light) for one pass of `admit_waiting`, from one count of the slots, with several tenants live;
-    else (None, None).
+class Admission(NamedTuple):
+    """What the tenants change in one step (`admission_tenants`): `first` and `shield` (see there), or both None."""
+
+    first: set[str] | None = None
+    shield: set[str] | None = None
+
+
+def admission_tenants(running: list[Request], waiting: FairQueue, clock: TenantClock, max_num_seqs: int,
+                      free_slots: int) -> Admission:
+    """`first` and `shield` for one step, from one count of the slots, with several tenants live; else neither.
+    `free_slots`: the requests the step could admit, slots permitting.
 
     `first`: tenants with requests waiting on this core, none running on it and a share of its slots of at least
     one. The virtual times are the fleet's: a tenant served on other executors can stay ahead of a tenant that is
@@ -197,15 +208,33 @@ def admission_tenants(running: list[Request], waiting: FairQueue, clock: TenantC
     tenant per executor, which bounds that wait and costs the fleet's shares one slot. Not below a share of one
     slot (a small weight among few slots), where the floor would give the tenant more than its weight.
 
-    `light`: the tenants holding at most half their share of the slots. A step that admits a light tenant's
-    request admits no other tenant's after it: on a CPU a step's time grows with its tokens, and a flooding
-    tenant's new prompts in the same step would make the light tenant's first token wait for their prefill too.
-    The flooding tenant loses a step of admission, once per light request; its running requests keep their step."""
-    if len(clock.live) < 2 or not waiting:
-        return None, None
+    `shield`: the light tenants, when one of them has a prompt to compute in this step (a request waiting, with a
+    slot free for it, or running with its prompt not all computed). Light: holding at most half its share of the
+    slots, and not ahead in virtual time of any tenant that is not light (one ahead is served more than its share
+    already, and is held back for nobody). Such a step computes the light tenants' prompts beside no other
+    tenant's: the others' running requests get their decode and no prefill chunk, and their waiting ones are not
+    admitted. A step's time grows with its tokens, by so much per token on this CPU and in this dtype, and every
+    other prompt token in the step would delay the light tenant's first token by that much; with none, its first
+    step carries its own prompt and the others' decodes (a token each, a row apiece of the step's products),
+    whatever the machine. The others lose the prefill of one step, once per light prompt step."""
+    if len(clock.live) < 2 or not (waiting or running):
+        return Admission()
     held, _, share = shares(running, waiting, clock, max_num_seqs)
     first = {t for t, q in waiting.queues.items() if q and not held.get(t) and share.get(t, 0.0) >= 1}
-    return first or None, {t for t in clock.live if held.get(t, 0) + 1 <= share[t] / 2}
+    light = {t for t in clock.live if held.get(t, 0) + 1 <= share[t] / 2}
+    heavy = [clock.vtime.get(t, 0.0) for t in clock.live if t not in light]
+    if heavy:
+        light = {t for t in light if clock.vtime.get(t, 0.0) <= min(heavy)}
+    pending = light and (
+        (free_slots > 0 and any(q and t in light for t, q in waiting.queues.items()))
+        or any(r.tenant in light and _prefilling(r) for r in running))
+    return Admission(first or None, light if pending and heavy else None)
+
+
+def _prefilling(req: Request) -> bool:
+    """Whether the next step of a running request computes more than one token of its own: a prompt, or the
+    tokens of a resumed one (proposals verified beside its one new token do not count)."""
+    return len(req.all_token_ids) + req.num_output_placeholders - req.num_computed_tokens > 1
 
 
 def kv_victim(running: list[Request], start: int, clock: TenantClock) -> int:

@@ -166,6 +166,12 @@ class Scheduler:
             self._preempt(taken_back)
             self.fair_preemptions += 1
 
+        # With several tenants: who is admitted first, and whether a light tenant's prompt runs in this step beside
+        # no other tenant's prefill (fair_share.admission_tenants).
+        tenants = admission_tenants(running, self.waiting, self.clock, cfg.max_num_seqs,
+                                    cfg.max_num_seqs - len(self.leaving_rows) - len(running))
+        shield = tenants.shield
+
         # Running requests. num_computed_tokens advances as soon as a request is scheduled: nothing later
         # in this step reads it for an already scheduled request, and a preempted one is reset to 0 anyway.
         i = 0
@@ -179,6 +185,9 @@ class Scheduler:
                 i += 1
                 continue
             n = known - computed
+            if shield is not None and n > 1 and req.tenant not in shield:
+                i += 1           # a prefill chunk of a tenant that is not light waits out a light one's prompt
+                continue
             if 0 < threshold < n:
                 n = threshold
             if n > token_budget:
@@ -244,8 +253,7 @@ class Scheduler:
         # Waiting requests, only if nothing was preempted: admitting while evicting would just thrash.
         if not preempted:
             token_budget = admit_waiting(cfg, kv, self.waiting, running, token_budget, threshold, new_reqs, cached,
-                                         num_scheduled, self.adapters, len(self.leaving_rows),
-                                         *admission_tenants(running, self.waiting, self.clock, cfg.max_num_seqs))
+                                         num_scheduled, self.adapters, len(self.leaving_rows), *tenants)
         lora_loads, lora_rows = self.adapters.take()
         if self.clock.running:
             requests, charge = self.requests, self.clock.charge

@@ -21,7 +21,7 @@ _RUNNING = RequestStatus.RUNNING
 def admit_waiting(config: SchedulerConfig, kv: KVCacheManager, waiting, running: list[Request], token_budget: int,
                   threshold: int, new_reqs: list[NewRequestData], cached: CachedRequestData,
                   num_scheduled: dict[str, int], adapters: AdapterSlots | None = None, held: int = 0,
-                  first: set[str] | None = None, light: set[str] | None = None) -> int:
+                  first: set[str] | None = None, shield: set[str] | None = None) -> int:
     """Move what fits into `token_budget` from `waiting` (a request_queue) to `running`, appending to this
     step's output; returns the budget left.
 
@@ -33,29 +33,31 @@ def admit_waiting(config: SchedulerConfig, kv: KVCacheManager, waiting, running:
     their rows go once the transfer ends): each takes one of max_num_seqs, or the executor would refuse the
     step for holding more rows than its batch has.
 
-    `first` and `light` (fair_share.admission_tenants, for a FairQueue): the tenants served before the
-    virtual-time order in this pass, until each has a request admitted; and the tenants once one of whose
-    requests is admitted, admission stops at the first request of a tenant not among them, so that the light
-    tenant's first token waits for no other tenant's prompt."""
+    `first` and `shield` (fair_share.admission_tenants, for a FairQueue): the tenants served before the
+    virtual-time order in this pass, until each has a request admitted; and the light tenants whose prompts this
+    step computes beside no other tenant's: served first, and the only ones admitted."""
     skipped: list[Request] = []
     if first:
         waiting.first = first
+    if shield:
+        waiting.shield = shield
     try:
         return _admit(config, kv, waiting, running, token_budget, threshold, new_reqs, cached, num_scheduled,
-                      adapters, skipped, light, config.max_num_seqs - held)
+                      adapters, skipped, shield, config.max_num_seqs - held)
     finally:
         if first:
             waiting.first = None           # for this pass only
+        if shield:
+            waiting.shield = None
         put_back = getattr(waiting, "prepend", waiting.add)
         for req in reversed(skipped):
             put_back(req)
 
 
 def _admit(config, kv, waiting, running, token_budget, threshold, new_reqs, cached, num_scheduled, adapters,
-           skipped, light, max_num_seqs) -> int:
+           skipped, shield, max_num_seqs) -> int:
     allocate = kv.allocate_slots
     chunked = config.enable_chunked_prefill
-    protecting = False
     while waiting and token_budget > 0 and len(running) < max_num_seqs:
         req = waiting.peek()
         if req.num_output_placeholders or req.spec_in_flight:
@@ -63,8 +65,8 @@ def _admit(config, kv, waiting, running, token_budget, threshold, new_reqs, cach
             # the tokens those steps sample, so a resume now would be one token short of its row there (no token
             # sampled, a placeholder never answered). It resumes once it knows them, and which proposals it kept.
             break
-        if protecting and req.tenant not in light:
-            break
+        if shield and req.tenant not in shield:
+            break            # the shielded tenants come first: the others wait for the next step
         slot = -1
         if req.lora is not None:
             if skipped or adapters is None or (slot := adapters.slot_for(*req.lora, lambda: _in_use(running))) is None:
@@ -104,7 +106,6 @@ def _admit(config, kv, waiting, running, token_budget, threshold, new_reqs, cach
             req.num_output_placeholders += 1
         num_scheduled[rid] = n
         token_budget -= n
-        protecting = protecting or (light is not None and req.tenant in light)
     return token_budget
 
 

@@ -351,3 +351,66 @@ def test_a_tenant_ahead_in_the_fleet_s_clock_still_progresses_on_an_executor_whe
     # one slot of its floor there: a keeps the rest of its executor.
     assert all(sum(served[i:i + 20]) > 0 for i in range(0, 200, 20)), served
     assert max(held[50:]) == 1, held
+
+
+def _flood_mid_prefill(threshold: int = 64):
+    """b holds ten of sixteen slots (its share is eight): five decoding, five in the middle of 300-token prompts
+    chunked at `threshold`; a has nothing yet."""
+    sched = make_scheduler(max_num_seqs=16, max_num_batched_tokens=512, long_prefill_token_threshold=threshold)
+    for i in range(5):
+        place_running(sched, req(f"b{i}", 40, max_tokens=50, first=1000 * i, tenant="b"), 40, 1)
+    for i in range(5, 10):
+        place_running(sched, req(f"b{i}", 300, max_tokens=50, first=1000 * i, tenant="b"), 64)
+    return sched
+
+
+def test_a_light_tenant_s_prompt_shares_its_step_with_no_prefill_chunk_of_a_flooding_tenant():
+    sched = _flood_mid_prefill()
+    sched.add_request(req("a0", 40, max_tokens=50, first=50_000, tenant="a"))
+    sched.add_request(req("b10", 40, max_tokens=50, first=60_000, tenant="b"))
+    out, _ = step(sched)
+    # a's prompt beside b's decodes only: b's prompt chunks wait a step, like its new prompt.
+    assert out.num_scheduled_tokens == {"a0": 40} | {f"b{i}": 1 for i in range(5)}
+    out, _ = step(sched)
+    assert all(out.num_scheduled_tokens[f"b{i}"] == 64 for i in range(5, 10))
+    assert "b10" in out.num_scheduled_tokens
+
+
+def test_a_light_tenant_s_long_prompt_shares_none_of_its_chunks_with_another_tenant_s_prefill():
+    sched = _flood_mid_prefill()
+    sched.add_request(req("a0", 200, max_tokens=50, first=50_000, tenant="a"))
+    sched.clock.vtime["b"] += 1000        # b has flooded for a while: a stays behind it through its prompt
+    chunks = []
+    while not sched.requests["a0"].output_token_ids:
+        out, _ = step(sched)
+        chunks.append(out.num_scheduled_tokens["a0"])
+        assert all(k == 1 for rid, k in out.num_scheduled_tokens.items() if rid != "a0"), out.num_scheduled_tokens
+    assert chunks == [64, 64, 64, 8]
+    out, _ = step(sched)
+    assert all(out.num_scheduled_tokens[f"b{i}"] == 64 for i in range(5, 10))   # b's prompts go on at once
+
+
+def test_a_light_tenant_ahead_in_virtual_time_holds_back_no_other_tenant_s_prefill():
+    sched = _flood_mid_prefill()
+    sched.add_request(req("a0", 40, max_tokens=50, first=50_000, tenant="a"))
+    sched.clock.vtime["a"] = sched.clock.vtime["b"] + 1     # a had more than its share of the tokens already
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens["a0"] == 40
+    assert all(out.num_scheduled_tokens[f"b{i}"] == 64 for i in range(5, 10))
+
+
+def test_a_light_tenant_is_admitted_before_another_tenant_s_floor_request_and_alone():
+    # c has nothing running here and is first by the floor of one slot (admission_tenants), but with a share of
+    # 16 * 0.2/(1 + 1 + 0.2) = 1.45 slots it is not light; a, with one request running, is light and behind c in
+    # virtual time: a's prompt goes first, and c's waits for the next step.
+    sched = make_scheduler(max_num_seqs=16, max_num_batched_tokens=512)
+    for i in range(10):
+        place_running(sched, req(f"b{i}", 40, max_tokens=50, first=1000 * i, tenant="b"), 40, 1)
+    place_running(sched, req("a0", 40, max_tokens=50, first=30_000, tenant="a"), 40, 1)
+    sched.add_request(req("c0", 40, max_tokens=50, first=40_000, tenant="c", weight=0.2))
+    sched.add_request(req("a1", 40, max_tokens=50, first=50_000, tenant="a"))
+    sched.clock.vtime.update(a=10.0, b=100.0, c=20.0)
+    out, _ = step(sched)
+    assert "a1" in out.num_scheduled_tokens and "c0" not in out.num_scheduled_tokens
+    out, _ = step(sched)
+    assert "c0" in out.num_scheduled_tokens
