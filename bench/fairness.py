@@ -20,7 +20,9 @@ with its tokens, so a step beside a flooding tenant is longer), how many first t
 from, and what the step that gave A its first token computed besides A's own tokens: other tenants' prompt
 tokens (p99) and their decodes (p50). The scheduler decides those, the same on every machine; the machine
 decides what they cost. Prints the table and exactly
-`RESULT fairness jain=... light_ttft_ratio=... throughput_ratio=...`.
+`RESULT fairness jain=... light_ttft_ratio=... throughput_ratio=...` (nan for a figure whose phases did not run:
+`--phases 4,5` runs the light ones alone). `--b-min-prompt`/`--b-max-prompt` give B's prompts other lengths than
+A's: prompts longer than the CPU's long-prefill cap (128) are computed in chunks over several steps.
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ def phase(engine: LLMEngine, load: dict[str, tuple[int, float]], fair: bool, sec
     step_no = 0
 
     def submit(tenant: str) -> None:
-        prompt = rng.integers(100, 40000, int(rng.integers(args.min_prompt, args.max_prompt + 1))).tolist()
+        lo, hi = (args.b_min_prompt, args.b_max_prompt) if tenant == "B" else (args.min_prompt, args.max_prompt)
+        prompt = rng.integers(100, 40000, int(rng.integers(lo, hi + 1))).tolist()
         params = SamplingParams(max_tokens=int(rng.integers(*lengths)), temperature=0.0, ignore_eos=True)
         rid = engine.add_request(prompt, params, tenant=tenant if fair else "",
                                  weight=load[tenant][1] if fair else 1.0)
@@ -134,8 +137,14 @@ def main() -> None:
                     "to 1.5 times)")
     ap.add_argument("--min-prompt", type=int, default=32)
     ap.add_argument("--max-prompt", type=int, default=96)
+    ap.add_argument("--b-min-prompt", type=int, default=None, help="B's prompts (default: as A's)")
+    ap.add_argument("--b-max-prompt", type=int, default=None)
+    ap.add_argument("--phases", default="1,2,3,4,5", help="which phases to run, by number")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    args.b_min_prompt = args.min_prompt if args.b_min_prompt is None else args.b_min_prompt
+    args.b_max_prompt = args.max_prompt if args.b_max_prompt is None else args.b_max_prompt
+    chosen = set(args.phases.split(","))
     dtype = args.dtype or default_dtype(args.device)
     steps = step_defaults(args.device)
     engine = LLMEngine(RunnerConfig(args.model, device=args.device, dtype=dtype, kv_cache_memory=512 << 20,
@@ -155,12 +164,14 @@ def main() -> None:
         "5 A light, B floods": ({"A": (2, 1.0), "B": (20, 1.0)}, True),
     }
     print(f"cpu: {cpu_model()}  device: {args.device}  dtype: {dtype}  {SLOTS} slots, {args.tokens} tokens per "
-          f"request on average, prompts {args.min_prompt}-{args.max_prompt}, {steps.max_num_batched_tokens} tokens a "
-          f"step, {args.seconds:g} s a phase")
+          f"request on average, prompts {args.min_prompt}-{args.max_prompt} (B's {args.b_min_prompt}-"
+          f"{args.b_max_prompt}), {steps.max_num_batched_tokens} tokens a step, {args.seconds:g} s a phase")
     print(f"{'phase':<22} {'A tok/s':>8} {'B tok/s':>8} {'total':>8} {'jain':>6} {'A TTFT p50/p99 ms (p99 steps)':>29} "
           f"{'n':>4} {'beside':>7} {'both waiting':>12} {'steps':>6} {'preempted (fair)':>16}")
     got = {}
     for name, (load, fair) in phases.items():
+        if name[0] not in chosen:
+            continue
         # The light phases run 3x as long: a p99 needs more of A's few requests than 20 s give.
         r = got[name] = run(load, fair, 3 if name[0] in "45" else 1)
         rates = r["tok_s"]
@@ -176,13 +187,16 @@ def main() -> None:
               f"{r['both_waiting']:12.2f} {r['steps']:6d} {r['preemptions'][0]:>9} ({r['preemptions'][1]})", flush=True)
     names = list(phases)
 
+    ran = lambda *i: all(names[k] in got for k in i)  # noqa: E731
+    nan = float("nan")
+
     def norm_jain(name: str) -> float:
         load = phases[name][0]
         return jain([got[name]["tok_s"][t] / load[t][1] for t in load])
 
-    j = min(norm_jain(names[1]), norm_jain(names[2]))
-    light = p99(got[names[4]]["ttft"]["A"]) / p99(got[names[3]]["ttft"]["A"])
-    through = sum(got[names[1]]["tok_s"].values()) / sum(got[names[0]]["tok_s"].values())
+    j = min(norm_jain(names[1]), norm_jain(names[2])) if ran(1, 2) else nan
+    light = p99(got[names[4]]["ttft"]["A"]) / p99(got[names[3]]["ttft"]["A"]) if ran(3, 4) else nan
+    through = sum(got[names[1]]["tok_s"].values()) / sum(got[names[0]]["tok_s"].values()) if ran(0, 1) else nan
     print(f"RESULT fairness jain={j:.3f} light_ttft_ratio={light:.2f} throughput_ratio={through:.3f}")
 
 
