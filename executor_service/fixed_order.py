@@ -82,7 +82,8 @@ def _cpu_flags() -> str:
 
 @cache
 def library(arch: str | None = None) -> ctypes.CDLL:
-    import torch  # noqa: F401  (loaded first: the kernels share torch's OpenMP runtime, not a second one)
+    # torch, imported above, is loaded first: the kernels link libgomp by name and so share torch's OpenMP
+    # runtime and its threads, rather than starting a second one.
     lib = ctypes.CDLL(str(build(arch)))
     lib.pack_f32.argtypes = [_PTR, _I64, _I64, _PTR]
     lib.pack_bf16.argtypes = [_PTR, _I64, _I64, _PTR]
