@@ -115,11 +115,8 @@ class DecoderLayer(nn.Module):
         if fused:
             from executor_service.fused_kernels import silu_mul
             h = silu_mul(gate_up)
-        elif self.fixed:
-            h = fixed_order.silu_mul(gate_up)
         else:
-            gate, up = gate_up.chunk(2, dim=-1)
-            h = F.silu(gate) * up
+            h = self._silu_mul(gate_up)
         down = self.down_proj(h)
         if lora is not None:
             slots.add(step, i, "down_proj", h, down)
@@ -131,13 +128,15 @@ class DecoderLayer(nn.Module):
         gather, w = self.comm.gather_columns, self.widths
         h, residual = self.post_attention_layernorm.add(gather(self.o_proj(gather(attn, w["q"])), w["hidden"]),
                                                         residual)
-        gate_up = self.gate_up_proj(h)
-        if self.fixed:
-            h = fixed_order.silu_mul(gate_up)
-        else:
-            gate, up = gate_up.chunk(2, dim=-1)
-            h = F.silu(gate) * up
+        h = self._silu_mul(self.gate_up_proj(h))
         return gather(self.down_proj(gather(h, w["ff"])), w["hidden"]), residual
+
+    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of [gate | up]: torch's, or fixed_order.c's in deterministic mode on the CPU."""
+        if self.fixed:
+            return fixed_order.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
 
 class LlamaModel(nn.Module):
@@ -245,8 +244,7 @@ class LlamaModel(nn.Module):
             raise DeterminismUnavailable(f"deterministic mode on the CPU runs float32 or bfloat16, not {dtype}")
         if self.comm.size > 1 and not self.part.exact:   # o and down would add partial sums across ranks
             raise DeterminismUnavailable("the model is split by input across ranks (load it with exact=True)")
-        if self.lm_head.packed is None:
-            self.pack_linears()
+        self.pack_linears()
         for m in self.modules():
             if isinstance(m, RMSNorm):
                 m.fixed = True
