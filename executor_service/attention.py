@@ -6,8 +6,12 @@ cache. Each layer first writes the step's K/V at the slot mapping, for every req
 attends: a request admitted in the same step on another's just-filled blocks (a same-step prefix hit)
 reads K/V that already exist.
 
-Decodes (one query token) are batched into one masked SDPA over their gathered blocks. Longer chunks are
-few per step, so each gets its own SDPA with a causal mask offset by the tokens already in its cache.
+Decodes (one query token) read their blocks in place, through fixed_order.c's paged kernel, where it is built
+(`build_attention_metadata(in_place=True)`, on a CPU in float32 or bfloat16): gathering them into one padded
+copy for a masked SDPA cost about three times as long at 32 decodes of mixed lengths (a layer of SmolLM2-135M,
+2-core EPYC), the copy itself most of it. Without the kernels they are batched into that one SDPA. Longer chunks
+are few per step, so each gets its own SDPA (its GEMM-shaped products are faster there than in the kernel, which
+visits keys per query token) with a causal mask offset by the tokens already in its cache.
 
 In deterministic mode (`fixed` set) every token goes through fixed_order.c's attention instead, one query
 token at a time over its own keys in ascending order: SDPA's blocking follows the query and key counts of the
@@ -55,7 +59,7 @@ class AttentionMetadata:
     decode_token_idx: torch.Tensor      # [Bd] index of each decode's token in the flat batch
     decode_block_table: torch.Tensor    # [Bd, nb] block ids (padded with 0, the null block)
     decode_seq_lens: torch.Tensor       # [Bd] tokens in cache after this step
-    decode_mask: torch.Tensor           # [Bd, 1, 1, nb * block_size] which gathered slots each decode reads
+    decode_mask: torch.Tensor | None    # [Bd, 1, 1, nb * block_size] which gathered slots each decode reads
     # Chunks: (first token index in the flat batch, query length, sequence length, block ids [nb], causal
     # mask [q_len, seq_len] offset by the tokens already cached, or None when nothing was).
     chunks: list[tuple[int, int, int, torch.Tensor, torch.Tensor | None]]
@@ -66,6 +70,9 @@ class AttentionMetadata:
     # Deterministic mode: (block tables [S, nb], each token's table row [T], each token's position [T]), made
     # from the fields above by the first layer that needs them (`token_index`).
     fixed_index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # Decodes read in place (fixed_order.attention): (block tables [Bd, nb], each decode's table row [Bd],
+    # each decode's position [Bd]), all int32; None when they are gathered for SDPA.
+    decode_in_place: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def token_index(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.fixed_index is None:
@@ -139,6 +146,8 @@ class PagedAttention:
         return g.transpose(-3, -2)
 
     def _decode(self, q, k_cache, v_cache, meta) -> torch.Tensor:
+        if meta.decode_in_place is not None:
+            return fixed_order.attention(q, k_cache, v_cache, *meta.decode_in_place, self.scale)
         keys = self._gather(k_cache, meta.decode_block_table, meta.scratch, "k")      # [Bd, KVH, L, D]
         values = self._gather(v_cache, meta.decode_block_table, meta.scratch, "v")
         # One query token per request: the query heads sharing a KV head become that head's query rows, so
@@ -163,9 +172,10 @@ class PagedAttention:
 
 
 def build_attention_metadata(inputs, block_table: np.ndarray, block_size: int, to,
-                             scratch: GatherScratch | None = None) -> AttentionMetadata:
+                             scratch: GatherScratch | None = None, in_place: bool = False) -> AttentionMetadata:
     """Metadata for one step from the persistent batch's block table; `to` moves a numpy array to the device.
-    The masks are built here, once per step, since every layer uses the same ones."""
+    The masks are built here, once per step, since every layer uses the same ones. `in_place`: decodes read their
+    blocks through fixed_order.attention (CPU only), so no mask is built for them."""
     chunks = []
     if len(inputs.input_ids) == len(inputs.rows):   # pure decode: every request is a decode
         d_rows, d_lens, d_tok = inputs.rows, inputs.seq_lens, inputs.query_start
@@ -182,13 +192,21 @@ def build_attention_metadata(inputs, block_table: np.ndarray, block_size: int, t
             chunks.append((int(inputs.query_start[i]), q_len, seq_len, blocks, mask))
     nb = int(-(-d_lens.max() // block_size)) if len(d_lens) else 0
     decode_seq_lens = to(d_lens)
+    table = np.ascontiguousarray(block_table[d_rows, :nb])
+    placed = mask = None
+    if in_place and len(d_lens):
+        placed = (torch.from_numpy(table.astype(np.int32)), torch.arange(len(d_lens), dtype=torch.int32),
+                  torch.from_numpy((d_lens - 1).astype(np.int32)))
+    else:
+        slots = torch.arange(nb * block_size, device=decode_seq_lens.device)
+        mask = (slots < decode_seq_lens[:, None])[:, None, None, :]
     return AttentionMetadata(
         slot_mapping=to(inputs.slot_mapping),
         decode_token_idx=to(d_tok),
-        decode_block_table=to(np.ascontiguousarray(block_table[d_rows, :nb])),
+        decode_block_table=to(table),
         decode_seq_lens=decode_seq_lens,
-        decode_mask=(torch.arange(nb * block_size, device=decode_seq_lens.device)
-                     < decode_seq_lens[:, None])[:, None, None, :],
+        decode_mask=mask,
         chunks=chunks,
         scratch=scratch,
+        decode_in_place=placed,
     )

@@ -318,6 +318,33 @@ void silu_mul(const void *x, int64_t ldx, void *out, int64_t ldo, int64_t m, int
         }
 }
 
+/* Rotary embedding in place on the first `heads` heads of each row of x (q and k heads side by side, as the
+ * fused qkv projection leaves them): (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) with cos and sin the rows
+ * of the tables [positions, d/2] at pos[i]. Each product and each sum rounded to the dtype as torch's
+ * elementwise ops round them (rope.py), so the bits are torch's; one pass over the rows instead of six. */
+void rotary(void *x, int64_t ldx, int64_t m, int64_t heads, int64_t d, const void *cos, const void *sin,
+            int64_t ldc, const int64_t *pos, int bf16, int threads) {
+    int64_t half = d / 2;
+#pragma omp parallel for schedule(static) num_threads(threads) if (m * heads * d > 32768)
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t h = 0; h < heads; h++)
+            for (int64_t c = 0; c < half; c++) {
+                int64_t a = i * ldx + h * d + c, b = a + half, t = pos[i] * ldc + c;
+                float co = load(cos, t, bf16), si = load(sin, t, bf16), x1 = load(x, a, bf16), x2 = load(x, b, bf16);
+                if (bf16) {
+                    uint16_t *y = (uint16_t *)x;
+                    float p1 = bf16_f32(f32_bf16(x1 * co)), p2 = bf16_f32(f32_bf16(x2 * si));
+                    float p3 = bf16_f32(f32_bf16(x2 * co)), p4 = bf16_f32(f32_bf16(x1 * si));
+                    y[a] = f32_bf16(p1 - p2);
+                    y[b] = f32_bf16(p3 + p4);
+                } else {
+                    float *y = (float *)x;
+                    y[a] = x1 * co - x2 * si;
+                    y[b] = x2 * co + x1 * si;
+                }
+            }
+}
+
 /* ---- attention ------------------------------------------------------------------------------------------- */
 
 #define KB 16        /* keys per block: a query's keys are visited in blocks at absolute positions 0, 16, 32, ... */
@@ -343,6 +370,146 @@ static inline void scores16(const float *qr, const float *kt, int64_t d, float *
     for (int64_t c = 0; c < d; c++)
         for (int kk = 0; kk < KB; kk++) sc[kk] = fmaf(qr[c], kt[c * KB + kk], sc[kk]);
 #endif
+}
+
+/* This block's keys, transposed (kt[c * KB + kk]), and values (vb[kk * d + c]), as float32; keys past nk are
+ * zeros. Only moves data: the bits are the cache's, however they are moved. */
+#if defined(__AVX512F__)
+static inline __m512 load16(const void *p, int64_t i, int bf16) {
+    if (bf16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i))), 16));
+    return _mm512_loadu_ps((const float *)p + i);
+}
+
+/* r[i] <- column i of the 16 x 16 matrix whose rows are r[0..15]. */
+static inline void transpose16(__m512 *r) {
+    __m512 t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {   /* within each 128-bit lane L: r[i + c] = column 4L + c of rows i..i+3 */
+        r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+        r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+        r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+        r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+    }
+    for (int h = 0; h < 16; h += 8)
+        for (int c = 0; c < 4; c++) {
+            t[h + c] = _mm512_shuffle_f32x4(r[h + c], r[h + 4 + c], 0x88);
+            t[h + 4 + c] = _mm512_shuffle_f32x4(r[h + c], r[h + 4 + c], 0xdd);
+        }
+    for (int c = 0; c < 8; c++) {
+        r[c] = _mm512_shuffle_f32x4(t[c], t[8 + c], 0x88);
+        r[8 + c] = _mm512_shuffle_f32x4(t[c], t[8 + c], 0xdd);
+    }
+}
+#endif
+
+static inline void load_block(const void *kc, const void *vc, const int32_t *blocks, int64_t j0, int nk,
+                              int64_t block_size, int64_t s_block, int64_t s_slot, int64_t head_off, int64_t d,
+                              int bf16, float *kt, float *vb) {
+    int64_t base[KB];
+    for (int kk = 0; kk < nk; kk++) {
+        int64_t j = j0 + kk;
+        base[kk] = (int64_t)blocks[j / block_size] * s_block + (j % block_size) * s_slot + head_off;
+    }
+#if defined(__AVX512F__)
+    if (d % 16 == 0) {
+        for (int64_t c0 = 0; c0 < d; c0 += 16) {
+            __m512 r[KB];
+            for (int kk = 0; kk < KB; kk++) {
+                r[kk] = kk < nk ? load16(kc, base[kk] + c0, bf16) : _mm512_setzero_ps();
+                _mm512_storeu_ps(vb + kk * d + c0, kk < nk ? load16(vc, base[kk] + c0, bf16) : _mm512_setzero_ps());
+            }
+            transpose16(r);
+            for (int i = 0; i < KB; i++) _mm512_storeu_ps(kt + (c0 + i) * KB, r[i]);
+        }
+        return;
+    }
+#endif
+    for (int kk = 0; kk < KB; kk++) {
+        if (kk < nk) {
+            for (int64_t c = 0; c < d; c++) { kt[c * KB + kk] = load(kc, base[kk] + c, bf16); vb[kk * d + c] = load(vc, base[kk] + c, bf16); }
+        } else {
+            for (int64_t c = 0; c < d; c++) { kt[c * KB + kk] = 0.0f; vb[kk * d + c] = 0.0f; }
+        }
+    }
+}
+
+/* One query row over one block of keys (the first `seen` of them visible): the running max *mx, sum *l and output
+ * orow move on by this block, in the order the comment on `attention` gives. The AVX-512 path computes the
+ * same operations per lane as the plain one (fixed_exp16 is fixed_exp lane by lane; the max ignores NaN as the
+ * scalar comparison does), so both give the same bits. */
+#if defined(__AVX512F__)
+static inline __m512 fixed_exp16(__m512 x) {
+    __m512 hi = _mm512_set1_ps(88.7f), lo = _mm512_set1_ps(-87.3f), big = _mm512_set1_ps(12582912.0f);
+    __m512 xc = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, hi, _CMP_GT_OQ), x, hi);
+    xc = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(xc, lo, _CMP_LT_OQ), xc, lo);
+    __m512 n = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504f)), big), big);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), xc);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-06f), r);
+    __m512 p = _mm512_set1_ps(1.98412701e-04f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.38888889e-03f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.33333377e-03f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.16666679e-02f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.66666672e-01f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+    __m512 y = _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), y, _mm512_setzero_ps());
+}
+#endif
+
+static inline void row_block(const float *qr, const float *kt, const float *vb, int64_t d, int seen, float scale,
+                             float *mx, float *l, float *orow) {
+    float sc[KB], p[KB];
+    scores16(qr, kt, d, sc);
+#if defined(__AVX512F__)
+    if (d % 16 == 0) {
+        __m512 ninf = _mm512_set1_ps(-INFINITY);
+        __m512 s = _mm512_mask_blend_ps((__mmask16)((1u << seen) - 1u), ninf,
+                                        _mm512_mul_ps(_mm512_loadu_ps(sc), _mm512_set1_ps(scale)));
+        float top = _mm512_reduce_max_ps(_mm512_mask_blend_ps(_mm512_cmp_ps_mask(s, s, _CMP_ORD_Q), ninf, s));
+        float bm = top > *mx ? top : *mx;
+        if (bm > *mx) {
+            float shrink = fixed_exp(*mx - bm);   /* 0 for the first block */
+            *l = *l * shrink;
+            for (int64_t c0 = 0; c0 < d; c0 += 16)
+                _mm512_storeu_ps(orow + c0, _mm512_mul_ps(_mm512_loadu_ps(orow + c0), _mm512_set1_ps(shrink)));
+            *mx = bm;
+        }
+        _mm512_storeu_ps(p, fixed_exp16(_mm512_sub_ps(s, _mm512_set1_ps(bm))));   /* unseen keys: 0 */
+        float sum = *l;
+        for (int kk = 0; kk < seen; kk++) sum = sum + p[kk];
+        *l = sum;
+        for (int64_t c0 = 0; c0 < d; c0 += 16) {
+            __m512 acc = _mm512_loadu_ps(orow + c0);
+            for (int kk = 0; kk < seen; kk++)
+                acc = _mm512_fmadd_ps(_mm512_set1_ps(p[kk]), _mm512_loadu_ps(vb + kk * d + c0), acc);
+            _mm512_storeu_ps(orow + c0, acc);
+        }
+        return;
+    }
+#endif
+    for (int kk = 0; kk < KB; kk++) sc[kk] = kk < seen ? sc[kk] * scale : -INFINITY;
+    float bm = *mx;
+    for (int kk = 0; kk < KB; kk++) bm = sc[kk] > bm ? sc[kk] : bm;
+    if (bm > *mx) {
+        float shrink = fixed_exp(*mx - bm);   /* 0 for the first block */
+        *l = *l * shrink;
+        for (int64_t c = 0; c < d; c++) orow[c] = orow[c] * shrink;
+        *mx = bm;
+    }
+    for (int kk = 0; kk < KB; kk++) p[kk] = fixed_exp(sc[kk] - bm);   /* unseen keys: 0 */
+    for (int kk = 0; kk < seen; kk++) {
+        *l = *l + p[kk];
+        const float *vr = vb + kk * d;
+        for (int64_t c = 0; c < d; c++) orow[c] = fmaf(p[kk], vr[c], orow[c]);
+    }
 }
 
 /* Causal attention over a paged cache. Query token t belongs to the sequence whose block ids are tables[seq[t]]
@@ -390,35 +557,11 @@ void attention(const void *q, int64_t ldq, const void *kc, const void *vc, int64
             }
             for (int64_t j0 = 0; j0 <= last; j0 += KB) {
                 int nk = (int)(last - j0 + 1 < KB ? last - j0 + 1 : KB);
-                for (int kk = 0; kk < KB; kk++) {     /* this block's keys, transposed, and values */
-                    if (kk < nk) {
-                        int64_t j = j0 + kk;
-                        int64_t base = (int64_t)blocks[j / block_size] * s_block + (j % block_size) * s_slot + hk * s_head;
-                        for (int64_t c = 0; c < d; c++) { kt[c * KB + kk] = load(kc, base + c, bf16); vb[kk * d + c] = load(vc, base + c, bf16); }
-                    } else {
-                        for (int64_t c = 0; c < d; c++) { kt[c * KB + kk] = 0.0f; vb[kk * d + c] = 0.0f; }
-                    }
-                }
+                load_block(kc, vc, blocks, j0, nk, block_size, s_block, s_slot, hk * s_head, d, bf16, kt, vb);
                 for (int64_t r = 0; r < rows; r++) {
                     if (j0 > rpos[r]) continue;
                     int seen = (int)(rpos[r] - j0 + 1 < nk ? rpos[r] - j0 + 1 : nk);
-                    float sc[KB], p[KB], *orow = o + r * d;
-                    scores16(qv + r * d, kt, d, sc);
-                    for (int kk = 0; kk < KB; kk++) sc[kk] = kk < seen ? sc[kk] * scale : -INFINITY;
-                    float bm = mx[r];
-                    for (int kk = 0; kk < KB; kk++) bm = sc[kk] > bm ? sc[kk] : bm;
-                    if (bm > mx[r]) {
-                        float shrink = fixed_exp(mx[r] - bm);   /* 0 for the first block */
-                        l[r] = l[r] * shrink;
-                        for (int64_t c = 0; c < d; c++) orow[c] = orow[c] * shrink;
-                        mx[r] = bm;
-                    }
-                    for (int kk = 0; kk < KB; kk++) p[kk] = fixed_exp(sc[kk] - bm);   /* unseen keys: 0 */
-                    for (int kk = 0; kk < seen; kk++) {
-                        l[r] = l[r] + p[kk];
-                        const float *vr = vb + kk * d;
-                        for (int64_t c = 0; c < d; c++) orow[c] = fmaf(p[kk], vr[c], orow[c]);
-                    }
+                    row_block(qv + r * d, kt, vb, d, seen, scale, mx + r, l + r, o + r * d);
                 }
             }
             for (int64_t r = 0; r < rows; r++) {

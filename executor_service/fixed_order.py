@@ -93,10 +93,11 @@ def library(arch: str | None = None) -> ctypes.CDLL:
     lib.attention.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64,
                               _I64, _I64, _I64, _I64, _F32, _INT, _INT]
     lib.softmax_rows.argtypes = [_PTR, _PTR, _I64, _I64, _INT]
+    lib.rotary.argtypes = [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _INT, _INT]
     lib.log_elems.argtypes = [_PTR, _PTR, _I64]
     lib.log_softmax_rows.argtypes = [_PTR, _PTR, _I64, _I64, _INT]
     for f in (lib.pack_f32, lib.pack_bf16, lib.gemm, lib.rms_norm, lib.silu_mul, lib.attention, lib.softmax_rows,
-              lib.log_elems, lib.log_softmax_rows):
+              lib.log_elems, lib.log_softmax_rows, lib.rotary):
         f.restype = None
     return lib
 
@@ -185,6 +186,18 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tab
                             out.data_ptr(), h * d, t, h, k_cache.shape[2], d, scale, _bf16(q.dtype),
                             torch.get_num_threads())
     return out
+
+
+def rotary(x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
+           positions: torch.Tensor, arch: str | None = None) -> None:
+    """Rotate the first `heads` heads of each row of x [T, >= heads * head_dim] (the head dim contiguous, rows
+    strided) in place by the tables' rows [positions, head_dim / 2] at `positions` (int64 [T]): the bits of
+    rope.apply_rotary, which makes new tensors in six passes."""
+    if x.stride(-1) != 1 or cos.stride() != sin.stride() or cos.stride(-1) != 1 or cos.dtype != x.dtype:
+        raise ValueError("rotary takes rows with a contiguous last dim and cos/sin tables of their dtype")
+    pos = positions.to(torch.int64).contiguous()
+    library(arch).rotary(x.data_ptr(), x.stride(0), x.shape[0], heads, head_dim, cos.data_ptr(), sin.data_ptr(),
+                         cos.stride(0), pos.data_ptr(), _bf16(x.dtype), torch.get_num_threads())
 
 
 def _by_rows(name: str, x: torch.Tensor, arch: str | None) -> torch.Tensor:

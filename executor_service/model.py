@@ -79,8 +79,8 @@ class DecoderLayer(nn.Module):
         """The block on x, the last block's output not yet added to `residual`, the residual stream (None in the
         first block, where x is the embedding). Returns (this block's output, the residual stream before it), so
         that each add meets the norm after it: fused, one kernel does both (`fused`). `rope`: the step's cos and
-        sin, or with `fused`, the tables and the positions. `lora`: (LoraSlots, LoraStep, this layer's index) when
-        some of the step's rows have an adapter."""
+        sin, or the tables and the positions (with `fused`, or `rotary_in_place` on the CPU). `lora`: (LoraSlots,
+        LoraStep, this layer's index) when some of the step's rows have an adapter."""
         t = x.shape[0]
         h, residual = self.input_layernorm.add(x, residual, fused)
         qkv = self.qkv_proj(h)
@@ -94,11 +94,14 @@ class DecoderLayer(nn.Module):
                           self.num_kv_heads, self.head_dim)
             attn = meta.paged.attend(q, k_cache, v_cache, self.attn.scale)
         else:
+            if len(rope) == 3:   # the tables and positions: q and k rotated in place in qkv, torch's bits
+                fixed_order.rotary(qkv, self.num_heads + self.num_kv_heads, self.head_dim, *rope)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(t, self.num_heads, self.head_dim)
             k = k.view(t, self.num_kv_heads, self.head_dim)
             v = v.view(t, self.num_kv_heads, self.head_dim)
-            q, k = apply_rotary(q, k, rope)
+            if len(rope) == 2:
+                q, k = apply_rotary(q, k, rope)
             attn = self.attn(q, k, v.contiguous(), k_cache, v_cache, meta)
         if self.gathers:
             return self._forward_gathered(residual, attn.reshape(t, self.q_size))
@@ -156,6 +159,8 @@ class LlamaModel(nn.Module):
         # The fused kernels (fused_kernels.py) in steps that attend with the Triton kernel: set by the runner on
         # CUDA outside deterministic mode, whose kernels are its own.
         self.fused = False
+        # q and k rotated in place by fixed_order.rotary (CPU, its kernels built): one pass instead of six.
+        self.rotary_in_place = False
 
     def init_rope(self, max_positions: int, device, dtype) -> None:
         # Not a buffer: the tables are derived, never loaded, and must not be built on the meta device.
@@ -168,7 +173,8 @@ class LlamaModel(nn.Module):
         (LoraSlots, LoraStep) when some tokens have an adapter (lora_slots.py)."""
         x, residual = self.embed(input_ids), None
         fused = self.fused and meta.paged is not None
-        rope = (self.rope.cos, self.rope.sin, positions) if fused else self.rope.at(positions)
+        tables = fused or self.rotary_in_place
+        rope = (self.rope.cos, self.rope.sin, positions) if tables else self.rope.at(positions)
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x, residual = layer(x, residual, rope, k_cache, v_cache, meta, None if lora is None else (*lora, i), fused)
         return self.norm.add(x, residual, fused)[0]

@@ -130,13 +130,24 @@ def uses_packed_gemm(cfg: RunnerConfig, dtype: torch.dtype) -> bool:
                          f"with {cfg.quantization!r}")
     if not fits:
         return False
+    if cfg.cpu_gemm == "packed":
+        from executor_service.fixed_order import library
+        library()   # FixedOrderUnavailable: refuse to start
+        return True
+    return cpu_kernels(dtype)
+
+
+def cpu_kernels(dtype: torch.dtype) -> bool:
+    """Whether fixed_order.c's kernels serve a CPU executor of `dtype` outside deterministic mode (the packed GEMM
+    under `cpu_gemm` auto, the decodes' paged attention): they take float32 and bfloat16, once built. Where they
+    cannot be built (no C compiler), torch's paths serve instead, with a warning."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        return False
     from executor_service.fixed_order import FixedOrderUnavailable, library
     try:
         library()
     except FixedOrderUnavailable as e:
-        if cfg.cpu_gemm == "packed":
-            raise
-        log.warning("the CPU GEMM falls back to the library: %s", e)
+        log.warning("the CPU kernels fall back to torch's: %s", e)
         return False
     return True
 

@@ -19,7 +19,9 @@ from stepwire.contract import SamplingParams  # noqa: E402
 BS = 4
 # A bfloat16 row's logits against the same request's computed alone, relative to the largest: twice the rounding
 # seen. A block read from the wrong place, or a preempted request resumed wrongly, is off by the whole logit.
-BF16_TOLERANCE = 2 ** -5
+# Decodes attend through the CPU's in-place kernel (float32 sums, one rounding) and the reference through SDPA:
+# 0.032 apart at most, each 0.057 from the float32 model's logits (0.013 when both were SDPA's).
+BF16_TOLERANCE = 2 ** -4
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +80,7 @@ def test_mixed_batch_with_chunks_prefix_hits_and_preemption_matches_each_request
         ref = refs[rid][pos]
         if dtype == "float32":
             assert torch.allclose(logits, ref, rtol=1e-4, atol=1e-5), (rid, pos, (logits - ref).abs().max())
-        else:   # rows of other batches round elsewhere: seen up to 4 units of bfloat16 (2^-8) of the largest logit
+        else:   # other batches and kernels round elsewhere: seen up to 8 units of bfloat16 (2^-8) of the largest
             rel = ((logits.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
             assert rel < BF16_TOLERANCE, (rid, pos, rel)
 

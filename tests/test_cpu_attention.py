@@ -1,0 +1,94 @@
+"""The CPU executor's own paths outside deterministic mode: decodes that read their KV blocks in place
+(fixed_order.attention) instead of a gathered copy for SDPA, and q/k rotated in place in the qkv rows."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from tiny_model import chunked_and_cached_prompts, kv_bytes, write_tiny_llama  # noqa: E402
+
+from executor_service import fixed_order  # noqa: E402
+from executor_service.attention import GatherScratch, PagedAttention, build_attention_metadata  # noqa: E402
+from executor_service.input_batch import StepInputs  # noqa: E402
+from executor_service.rope import RotaryEmbedding, apply_rotary  # noqa: E402
+
+
+def mixed_step(requests, block: int, seed: int = 0):
+    """(cached tokens, tokens this step) per request -> the step's inputs, its block table and the pool size."""
+    rng = np.random.default_rng(seed)
+    most = max(-(-(c + q) // block) for c, q in requests)
+    num_blocks = 1 + len(requests) * most
+    table = rng.permutation(np.arange(1, num_blocks)).reshape(len(requests), most)
+    n = np.array([q for _, q in requests])
+    cached = np.array([c for c, _ in requests])
+    starts = np.cumsum(n) - n
+    positions = np.concatenate([np.arange(c, c + q) for c, q in requests])
+    rows = np.arange(len(requests))
+    slots = table[np.repeat(rows, n), positions // block] * block + positions % block
+    inputs = StepInputs(handles=list(rows), rows=rows, num_scheduled=n, query_start=starts,
+                        input_ids=np.zeros(len(positions), dtype=np.int64), positions=positions, slot_mapping=slots,
+                        seq_lens=cached + n, sample_mask=np.ones(len(rows), dtype=bool), logits_index=starts + n - 1)
+    return inputs, table, num_blocks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(9, 3, 64, 16), (4, 2, 8, 4)])   # SmolLM2's heads and blocks; the tiny model's
+def test_decodes_read_in_place_give_the_gathered_sdpas_outputs_within_rounding(dtype, shape):
+    heads, kv_heads, d, block = shape
+    # Decodes of different lengths (one past a block's end, one a whole block), a prompt and a cached chunk.
+    requests = [(40, 1), (3, 1), (block * 5 - 1, 1), (0, 7), (2 * block + 1, 5), (block, 1)]
+    inputs, table, num_blocks = mixed_step(requests, block)
+    g = torch.Generator().manual_seed(1)
+    t = len(inputs.positions)
+    q, k, v = (torch.randn(t, n, d, generator=g).to(dtype) for n in (heads, kv_heads, kv_heads))
+    to = torch.from_numpy
+    attn = PagedAttention(heads, kv_heads, d)
+    outs = []
+    for in_place in (False, True):
+        cache = torch.randn(2, num_blocks, block, kv_heads, d, generator=torch.Generator().manual_seed(2)).to(dtype)
+        meta = build_attention_metadata(inputs, table, block, to, GatherScratch(), in_place)
+        assert (meta.decode_in_place is not None) == in_place
+        assert (meta.decode_mask is None) == in_place
+        outs.append(attn(q, k, v, cache[0], cache[1], meta).float())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
+    assert outs[1].abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_in_place_gives_the_bits_of_torchs_rotary(dtype):
+    rope = RotaryEmbedding(64, 4096, 10000.0, None, "cpu", dtype)
+    t = 37
+    qkv = torch.randn(t, 15 * 64, generator=torch.Generator().manual_seed(0)).to(dtype)   # 9 q, 3 k, 3 v heads
+    positions = torch.randint(0, 4096, (t,), generator=torch.Generator().manual_seed(1))
+    q_ref, k_ref = apply_rotary(qkv[:, :576].view(t, 9, 64), qkv[:, 576:768].view(t, 3, 64), rope.at(positions))
+    x = qkv.clone()
+    fixed_order.rotary(x, 12, 64, rope.cos, rope.sin, positions)
+    assert torch.equal(x[:, :576].view(t, 9, 64), q_ref)
+    assert torch.equal(x[:, 576:768].view(t, 3, 64), k_ref)
+    assert torch.equal(x[:, 768:], qkv[:, 768:])       # the values are not rotated
+    with pytest.raises(ValueError, match="cos/sin"):
+        fixed_order.rotary(x, 12, 64, rope.cos.float() if dtype != torch.float32 else rope.cos.double(), rope.sin,
+                           positions)
+
+
+def test_cpu_engine_reads_decodes_in_place_and_keeps_the_gathered_paths_greedy_tokens(tmp_path):
+    from executor_service.runner_config import RunnerConfig
+    from launcher.engine import LLMEngine
+    from scheduler_service import SchedulerConfig
+    from stepwire.contract import SamplingParams
+
+    model = write_tiny_llama(tmp_path)
+    prompts = chunked_and_cached_prompts()
+    tokens = []
+    for in_place in (True, False):
+        engine = LLMEngine(RunnerConfig(str(model), dtype="float32", block_size=4, max_num_seqs=8, max_model_len=128,
+                                        kv_cache_memory=kv_bytes(64)),
+                           SchedulerConfig(block_size=4, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=16))
+        assert engine.runner.decode_in_place and engine.runner.model.rotary_in_place   # the CPU default
+        engine.runner.decode_in_place = engine.runner.model.rotary_in_place = in_place
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        tokens.append([c.token_ids for c in engine.generate(prompts, params)])
+    assert tokens[0] == tokens[1]
+    assert all(len(t) == 12 for t in tokens[0])
