@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """stepwire against vLLM's own CPU build on the same machine: same model directory, same dtype, same client.
 
-Both serve the embedded model over the OpenAI API (`stepwire serve`; vLLM through
+Both serve the embedded model over the OpenAI API with the same KV cache memory (4 GiB, or
+VLLM_CPU_KVCACHE_SPACE; `stepwire serve --kv-cache-memory`; vLLM through
 `../shared/peers/vllm_cpu/serve.sh`, once with `VLLM_CPU_OMP_THREADS_BIND=0-1` and once with its default
 binding, which keeps a core for its API server; the better of the two counts). One third-party load client
 drives both: `vllm bench serve --backend openai-chat` from the peer's venv, random prompts, `--ignore-eos`.
@@ -112,7 +113,10 @@ def main() -> None:
     servers: dict[str, tuple[subprocess.Popen, str]] = {}
     bindings = [f"vllm {b}" for b in a.bindings.split(",")]
     try:
-        proc, url, _ = start_stack(env=os.environ | {"STEPWIRE_EXECUTOR_DTYPE": dtype}, tls=False)
+        # The KV cache vLLM gets from serve.sh (VLLM_CPU_KVCACHE_SPACE, GiB), so that neither preempts sooner.
+        kv_gib = int(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"))
+        proc, url, _ = start_stack(env=os.environ | {"STEPWIRE_EXECUTOR_DTYPE": dtype}, tls=False,
+                                   extra=("--kv-cache-memory", str(kv_gib << 30)))
         servers["stepwire"] = (proc, url)
         for binding in a.bindings.split(","):
             servers[f"vllm {binding}"] = start_vllm(a.vllm_venv, dtype, binding)
@@ -144,7 +148,7 @@ def main() -> None:
     print(f"\ncpu: {cpu_model()}  dtype: {dtype}  client: vllm bench serve --backend openai-chat, --ignore-eos")
     print(f"{'workload':>8} {'conc':>4} {'stepwire tok/s':>14} {'vLLM tok/s':>10} {'ratio':>6} {'TTFT p50 ratio':>14} "
           f"{'TPOT p50 ratio':>14}")
-    tput, ttft, tpot = [], [], []
+    tput, ttft, tpot, ttft_loaded = [], [], [], []
     for w in workloads:
         for c in levels:
             s, v = runs[("stepwire", w, c)], vllm_best(w, c)
@@ -154,9 +158,12 @@ def main() -> None:
                   f"{s['median_tpot_ms'] / v['median_tpot_ms']:>14.2f}")
             if c in (32, 64):
                 tput.append((s["output_throughput"], v["output_throughput"]))
+                ttft_loaded.append((s["median_ttft_ms"], v["median_ttft_ms"]))
             ttft.append((s["median_ttft_ms"], v["median_ttft_ms"]))
             if c == 1:
                 tpot.append((s["median_tpot_ms"], v["median_tpot_ms"]))
+    # At c1 both prefill one prompt on the same cores: the ratio there is the prefill's speed, not the queueing.
+    print(f"TTFT p50 ratio at c32 and c64 only (worst): {worst(ttft_loaded, False)}")
     print(f"RESULT peers cpu={cpu_model().replace(' ', '_')} dtype={dtype} throughput_vs_vllm={worst(tput, True)} "
           f"ttft_p50_vs_vllm={worst(ttft, False)} tpot_c1_vs_vllm={worst(tpot, False)}")
 

@@ -3,15 +3,16 @@
 preparation, and the rest (Python and the interpreter), against the step's wall time.
 
 The in-process engine (the same scheduler and runner the services run, without the hop) serves the embedded
-model under the CPU step defaults. Two loads:
+model under the CPU step defaults. Three loads (`--loads`, default all):
 - c32: 32 requests always in flight, prompts of 64-448 random tokens and 32-224 out (the chat workload of
   bench/peers.py), measured once every request started has been replaced at least once;
-- c1: one request, 256 in, 128 out.
+- c1: one request, 256 in, 128 out;
+- decode32: 32 requests in flight, 64 in and 512 out each (the decode workload of bench/peers.py).
 Each kind is timed by wrapping the functions that do it (every CPU kernel here is synchronous, so the wall time
 of the call is the kernel's). The GEMMs' rate is set against this machine's peak: one large `torch.mm`.
 
 Usage: bench/step_profile.py [--dtype float32|bfloat16] [--cpu-gemm auto|packed|library] [--torch-paths]
-[--steps 80] [--loads c32,c1]
+[--steps 80] [--loads c32,c1,decode32]
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from serving import MODEL  # noqa: E402
 import executor_service.attention as attn_mod  # noqa: E402
 import executor_service.model as model_mod  # noqa: E402
 import executor_service.runner as runner_mod  # noqa: E402
+from executor_service import fixed_order  # noqa: E402
 from executor_service.attention import PagedAttention  # noqa: E402
 from executor_service.linear import Linear  # noqa: E402
 from executor_service.runner_config import RunnerConfig, default_dtype  # noqa: E402
@@ -42,7 +44,7 @@ from launcher.engine import LLMEngine  # noqa: E402
 from stepwire.contract import SamplingParams  # noqa: E402
 
 # Parts of attention, timed inside it (not added to the total).
-ATTENTION_PARTS = ("kv write", "decodes", "gather", "chunk sdpa")
+ATTENTION_PARTS = ("kv write", "paged kernel", "gather", "chunk sdpa")
 KINDS = ("gemm", "attention", "norm/rotary/act", "sampling", "input prep", "scheduler", "python/other")
 
 
@@ -72,7 +74,8 @@ def instrument(clock: Clock) -> None:
     Linear.forward = clock.wrap("gemm", Linear.forward, gemm=True)
     PagedAttention.__call__ = clock.wrap("attention", PagedAttention.__call__)
     attn_mod.write_slots = clock.wrap("kv write", attn_mod.write_slots)
-    PagedAttention._decode = clock.wrap("decodes", PagedAttention._decode)
+    fixed_order.store_kv = clock.wrap("kv write", fixed_order.store_kv)
+    fixed_order.attention = clock.wrap("paged kernel", fixed_order.attention)
     PagedAttention._gather = clock.wrap("gather", PagedAttention._gather)
     PagedAttention._attend = clock.wrap("chunk sdpa", PagedAttention._attend)
     model_mod.RMSNorm.add = clock.wrap("norm/rotary/act", model_mod.RMSNorm.add)
@@ -169,14 +172,17 @@ def main() -> None:
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--cpu-gemm", default="auto")
     ap.add_argument("--steps", type=int, default=80)
-    ap.add_argument("--loads", default="c32,c1")
+    ap.add_argument("--loads", default="c32,c1,decode32")
+    ap.add_argument("--kv-shared-memory-dir", default="",
+                    help="the KV cache in a shared-memory file there, as `stepwire serve` places it")
     ap.add_argument("--torch-paths", action="store_true",
                     help="decodes gathered for one SDPA and torch's rotary, as before the CPU kernels took them")
     a = ap.parse_args()
     dtype = a.dtype or str(default_dtype("cpu")).removeprefix("torch.")
-    engine = LLMEngine(RunnerConfig(str(MODEL), dtype=dtype, cpu_gemm=a.cpu_gemm, max_model_len=2048))
+    engine = LLMEngine(RunnerConfig(str(MODEL), dtype=dtype, cpu_gemm=a.cpu_gemm, max_model_len=2048,
+                                    kv_shared_memory_dir=a.kv_shared_memory_dir))
     if a.torch_paths:
-        engine.runner.decode_in_place = engine.runner.model.rotary_in_place = False
+        engine.runner.cpu_attention = engine.runner.model.rotary_in_place = False
     clock = Clock()
     instrument(clock)
     peak = peak_gflops(getattr(torch, dtype))
@@ -184,13 +190,14 @@ def main() -> None:
     print(f"cpu: {cpu_model()}  dtype: {dtype}  cpu_gemm: {a.cpu_gemm}  attention/rotary: {paths}  "
           f"threads: {torch.get_num_threads()}")
     loads = {"c32": (32, lambda r: (int(r.integers(64, 449)), int(r.integers(32, 225)))),
-             "c1": (1, lambda r: (256, 128))}
+             "c1": (1, lambda r: (256, 128)),
+             "decode32": (32, lambda r: (64, 512))}
     for name in a.loads.split(","):
         conc, lengths = loads[name]
         clock.sec.clear()
         clock.flops = 0.0
         res = run(engine, clock, conc, a.steps if conc > 1 else min(a.steps, 100), lengths, seed=7)
-        report(f"{name} (mixed)" if conc > 1 else name, clock, res, peak)
+        report(f"{name} (mixed)" if name == "c32" else name, clock, res, peak)
 
 
 if __name__ == "__main__":

@@ -6,12 +6,14 @@ cache. Each layer first writes the step's K/V at the slot mapping, for every req
 attends: a request admitted in the same step on another's just-filled blocks (a same-step prefix hit)
 reads K/V that already exist.
 
-Decodes (one query token) read their blocks in place, through fixed_order.c's paged kernel, where it is built
-(`build_attention_metadata(in_place=True)`, on a CPU in float32 or bfloat16): gathering them into one padded
-copy for a masked SDPA cost about three times as long at 32 decodes of mixed lengths (a layer of SmolLM2-135M,
-2-core EPYC), the copy itself most of it. Without the kernels they are batched into that one SDPA. Longer chunks
-are few per step, so each gets its own SDPA (its GEMM-shaped products are faster there than in the kernel, which
-visits keys per query token) with a causal mask offset by the tokens already in its cache.
+On a CPU with its kernels built (float32 or bfloat16; `build_attention_metadata(in_place=True)`), every token
+attends through fixed_order.c's paged kernel, which reads the blocks in place. At one layer of SmolLM2-135M on a
+2-core EPYC (float32) it took 1.7 ms for 32 decodes of mixed lengths where gathering them into one copy padded to
+the longest for a masked SDPA took 7.6, and 2.9 ms for a 512-token prompt where SDPA took 4.3.
+
+Without the kernels (and on CUDA without Triton), decodes (one query token) are batched into that one masked
+SDPA over their gathered blocks. Longer chunks are few per step, so each gets its own SDPA with a causal mask
+offset by the tokens already in its cache.
 
 In deterministic mode (`fixed` set) every token goes through fixed_order.c's attention instead, one query
 token at a time over its own keys in ascending order: SDPA's blocking follows the query and key counts of the
@@ -70,9 +72,9 @@ class AttentionMetadata:
     # Deterministic mode: (block tables [S, nb], each token's table row [T], each token's position [T]), made
     # from the fields above by the first layer that needs them (`token_index`).
     fixed_index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    # Decodes read in place (fixed_order.attention): (block tables [Bd, nb], each decode's table row [Bd],
-    # each decode's position [Bd]), all int32; None when they are gathered for SDPA.
-    decode_in_place: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # The CPU kernels (fixed_order.c) serve this step: every token attends through fixed_order.attention, its
+    # blocks read in place (`token_index`), and K/V are stored one copy a token; no mask is built.
+    cpu_kernels: bool = False
 
     def token_index(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.fixed_index is None:
@@ -110,11 +112,14 @@ class PagedAttention:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D]; caches [num_blocks, block_size, KVH, D]. Returns [T, H, D]."""
-        write_slots(k_cache, meta.slot_mapping, k)
-        write_slots(v_cache, meta.slot_mapping, v)
+        if meta.cpu_kernels:
+            fixed_order.store_kv(k_cache, v_cache, meta.slot_mapping, k, v)
+        else:
+            write_slots(k_cache, meta.slot_mapping, k)
+            write_slots(v_cache, meta.slot_mapping, v)
         if meta.paged is not None:
             return meta.paged.attend(q, k_cache, v_cache, self.scale)
-        if self.fixed:
+        if self.fixed or meta.cpu_kernels:
             return fixed_order.attention(q, k_cache, v_cache, *meta.token_index(), self.scale)
         if not meta.chunks:
             # Pure decode, the common step: the decode index is the identity, so no scatter into a copy.
@@ -146,8 +151,6 @@ class PagedAttention:
         return g.transpose(-3, -2)
 
     def _decode(self, q, k_cache, v_cache, meta) -> torch.Tensor:
-        if meta.decode_in_place is not None:
-            return fixed_order.attention(q, k_cache, v_cache, *meta.decode_in_place, self.scale)
         keys = self._gather(k_cache, meta.decode_block_table, meta.scratch, "k")      # [Bd, KVH, L, D]
         values = self._gather(v_cache, meta.decode_block_table, meta.scratch, "v")
         # One query token per request: the query heads sharing a KV head become that head's query rows, so
@@ -174,8 +177,8 @@ class PagedAttention:
 def build_attention_metadata(inputs, block_table: np.ndarray, block_size: int, to,
                              scratch: GatherScratch | None = None, in_place: bool = False) -> AttentionMetadata:
     """Metadata for one step from the persistent batch's block table; `to` moves a numpy array to the device.
-    The masks are built here, once per step, since every layer uses the same ones. `in_place`: decodes read their
-    blocks through fixed_order.attention (CPU only), so no mask is built for them."""
+    The masks are built here, once per step, since every layer uses the same ones. `in_place` (CPU only): the CPU
+    kernels serve the step (`AttentionMetadata.cpu_kernels`), and no mask is built."""
     chunks = []
     if len(inputs.input_ids) == len(inputs.rows):   # pure decode: every request is a decode
         d_rows, d_lens, d_tok = inputs.rows, inputs.seq_lens, inputs.query_start
@@ -187,26 +190,22 @@ def build_attention_metadata(inputs, block_table: np.ndarray, block_size: int, t
             q_len = int(inputs.num_scheduled[i])
             blocks = to(block_table[inputs.rows[i], :-(-seq_len // block_size)])
             mask = None
-            if q_len != seq_len:   # query j sits at position seq_len - q_len + j and sees keys up to it
+            if q_len != seq_len and not in_place:   # query j sits at seq_len - q_len + j and sees keys up to it
                 mask = to(np.arange(seq_len)[None, :] <= np.arange(q_len)[:, None] + (seq_len - q_len))
             chunks.append((int(inputs.query_start[i]), q_len, seq_len, blocks, mask))
     nb = int(-(-d_lens.max() // block_size)) if len(d_lens) else 0
     decode_seq_lens = to(d_lens)
-    table = np.ascontiguousarray(block_table[d_rows, :nb])
-    placed = mask = None
-    if in_place and len(d_lens):
-        placed = (torch.from_numpy(table.astype(np.int32)), torch.arange(len(d_lens), dtype=torch.int32),
-                  torch.from_numpy((d_lens - 1).astype(np.int32)))
-    else:
+    mask = None
+    if not in_place:
         slots = torch.arange(nb * block_size, device=decode_seq_lens.device)
         mask = (slots < decode_seq_lens[:, None])[:, None, None, :]
     return AttentionMetadata(
         slot_mapping=to(inputs.slot_mapping),
         decode_token_idx=to(d_tok),
-        decode_block_table=to(table),
+        decode_block_table=to(np.ascontiguousarray(block_table[d_rows, :nb])),
         decode_seq_lens=decode_seq_lens,
         decode_mask=mask,
         chunks=chunks,
         scratch=scratch,
-        decode_in_place=placed,
+        cpu_kernels=in_place,
     )

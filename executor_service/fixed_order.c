@@ -345,10 +345,23 @@ void rotary(void *x, int64_t ldx, int64_t m, int64_t heads, int64_t d, const voi
             }
 }
 
+/* K and V rows [m, width] (row strides ldk and ldv, elements of `elem` bytes) into their caches at flat slots: slot s is row
+ * s % block_size of block s / block_size, at element offsets (block * s_block + row * s_slot) of each cache. A
+ * token's heads are contiguous in both, so each is one copy; negative slots (padding) are skipped. */
+void store_kv(const void *k, int64_t ldk, const void *v, int64_t ldv, void *kc, void *vc, int64_t s_block, int64_t s_slot,
+              int64_t block_size, const int64_t *slots, int64_t m, int64_t width, int64_t elem) {
+    for (int64_t i = 0; i < m; i++) {
+        if (slots[i] < 0) continue;
+        int64_t at = ((slots[i] / block_size) * s_block + (slots[i] % block_size) * s_slot) * elem;
+        memcpy((char *)kc + at, (const char *)k + i * ldk * elem, (size_t)(width * elem));
+        memcpy((char *)vc + at, (const char *)v + i * ldv * elem, (size_t)(width * elem));
+    }
+}
+
 /* ---- attention ------------------------------------------------------------------------------------------- */
 
 #define KB 16        /* keys per block: a query's keys are visited in blocks at absolute positions 0, 16, 32, ... */
-#define ROWS 32      /* query rows (tokens x the query heads of one KV head) computed together */
+#define ROWS 48      /* query rows (tokens x the query heads of one KV head) computed together */
 
 /* sc[kk] = sum over c of q[c] * kt[c][kk], c ascending, one fmaf each: the KB scores of one key block. */
 static inline void scores16(const float *qr, const float *kt, int64_t d, float *sc) {
@@ -512,6 +525,52 @@ static inline void row_block(const float *qr, const float *kt, const float *vb, 
     }
 }
 
+#if defined(__AVX512F__)
+/* Four consecutive rows (q4 and o4 [4, d]) over one block, each as row_block computes it (d a multiple of 16),
+ * sharing every key and value load among them; a row with seen[r] == 0 is left as it is. */
+static inline void rows4_block(const float *q4, const float *kt, const float *vb, int64_t d, const int *seen,
+                               float scale, float *mx, float *l, float *o4) {
+    __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t c = 0; c < d; c++) {
+        __m512 kv = _mm512_loadu_ps(kt + c * KB);
+        for (int r = 0; r < 4; r++) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(q4[r * d + c]), kv, a[r]);
+    }
+    float p[4][KB];
+    int most = 0;
+    __m512 ninf = _mm512_set1_ps(-INFINITY);
+    for (int r = 0; r < 4; r++) {
+        if (seen[r] <= 0) continue;
+        float *orow = o4 + r * d;
+        __m512 s = _mm512_mask_blend_ps((__mmask16)((1u << seen[r]) - 1u), ninf,
+                                        _mm512_mul_ps(a[r], _mm512_set1_ps(scale)));
+        float top = _mm512_reduce_max_ps(_mm512_mask_blend_ps(_mm512_cmp_ps_mask(s, s, _CMP_ORD_Q), ninf, s));
+        float bm = top > mx[r] ? top : mx[r];
+        if (bm > mx[r]) {
+            float shrink = fixed_exp(mx[r] - bm);   /* 0 for the first block */
+            l[r] = l[r] * shrink;
+            for (int64_t c0 = 0; c0 < d; c0 += 16)
+                _mm512_storeu_ps(orow + c0, _mm512_mul_ps(_mm512_loadu_ps(orow + c0), _mm512_set1_ps(shrink)));
+            mx[r] = bm;
+        }
+        _mm512_storeu_ps(p[r], fixed_exp16(_mm512_sub_ps(s, _mm512_set1_ps(bm))));
+        float sum = l[r];
+        for (int kk = 0; kk < seen[r]; kk++) sum = sum + p[r][kk];
+        l[r] = sum;
+        if (seen[r] > most) most = seen[r];
+    }
+    for (int64_t c0 = 0; c0 < d; c0 += 16) {
+        __m512 acc[4];
+        for (int r = 0; r < 4; r++) acc[r] = _mm512_loadu_ps(o4 + r * d + c0);
+        for (int kk = 0; kk < most; kk++) {
+            __m512 vv = _mm512_loadu_ps(vb + kk * d + c0);
+            for (int r = 0; r < 4; r++)
+                if (kk < seen[r]) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(p[r][kk]), vv, acc[r]);
+        }
+        for (int r = 0; r < 4; r++) _mm512_storeu_ps(o4 + r * d + c0, acc[r]);
+    }
+}
+#endif
+
 /* Causal attention over a paged cache. Query token t belongs to the sequence whose block ids are tables[seq[t]]
  * (stride table_stride) and sits at pos[t]: it sees keys 0..pos[t]. For each query row (a token's head), in this
  * order and nothing else:
@@ -558,7 +617,17 @@ void attention(const void *q, int64_t ldq, const void *kc, const void *vc, int64
             for (int64_t j0 = 0; j0 <= last; j0 += KB) {
                 int nk = (int)(last - j0 + 1 < KB ? last - j0 + 1 : KB);
                 load_block(kc, vc, blocks, j0, nk, block_size, s_block, s_slot, hk * s_head, d, bf16, kt, vb);
-                for (int64_t r = 0; r < rows; r++) {
+                int64_t r = 0;
+#if defined(__AVX512F__)
+                if (d % 16 == 0)
+                    for (; r + 4 <= rows; r += 4) {
+                        int seen4[4];
+                        for (int i = 0; i < 4; i++)
+                            seen4[i] = j0 > rpos[r + i] ? 0 : (int)(rpos[r + i] - j0 + 1 < nk ? rpos[r + i] - j0 + 1 : nk);
+                        rows4_block(qv + r * d, kt, vb, d, seen4, scale, mx + r, l + r, o + r * d);
+                    }
+#endif
+                for (; r < rows; r++) {
                     if (j0 > rpos[r]) continue;
                     int seen = (int)(rpos[r] - j0 + 1 < nk ? rpos[r] - j0 + 1 : nk);
                     row_block(qv + r * d, kt, vb, d, seen, scale, mx + r, l + r, o + r * d);

@@ -94,10 +94,12 @@ def library(arch: str | None = None) -> ctypes.CDLL:
                               _I64, _I64, _I64, _I64, _F32, _INT, _INT]
     lib.softmax_rows.argtypes = [_PTR, _PTR, _I64, _I64, _INT]
     lib.rotary.argtypes = [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _INT, _INT]
+    lib.store_kv.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64]
     lib.log_elems.argtypes = [_PTR, _PTR, _I64]
     lib.log_softmax_rows.argtypes = [_PTR, _PTR, _I64, _I64, _INT]
     for f in (lib.pack_f32, lib.pack_bf16, lib.gemm, lib.rms_norm, lib.silu_mul, lib.attention, lib.softmax_rows,
-              lib.log_elems, lib.log_softmax_rows, lib.rotary):
+              lib.log_elems, lib.log_softmax_rows, lib.rotary,
+              lib.store_kv):
         f.restype = None
     return lib
 
@@ -177,7 +179,8 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tab
     t, h, d = q.shape
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
         raise ValueError("the K and V caches must share one layout with a contiguous head dim")
-    q2 = q.reshape(t, h * d) if q.is_contiguous() else q.contiguous().view(t, h * d)
+    # Rows of q may be strided (a view of the qkv projection's rows): only the heads must be contiguous.
+    q2 = q if q.stride(2) == 1 and q.stride(1) == d else q.contiguous()
     out = torch.empty(t, h, d, dtype=q.dtype)
     tables, seq, pos = (a.to(torch.int32).contiguous() for a in (tables, seq, pos))
     sb, ss, sh, _ = k_cache.stride()
@@ -198,6 +201,23 @@ def rotary(x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: t
     pos = positions.to(torch.int64).contiguous()
     library(arch).rotary(x.data_ptr(), x.stride(0), x.shape[0], heads, head_dim, cos.data_ptr(), sin.data_ptr(),
                          cos.stride(0), pos.data_ptr(), _bf16(x.dtype), torch.get_num_threads())
+
+
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             arch: str | None = None) -> None:
+    """k and v [T, KVH, D] (each row's heads contiguous) into the caches [num_blocks, block_size, KVH, D] (one
+    layout for both, a slot's heads contiguous) at flat `slots` (int64 [T]): what attention.write_slots does, one
+    copy a token."""
+    t, kvh, d = k.shape
+    rows_ok = all(x.stride(2) == 1 and x.stride(1) == d and x.shape == k.shape for x in (k, v))
+    caches_ok = k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1 and k_cache.stride(2) == d
+    if not (rows_ok and caches_ok and k.dtype == v.dtype == k_cache.dtype == v_cache.dtype):
+        raise ValueError("store_kv takes k and v rows with their heads contiguous, and caches of one layout, all "
+                         "of one dtype")
+    s = slots.to(torch.int64).contiguous()
+    library(arch).store_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(),
+                           v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.shape[1], s.data_ptr(), t,
+                           kvh * d, k.element_size())
 
 
 def _by_rows(name: str, x: torch.Tensor, arch: str | None) -> torch.Tensor:

@@ -155,11 +155,11 @@ class ModelRunner:
         self.structured = StructuredRows(cfg.model, self.model_config.vocab_size, self.model_config.eos_token_ids,
                                          self.device) if self.rank == 0 else None
         self.scratch = GatherScratch()
-        # Decodes read their KV blocks in place (attention.py) where the CPU kernels are built; deterministic
-        # mode's attention is fixed_order's for every token anyway.
-        self.decode_in_place = (self.device.type == "cpu" and self.attention == "torch" and not cfg.deterministic
-                                and cpu_kernels(self.dtype))
-        self.model.rotary_in_place = self.decode_in_place
+        # Attention reads the KV blocks in place, K/V are stored and q/k rotated by the CPU kernels (attention.py,
+        # fixed_order.c) where they are built; deterministic mode's attention is fixed_order's anyway.
+        self.cpu_attention = (self.device.type == "cpu" and self.attention == "torch" and not cfg.deterministic
+                              and cpu_kernels(self.dtype))
+        self.model.rotary_in_place = self.cpu_attention
         self.phase_seconds = (0.0, 0.0, 0.0)   # prepare, forward, sample of the last step
 
     def _new_batch(self) -> InputBatch:
@@ -313,7 +313,7 @@ class ModelRunner:
                 meta = self._paged_metadata(inputs, self.batch.block_table, self.cfg.block_size, to)
             else:
                 meta = build_attention_metadata(inputs, self.batch.block_table, self.cfg.block_size, to,
-                                                self.scratch, self.decode_in_place)
+                                                self.scratch, self.cpu_attention)
             with self._sdpa():
                 hidden = self.model(filled(to(inputs.input_ids), inputs), to(inputs.positions), self.kv_caches, meta,
                                     lora)

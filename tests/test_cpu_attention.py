@@ -1,5 +1,6 @@
-"""The CPU executor's own paths outside deterministic mode: decodes that read their KV blocks in place
-(fixed_order.attention) instead of a gathered copy for SDPA, and q/k rotated in place in the qkv rows."""
+"""The CPU executor's own paths outside deterministic mode: attention that reads the KV blocks in place
+(fixed_order.attention) instead of gathered copies for SDPA, K/V stored a token at a time, and q/k rotated in
+place in the qkv rows."""
 
 import numpy as np
 import pytest
@@ -34,7 +35,7 @@ def mixed_step(requests, block: int, seed: int = 0):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(9, 3, 64, 16), (4, 2, 8, 4)])   # SmolLM2's heads and blocks; the tiny model's
-def test_decodes_read_in_place_give_the_gathered_sdpas_outputs_within_rounding(dtype, shape):
+def test_attention_read_in_place_gives_the_gathered_sdpas_outputs_within_rounding(dtype, shape):
     heads, kv_heads, d, block = shape
     # Decodes of different lengths (one past a block's end, one a whole block), a prompt and a cached chunk.
     requests = [(40, 1), (3, 1), (block * 5 - 1, 1), (0, 7), (2 * block + 1, 5), (block, 1)]
@@ -48,8 +49,9 @@ def test_decodes_read_in_place_give_the_gathered_sdpas_outputs_within_rounding(d
     for in_place in (False, True):
         cache = torch.randn(2, num_blocks, block, kv_heads, d, generator=torch.Generator().manual_seed(2)).to(dtype)
         meta = build_attention_metadata(inputs, table, block, to, GatherScratch(), in_place)
-        assert (meta.decode_in_place is not None) == in_place
+        assert meta.cpu_kernels == in_place
         assert (meta.decode_mask is None) == in_place
+        assert all((c[4] is None) == (in_place or c[1] == c[2]) for c in meta.chunks)   # masks only for SDPA
         outs.append(attn(q, k, v, cache[0], cache[1], meta).float())
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
@@ -73,7 +75,7 @@ def test_rotary_in_place_gives_the_bits_of_torchs_rotary(dtype):
                            positions)
 
 
-def test_cpu_engine_reads_decodes_in_place_and_keeps_the_gathered_paths_greedy_tokens(tmp_path):
+def test_cpu_engine_attends_in_place_and_keeps_the_gathered_paths_greedy_tokens(tmp_path):
     from executor_service.runner_config import RunnerConfig
     from launcher.engine import LLMEngine
     from scheduler_service import SchedulerConfig
@@ -86,9 +88,35 @@ def test_cpu_engine_reads_decodes_in_place_and_keeps_the_gathered_paths_greedy_t
         engine = LLMEngine(RunnerConfig(str(model), dtype="float32", block_size=4, max_num_seqs=8, max_model_len=128,
                                         kv_cache_memory=kv_bytes(64)),
                            SchedulerConfig(block_size=4, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=16))
-        assert engine.runner.decode_in_place and engine.runner.model.rotary_in_place   # the CPU default
-        engine.runner.decode_in_place = engine.runner.model.rotary_in_place = in_place
+        assert engine.runner.cpu_attention and engine.runner.model.rotary_in_place   # the CPU default
+        engine.runner.cpu_attention = engine.runner.model.rotary_in_place = in_place
         params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
         tokens.append([c.token_ids for c in engine.generate(prompts, params)])
     assert tokens[0] == tokens[1]
     assert all(len(t) == 12 for t in tokens[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block", [4, 16])
+def test_store_kv_writes_the_slots_write_slots_writes_and_nothing_else(dtype, block):
+    from executor_service.attention import write_slots
+    from executor_service.kv_tensors import layer_views
+
+    g = torch.Generator().manual_seed(3)
+    t, kv_heads, d = 23, 3, 64
+    qkv = torch.randn(t, (9 + 2 * kv_heads) * d, generator=g).to(dtype)
+    k = qkv[:, 9 * d:(9 + kv_heads) * d].view(t, kv_heads, d)            # a strided view, as the model's
+    v = qkv[:, (9 + kv_heads) * d:].reshape(t, kv_heads, d).contiguous()
+    slots = torch.randperm(12 * block, generator=g)[:t] + block          # block 0 is never written
+    blocks = torch.randn(13, 2, 2, block, kv_heads, d, generator=g).to(dtype)   # [blocks, layers, k/v, ...]
+    want = blocks.clone()
+    layer = layer_views(want)[1]
+    write_slots(layer[0], slots, k)
+    write_slots(layer[1], slots, v)
+    got = blocks.clone()
+    fixed_order.store_kv(*layer_views(got)[1], slots, k, v)
+    assert torch.equal(got, want)
+    assert not torch.equal(got, blocks)
+    padded = blocks.clone()
+    fixed_order.store_kv(*layer_views(padded)[1], torch.full((t,), -1), k, v)   # padding slots: nothing moves
+    assert torch.equal(padded, blocks)

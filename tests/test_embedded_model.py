@@ -62,8 +62,9 @@ def _engine(model=MODEL, dtype="float32", **sched):
 
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 # bfloat16 against transformers' float32, on the whole model: every product and norm of 30 layers rounded. Seen:
-# a logit off by 3.6% of the largest at most (1.7% at the median), 0.95 at most; a 0.007 lead lost.
-BF16_TOLERANCE = 2 ** -4      # of a position's largest logit
+# a logit off by 3.9% of the largest at most with torch's attention, 6.5% with the CPU's paged kernel (5.9% in
+# deterministic mode, the same kernel), 1.7% at the median and 2.6% at p90 with each; a 0.007 lead lost.
+BF16_TOLERANCE = 0.08         # of a position's largest logit
 CLEAR_LEAD = 2.0              # twice the largest error seen on a logit: the top token's and the second's
 
 
