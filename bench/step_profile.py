@@ -103,15 +103,19 @@ def run(engine: LLMEngine, clock: Clock, conc: int, steps: int, lengths, seed: i
 
     live: set[str] = set()
 
-    def add() -> None:
+    def add(first: int | None = None) -> None:
         nonlocal started
         n_in, n_out = lengths(rng)
+        if first is not None:
+            # The first requests stop after a ramp of lengths, so that those replacing them start at different
+            # steps: with fixed lengths they would otherwise run in lockstep, every context the same length.
+            n_out = max(1, (first + 1) * n_out // conc)
         live.add(engine.add_request(rng.integers(100, 40000, n_in).tolist(),
-                           SamplingParams(max_tokens=n_out, temperature=0.0, ignore_eos=True)))
+                                    SamplingParams(max_tokens=n_out, temperature=0.0, ignore_eos=True)))
         started += 1
 
-    for _ in range(conc):
-        add()
+    for i in range(conc):
+        add(first=i)
     wall = tokens = 0.0
     measured = 0
     runner_exec = runner_mod.ModelRunner.execute
@@ -186,7 +190,7 @@ def main() -> None:
     clock = Clock()
     instrument(clock)
     peak = peak_gflops(getattr(torch, dtype))
-    paths = "torch's (gathered decodes)" if a.torch_paths else "the CPU kernels (decodes in place)"
+    paths = "torch's (gathered decodes)" if a.torch_paths else "the CPU kernels (blocks read in place)"
     print(f"cpu: {cpu_model()}  dtype: {dtype}  cpu_gemm: {a.cpu_gemm}  attention/rotary: {paths}  "
           f"threads: {torch.get_num_threads()}")
     loads = {"c32": (32, lambda r: (int(r.integers(64, 449)), int(r.integers(32, 225)))),
