@@ -6,14 +6,15 @@ cache. Each layer first writes the step's K/V at the slot mapping, for every req
 attends: a request admitted in the same step on another's just-filled blocks (a same-step prefix hit)
 reads K/V that already exist.
 
-On a CPU with its kernels built (float32 or bfloat16; `build_attention_metadata(in_place=True)`), every token
-attends through fixed_order.c's paged kernel, which reads the blocks in place. At one layer of SmolLM2-135M on a
-2-core EPYC (float32) it took 1.7 ms for 32 decodes of mixed lengths where gathering them into one copy padded to
-the longest for a masked SDPA took 7.6, and 2.9 ms for a 512-token prompt where SDPA took 4.3.
+On a CPU with its kernels built (float32 or bfloat16; `build_attention_metadata(in_place=True)`), decodes attend
+through fixed_order.c's paged kernel, which reads the blocks in place, and so do prompt chunks where its AVX-512
+paths are built (`prompts_in_place`). At one layer of SmolLM2-135M on a 2-core EPYC (float32) it took 1.7 ms for
+32 decodes of mixed lengths where gathering them into one copy padded to the longest for a masked SDPA took 7.6,
+and 2.9 ms for a 512-token prompt where SDPA took 4.3; built for AVX2 it took 2.9 and 9.0.
 
 Without the kernels (and on CUDA without Triton), decodes (one query token) are batched into that one masked
-SDPA over their gathered blocks. Longer chunks are few per step, so each gets its own SDPA with a causal mask
-offset by the tokens already in its cache.
+SDPA over their gathered blocks. Longer chunks not in the kernel are few per step, so each gets its own SDPA with
+a causal mask offset by the tokens already in its cache.
 
 In deterministic mode (`fixed` set) every token goes through fixed_order.c's attention instead, one query
 token at a time over its own keys in ascending order: SDPA's blocking follows the query and key counts of the
@@ -72,9 +73,11 @@ class AttentionMetadata:
     # Deterministic mode: (block tables [S, nb], each token's table row [T], each token's position [T]), made
     # from the fields above by the first layer that needs them (`token_index`).
     fixed_index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    # The CPU kernels (fixed_order.c) serve this step: every token attends through fixed_order.attention, its
-    # blocks read in place (`token_index`), and K/V are stored one copy a token; no mask is built.
+    # The CPU kernels (fixed_order.c) serve this step: decodes attend through fixed_order.attention, their blocks
+    # read in place, and K/V are stored one copy a token. `prompts_in_kernel`: every token does (`token_index`),
+    # where the kernel's AVX-512 paths are built; else prompt chunks keep SDPA.
     cpu_kernels: bool = False
+    prompts_in_kernel: bool = False
 
     def token_index(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.fixed_index is None:
@@ -119,7 +122,7 @@ class PagedAttention:
             write_slots(v_cache, meta.slot_mapping, v)
         if meta.paged is not None:
             return meta.paged.attend(q, k_cache, v_cache, self.scale)
-        if self.fixed or meta.cpu_kernels:
+        if self.fixed or meta.prompts_in_kernel:
             return fixed_order.attention(q, k_cache, v_cache, *meta.token_index(), self.scale)
         if not meta.chunks:
             # Pure decode, the common step: the decode index is the identity, so no scatter into a copy.
@@ -151,6 +154,10 @@ class PagedAttention:
         return g.transpose(-3, -2)
 
     def _decode(self, q, k_cache, v_cache, meta) -> torch.Tensor:
+        if meta.cpu_kernels:
+            bd = meta.decode_seq_lens.numel()
+            return fixed_order.attention(q, k_cache, v_cache, meta.decode_block_table,
+                                         torch.arange(bd, dtype=torch.int32), meta.decode_seq_lens - 1, self.scale)
         keys = self._gather(k_cache, meta.decode_block_table, meta.scratch, "k")      # [Bd, KVH, L, D]
         values = self._gather(v_cache, meta.decode_block_table, meta.scratch, "v")
         # One query token per request: the query heads sharing a KV head become that head's query rows, so
@@ -175,10 +182,12 @@ class PagedAttention:
 
 
 def build_attention_metadata(inputs, block_table: np.ndarray, block_size: int, to,
-                             scratch: GatherScratch | None = None, in_place: bool = False) -> AttentionMetadata:
+                             scratch: GatherScratch | None = None, in_place: bool = False,
+                             prompts_in_place: bool = False) -> AttentionMetadata:
     """Metadata for one step from the persistent batch's block table; `to` moves a numpy array to the device.
     The masks are built here, once per step, since every layer uses the same ones. `in_place` (CPU only): the CPU
-    kernels serve the step (`AttentionMetadata.cpu_kernels`), and no mask is built."""
+    kernels serve the step's decodes (`AttentionMetadata.cpu_kernels`), and `prompts_in_place` its prompt chunks
+    too; no mask is built for what they serve."""
     chunks = []
     if len(inputs.input_ids) == len(inputs.rows):   # pure decode: every request is a decode
         d_rows, d_lens, d_tok = inputs.rows, inputs.seq_lens, inputs.query_start
@@ -190,7 +199,7 @@ def build_attention_metadata(inputs, block_table: np.ndarray, block_size: int, t
             q_len = int(inputs.num_scheduled[i])
             blocks = to(block_table[inputs.rows[i], :-(-seq_len // block_size)])
             mask = None
-            if q_len != seq_len and not in_place:   # query j sits at seq_len - q_len + j and sees keys up to it
+            if q_len != seq_len and not (in_place and prompts_in_place):   # query j at seq_len - q_len + j
                 mask = to(np.arange(seq_len)[None, :] <= np.arange(q_len)[:, None] + (seq_len - q_len))
             chunks.append((int(inputs.query_start[i]), q_len, seq_len, blocks, mask))
     nb = int(-(-d_lens.max() // block_size)) if len(d_lens) else 0
@@ -208,4 +217,5 @@ def build_attention_metadata(inputs, block_table: np.ndarray, block_size: int, t
         chunks=chunks,
         scratch=scratch,
         cpu_kernels=in_place,
+        prompts_in_kernel=in_place and prompts_in_place,
     )

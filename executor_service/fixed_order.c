@@ -571,6 +571,15 @@ static inline void rows4_block(const float *q4, const float *kt, const float *vb
 }
 #endif
 
+/* Whether this build's attention has its AVX-512 paths (then it beats SDPA on prompts too, not only decodes). */
+int attention_vectorized(void) {
+#if defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* Causal attention over a paged cache. Query token t belongs to the sequence whose block ids are tables[seq[t]]
  * (stride table_stride) and sits at pos[t]: it sees keys 0..pos[t]. For each query row (a token's head), in this
  * order and nothing else:

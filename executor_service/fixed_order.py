@@ -94,6 +94,8 @@ def library(arch: str | None = None) -> ctypes.CDLL:
                               _I64, _I64, _I64, _I64, _F32, _INT, _INT]
     lib.softmax_rows.argtypes = [_PTR, _PTR, _I64, _I64, _INT]
     lib.rotary.argtypes = [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _INT, _INT]
+    lib.attention_vectorized.argtypes = []
+    lib.attention_vectorized.restype = _INT
     lib.store_kv.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64]
     lib.log_elems.argtypes = [_PTR, _PTR, _I64]
     lib.log_softmax_rows.argtypes = [_PTR, _PTR, _I64, _I64, _INT]
@@ -201,6 +203,13 @@ def rotary(x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: t
     pos = positions.to(torch.int64).contiguous()
     library(arch).rotary(x.data_ptr(), x.stride(0), x.shape[0], heads, head_dim, cos.data_ptr(), sin.data_ptr(),
                          cos.stride(0), pos.data_ptr(), _bf16(x.dtype), torch.get_num_threads())
+
+
+def attention_vectorized(arch: str | None = None) -> bool:
+    """Whether this CPU's build of `attention` has its AVX-512 paths: with them it beat SDPA on prompt chunks
+    too (a 512-token prompt, float32: 2.9 ms against 4.3); without (an AVX2 build: 9.0 against 4.4) only on
+    decodes."""
+    return bool(library(arch).attention_vectorized())
 
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

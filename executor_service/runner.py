@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from executor_service import fixed_order
 from executor_service.attention import GatherScratch, build_attention_metadata
 from executor_service.collectives import Collectives, RankFailure, join, leave
 from executor_service.input_batch import InputBatch, RequestState, StepInputs, ramps
@@ -160,6 +161,7 @@ class ModelRunner:
         self.cpu_attention = (self.device.type == "cpu" and self.attention == "torch" and not cfg.deterministic
                               and cpu_kernels(self.dtype))
         self.model.rotary_in_place = self.cpu_attention
+        self.prompts_in_kernel = self.cpu_attention and fixed_order.attention_vectorized()
         self.phase_seconds = (0.0, 0.0, 0.0)   # prepare, forward, sample of the last step
 
     def _new_batch(self) -> InputBatch:
@@ -313,7 +315,7 @@ class ModelRunner:
                 meta = self._paged_metadata(inputs, self.batch.block_table, self.cfg.block_size, to)
             else:
                 meta = build_attention_metadata(inputs, self.batch.block_table, self.cfg.block_size, to,
-                                                self.scratch, self.cpu_attention)
+                                                self.scratch, self.cpu_attention, self.prompts_in_kernel)
             with self._sdpa():
                 hidden = self.model(filled(to(inputs.input_ids), inputs), to(inputs.positions), self.kv_caches, meta,
                                     lora)

@@ -46,16 +46,18 @@ def test_attention_read_in_place_gives_the_gathered_sdpas_outputs_within_roundin
     to = torch.from_numpy
     attn = PagedAttention(heads, kv_heads, d)
     outs = []
-    for in_place in (False, True):
+    # SDPA on gathered copies; decodes in the kernel (its AVX2 and plain builds), prompt chunks on SDPA; all in it.
+    for in_place, prompts in ((False, False), (True, False), (True, True)):
         cache = torch.randn(2, num_blocks, block, kv_heads, d, generator=torch.Generator().manual_seed(2)).to(dtype)
-        meta = build_attention_metadata(inputs, table, block, to, GatherScratch(), in_place)
-        assert meta.cpu_kernels == in_place
+        meta = build_attention_metadata(inputs, table, block, to, GatherScratch(), in_place, prompts)
+        assert meta.cpu_kernels == in_place and meta.prompts_in_kernel == prompts
         assert (meta.decode_mask is None) == in_place
-        assert all((c[4] is None) == (in_place or c[1] == c[2]) for c in meta.chunks)   # masks only for SDPA
+        assert all((c[4] is None) == (prompts or c[1] == c[2]) for c in meta.chunks)   # masks only for SDPA
         outs.append(attn(q, k, v, cache[0], cache[1], meta).float())
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
-    assert outs[1].abs().sum() > 0
+    for out in outs[1:]:
+        torch.testing.assert_close(out, outs[0], atol=tol, rtol=tol)
+    assert outs[0].abs().sum() > 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -89,7 +91,9 @@ def test_cpu_engine_attends_in_place_and_keeps_the_gathered_paths_greedy_tokens(
                                         kv_cache_memory=kv_bytes(64)),
                            SchedulerConfig(block_size=4, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=16))
         assert engine.runner.cpu_attention and engine.runner.model.rotary_in_place   # the CPU default
+        assert engine.runner.prompts_in_kernel == fixed_order.attention_vectorized()
         engine.runner.cpu_attention = engine.runner.model.rotary_in_place = in_place
+        engine.runner.prompts_in_kernel = in_place
         params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
         tokens.append([c.token_ids for c in engine.generate(prompts, params)])
     assert tokens[0] == tokens[1]
