@@ -78,6 +78,7 @@ class AttentionMetadata:
     # where the kernel's AVX-512 paths are built; else prompt chunks keep SDPA.
     cpu_kernels: bool = False
     prompts_in_kernel: bool = False
+    decode_fixed_index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None   # `decode_index`
 
     def token_index(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.fixed_index is None:
@@ -95,6 +96,13 @@ class AttentionMetadata:
                 pos[start:start + q_len] = torch.arange(seq_len - q_len, seq_len, dtype=torch.int32)
             self.fixed_index = (tables, seq, pos)
         return self.fixed_index
+
+    def decode_index(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`token_index` for the decode tokens alone (their queries gathered in decode order), made once a step."""
+        if self.decode_fixed_index is None:
+            tables, seq, pos = self.token_index()
+            self.decode_fixed_index = (tables, seq[self.decode_token_idx], pos[self.decode_token_idx])
+        return self.decode_fixed_index
 
 
 def write_slots(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
@@ -155,9 +163,7 @@ class PagedAttention:
 
     def _decode(self, q, k_cache, v_cache, meta) -> torch.Tensor:
         if meta.cpu_kernels:
-            bd = meta.decode_seq_lens.numel()
-            return fixed_order.attention(q, k_cache, v_cache, meta.decode_block_table,
-                                         torch.arange(bd, dtype=torch.int32), meta.decode_seq_lens - 1, self.scale)
+            return fixed_order.attention(q, k_cache, v_cache, *meta.decode_index(), self.scale)
         keys = self._gather(k_cache, meta.decode_block_table, meta.scratch, "k")      # [Bd, KVH, L, D]
         values = self._gather(v_cache, meta.decode_block_table, meta.scratch, "v")
         # One query token per request: the query heads sharing a KV head become that head's query rows, so

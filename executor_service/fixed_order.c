@@ -477,28 +477,37 @@ static inline __m512 fixed_exp16(__m512 x) {
 }
 #endif
 
+#if defined(__AVX512F__)
+/* The online softmax's step for one row and one block, from its raw scores: scale them, hide the unseen keys,
+ * raise the running max *mx (scaling *l and orow [d] down when it rises), and leave the block's weights in p
+ * (unseen keys 0) with their sum added to *l in key order. The scalar path of row_block, lane by lane. */
+static inline void softmax_step16(__m512 raw, int seen, float scale, float *mx, float *l, float *orow, int64_t d,
+                                  float *p) {
+    __m512 ninf = _mm512_set1_ps(-INFINITY);
+    __m512 s = _mm512_mask_blend_ps((__mmask16)((1u << seen) - 1u), ninf, _mm512_mul_ps(raw, _mm512_set1_ps(scale)));
+    float top = _mm512_reduce_max_ps(_mm512_mask_blend_ps(_mm512_cmp_ps_mask(s, s, _CMP_ORD_Q), ninf, s));
+    float bm = top > *mx ? top : *mx;
+    if (bm > *mx) {
+        float shrink = fixed_exp(*mx - bm);   /* 0 for the first block */
+        *l = *l * shrink;
+        for (int64_t c0 = 0; c0 < d; c0 += 16)
+            _mm512_storeu_ps(orow + c0, _mm512_mul_ps(_mm512_loadu_ps(orow + c0), _mm512_set1_ps(shrink)));
+        *mx = bm;
+    }
+    _mm512_storeu_ps(p, fixed_exp16(_mm512_sub_ps(s, _mm512_set1_ps(bm))));
+    float sum = *l;
+    for (int kk = 0; kk < seen; kk++) sum = sum + p[kk];
+    *l = sum;
+}
+#endif
+
 static inline void row_block(const float *qr, const float *kt, const float *vb, int64_t d, int seen, float scale,
                              float *mx, float *l, float *orow) {
     float sc[KB], p[KB];
     scores16(qr, kt, d, sc);
 #if defined(__AVX512F__)
     if (d % 16 == 0) {
-        __m512 ninf = _mm512_set1_ps(-INFINITY);
-        __m512 s = _mm512_mask_blend_ps((__mmask16)((1u << seen) - 1u), ninf,
-                                        _mm512_mul_ps(_mm512_loadu_ps(sc), _mm512_set1_ps(scale)));
-        float top = _mm512_reduce_max_ps(_mm512_mask_blend_ps(_mm512_cmp_ps_mask(s, s, _CMP_ORD_Q), ninf, s));
-        float bm = top > *mx ? top : *mx;
-        if (bm > *mx) {
-            float shrink = fixed_exp(*mx - bm);   /* 0 for the first block */
-            *l = *l * shrink;
-            for (int64_t c0 = 0; c0 < d; c0 += 16)
-                _mm512_storeu_ps(orow + c0, _mm512_mul_ps(_mm512_loadu_ps(orow + c0), _mm512_set1_ps(shrink)));
-            *mx = bm;
-        }
-        _mm512_storeu_ps(p, fixed_exp16(_mm512_sub_ps(s, _mm512_set1_ps(bm))));   /* unseen keys: 0 */
-        float sum = *l;
-        for (int kk = 0; kk < seen; kk++) sum = sum + p[kk];
-        *l = sum;
+        softmax_step16(_mm512_loadu_ps(sc), seen, scale, mx, l, orow, d, p);
         for (int64_t c0 = 0; c0 < d; c0 += 16) {
             __m512 acc = _mm512_loadu_ps(orow + c0);
             for (int kk = 0; kk < seen; kk++)
@@ -537,25 +546,9 @@ static inline void rows4_block(const float *q4, const float *kt, const float *vb
     }
     float p[4][KB];
     int most = 0;
-    __m512 ninf = _mm512_set1_ps(-INFINITY);
     for (int r = 0; r < 4; r++) {
         if (seen[r] <= 0) continue;
-        float *orow = o4 + r * d;
-        __m512 s = _mm512_mask_blend_ps((__mmask16)((1u << seen[r]) - 1u), ninf,
-                                        _mm512_mul_ps(a[r], _mm512_set1_ps(scale)));
-        float top = _mm512_reduce_max_ps(_mm512_mask_blend_ps(_mm512_cmp_ps_mask(s, s, _CMP_ORD_Q), ninf, s));
-        float bm = top > mx[r] ? top : mx[r];
-        if (bm > mx[r]) {
-            float shrink = fixed_exp(mx[r] - bm);   /* 0 for the first block */
-            l[r] = l[r] * shrink;
-            for (int64_t c0 = 0; c0 < d; c0 += 16)
-                _mm512_storeu_ps(orow + c0, _mm512_mul_ps(_mm512_loadu_ps(orow + c0), _mm512_set1_ps(shrink)));
-            mx[r] = bm;
-        }
-        _mm512_storeu_ps(p[r], fixed_exp16(_mm512_sub_ps(s, _mm512_set1_ps(bm))));
-        float sum = l[r];
-        for (int kk = 0; kk < seen[r]; kk++) sum = sum + p[r][kk];
-        l[r] = sum;
+        softmax_step16(a[r], seen[r], scale, mx + r, l + r, o4 + r * d, d, p[r]);
         if (seen[r] > most) most = seen[r];
     }
     for (int64_t c0 = 0; c0 < d; c0 += 16) {
