@@ -117,6 +117,30 @@ def test_an_attention_token_ignores_other_tokens_and_keys_past_its_position_on_e
         assert torch.equal(_bits(fixed_order.attention(q, k, v, tables, seq, pos, 0.125, arch=arch)), ref), arch
 
 
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_decode_gets_the_same_attention_bits_in_a_wide_batch_as_alone(dtype):
+    """A wide batch of decodes is split among the threads by sequence, each job reading every KV head of a block
+    at once; a lone decode is split by head. The split moves work, never a sum."""
+    k, v = _cache(dtype, nb=40)
+    n = 12       # decodes: at least four jobs per thread for 2 threads, so the wide split is taken
+    g = torch.Generator().manual_seed(12)
+    tables = torch.randperm(40, generator=g)[:36].reshape(n, 3).to(torch.int32)
+    seq = torch.arange(n, dtype=torch.int32)
+    pos = torch.randint(0, 48, (n,), generator=g, dtype=torch.int32)
+    q = _heavy(n, 9, 64, seed=13, dtype=dtype)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        wide = _bits(fixed_order.attention(q, k, v, tables, seq, pos, 0.125))
+        for t in range(n):
+            alone = fixed_order.attention(q[t:t + 1], k, v, tables[t:t + 1], seq[:1], pos[t:t + 1], 0.125)
+            assert torch.equal(_bits(alone), wide[t:t + 1]), t
+        torch.set_num_threads(1)
+        assert torch.equal(_bits(fixed_order.attention(q, k, v, tables, seq, pos, 0.125)), wide)
+    finally:
+        torch.set_num_threads(threads)
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm_and_silu_match_the_models_formulas_and_every_build(dtype):
     x, w = _heavy(11, 576, seed=12, dtype=dtype), torch.rand(576, generator=torch.Generator().manual_seed(1)).to(dtype)
