@@ -195,7 +195,8 @@ def main() -> None:
           f"threads: {torch.get_num_threads()}")
     loads = {"c32": (32, lambda r: (int(r.integers(64, 449)), int(r.integers(32, 225)))),
              "c1": (1, lambda r: (256, 128)),
-             "decode32": (32, lambda r: (64, 512))}
+             "decode32": (32, lambda r: (64, 512)),
+             "prefill32": (32, lambda r: (1000, 64))}
     for name in a.loads.split(","):
         conc, lengths = loads[name]
         clock.sec.clear()
