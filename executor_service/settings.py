@@ -71,11 +71,13 @@ class ExecutorSettings(RoleSettings):
     fused_kernels: bool = Field(True, description="with the triton attention backend (CUDA), outside deterministic "
                                 "mode: one kernel each for the residual add with RMSNorm, rotary with the KV write, "
                                 "and SiLU times up, where torch runs about 20 per layer (docs/gpu.md)")
-    quantization: Literal["none", "fp8"] = Field(
+    quantization: Literal["none", "fp8", "gguf"] = Field(
         "none", description="fp8: the decoder's projection weights quantized to float8 (e4m3) at load, a scale per "
         "output channel, activations a scale per token, products on FP8 tensor cores (CUDA, compute capability "
         "8.9 or newer; refused elsewhere on CUDA); half the bytes a decode step reads. Embeddings, LM head, "
-        "norms and the KV cache keep --dtype")
+        "norms and the KV cache keep --dtype. gguf (CPU): the weights a GGUF held in Q4_0, Q4_1 or Q8_0, which "
+        "tools.convert_gguf keeps in the model directory (quantized.safetensors), multiplied as they are: the "
+        "tokens of the dequantized model, a quarter to a sixth of its weight bytes")
     cpu_gemm: Literal["auto", "packed", "library"] = Field(
         "auto", description="the CPU's linear layers: packed (weights packed at load into panels for the project's "
         "own GEMM, executor_service/fixed_order.c, built by gcc for this CPU), library (oneDNN or torch); auto: "

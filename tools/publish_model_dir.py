@@ -14,11 +14,12 @@ from tools.gguf_reading import ConversionError
 
 MARKER = "conversion.json"
 # Bump when the output changes, so directories written by an older converter are redone.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
 OUTPUT_FILES = (
     "config.json",
     "generation_config.json",
     "model.safetensors",
+    "quantized.safetensors",
     "tokenizer.json",
     "tokenizer_config.json",
     MARKER,

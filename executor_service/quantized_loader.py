@@ -1,0 +1,96 @@
+"""The linear layers and the embedding a model directory carries quantized (`quantized.safetensors`, written by
+tools/convert_gguf.py from a GGUF: each Q4_0, Q4_1 or Q8_0 tensor's blocks as the file has them), as
+QuantizedLinear layers. A fused layer (q/k/v, gate/up) is quantized only where all its parts are, in one format;
+otherwise it is loaded from model.safetensors as the float weights it dequantizes to, and the log says so.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from executor_service.model_config import ModelConfig, ModelLoadError
+from executor_service.partition import Partition
+from executor_service.quantized import FORMATS, QuantizedLinear
+
+log = logging.getLogger(__name__)
+FILE = "quantized.safetensors"
+
+
+class QuantizedEmbedding(torch.nn.Module):
+    """An embedding table held quantized: a lookup dequantizes the rows it returns."""
+
+    def __init__(self, table: QuantizedLinear, dtype: torch.dtype):
+        super().__init__()
+        self.table = table
+        # Empty, in the model's dtype: what reads `embed_tokens.weight` for its dtype or device still can.
+        self.weight = torch.nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.table.rows(ids, self.weight.dtype)
+
+
+def quantized_layers(path: Path, cfg: ModelConfig, part: Partition) -> dict[str, QuantizedLinear]:
+    """Our parameter name ("layers.3.qkv_proj.weight", "embed_tokens.weight", "lm_head.weight") -> its weight,
+    quantized, for every one whose Hugging Face tensors the directory's quantized file holds."""
+    f = path / FILE
+    if not f.is_file():
+        raise ModelLoadError(f"{path}: --quantization gguf takes the weights a GGUF holds quantized, which "
+                             f"tools.convert_gguf writes to {FILE}; this directory has none (convert it again "
+                             f"from its GGUF, or leave --quantization at none)")
+    if part.size > 1:
+        raise ModelLoadError("--quantization gguf with tensor parallelism: slices of quantized weights are not "
+                             "supported yet (run one rank, or --quantization none)")
+    st = safe_open(str(f), framework="np")
+    formats = json.loads((st.metadata() or {}).get("stepwire.quantized", "{}"))
+
+    def fused(hf_names: list[str]) -> QuantizedLinear | None:
+        kinds = {formats.get(n, {}).get("format") for n in hf_names}
+        if len(kinds) != 1 or None in kinds or next(iter(kinds)) not in FORMATS:
+            return None
+        rows = np.concatenate([st.get_tensor(n) for n in hf_names])
+        return QuantizedLinear.of(next(iter(kinds)), rows, formats[hf_names[0]]["cols"])
+
+    out: dict[str, QuantizedLinear] = {}
+    layers = {"embed_tokens.weight": ["model.embed_tokens.weight"]}
+    layers["lm_head.weight"] = ["lm_head.weight"] if "lm_head.weight" in formats or not cfg.tie_word_embeddings \
+        else ["model.embed_tokens.weight"]
+    for i in range(cfg.num_layers):
+        p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+        layers |= {f"layers.{i}.qkv_proj.weight": [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"],
+                   f"layers.{i}.o_proj.weight": [a + "o_proj.weight"],
+                   f"layers.{i}.gate_up_proj.weight": [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
+                   f"layers.{i}.down_proj.weight": [p + "mlp.down_proj.weight"]}
+    left = []
+    for ours, theirs in layers.items():
+        q = out.get("embed_tokens.weight") if theirs == ["model.embed_tokens.weight"] else None
+        q = q or fused(theirs)
+        if q is None:
+            if any(n in formats for n in theirs):
+                left.append(ours)
+            continue
+        out[ours] = q
+    if left:
+        log.warning("quantized weights in formats the kernel does not take, or fused with others in another "
+                    "format, are loaded dequantized: %s", ", ".join(left[:6]) + (" ..." if len(left) > 6 else ""))
+    return out
+
+
+def attach(model: torch.nn.Module, quantized: dict[str, QuantizedLinear], dtype: torch.dtype) -> None:
+    """Each quantized weight in place of its parameter: a linear layer computes with it (its weight left empty,
+    in the model's dtype), the embedding looks rows up in it (a tied LM head shares the one table)."""
+    for name, q in quantized.items():
+        if name == "embed_tokens.weight":
+            model.embed_tokens = QuantizedEmbedding(q, dtype)
+            continue
+        layer = model.get_submodule(name.removesuffix(".weight"))
+        layer.weight = torch.nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+        layer.set_packed(q, keep_weight=True)
+    held = sum(q.nbytes for q in {id(q): q for q in quantized.values()}.values())
+    formats = sorted({q.fmt for q in quantized.values()})
+    log.info("weights kept quantized (%s): %d layers, %.1f MB", ", ".join(formats), len(quantized), held / 1e6)
