@@ -66,6 +66,9 @@ class ServeSettings(ServiceSettings):
         "none", description="executors' speculative decoding: ngram (prompt lookup) or draft (--speculative-model), "
         "verified in one pass; greedy and seeded output unchanged (docs/speculative_decoding.md)")
     speculative_model: str = Field("", description="draft: a small model directory with the target's tokenizer")
+    quantization: Literal["none", "fp8", "gguf"] = Field(
+        "none", description="the executors' weights: gguf (CPU) multiplies the Q4_0/Q4_1/Q8_0 blocks of the GGUF "
+        "the model directory was converted from as they are (docs/quantized.md); fp8 (CUDA) quantizes at load")
     num_speculative_tokens: int = Field(8, ge=1, le=16, description="most tokens a request verifies per step")
     max_loras: int = Field(0, ge=0, le=256, description="executors' LoRA adapter slots (0: no adapters; "
                            "docs/lora.md)")
@@ -156,7 +159,7 @@ def children(a: ServeSettings, certs: Path | None = None) -> tuple[list[Child], 
         "--role": role_of(a, i), "--metrics-address": f"127.0.0.1:{a.executor_metrics_port + i}",
         "--speculative-method": a.speculative_method, "--num-speculative-tokens": a.num_speculative_tokens,
         "--speculative-model": a.speculative_model or None, "--max-loras": a.max_loras,
-        "--max-lora-rank": a.max_lora_rank, "--lora-dir": a.lora_dir or None})
+        "--max-lora-rank": a.max_lora_rank, "--lora-dir": a.lora_dir or None, "--quantization": a.quantization})
         for i, address in enumerate(addresses)]
     stack = [
         child("scheduler", "scheduler", {"--executors": ",".join(addresses), "--address": sc,
