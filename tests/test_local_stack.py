@@ -39,6 +39,10 @@ def test_serve_gives_each_executor_its_own_port_and_a_share_of_the_cores():
     assert "--deterministic" not in one.command
     assert all("--deterministic" in c.command
                for c in children(load(ServeSettings, ["--executors", "2", "--deterministic"]))[0])
+    # So does the weights' quantization.
+    assert _flag(one.command, "--quantization") == "none"
+    assert {_flag(c.command, "--quantization")
+            for c in children(load(ServeSettings, ["--executors", "2", "--quantization", "gguf"]))[0]} == {"gguf"}
 
 
 def test_serve_splits_its_executors_into_prefill_and_decode_only_when_asked_and_keeps_one_of_each():
