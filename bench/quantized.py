@@ -5,8 +5,12 @@ model dequantized, in one run: three servers up, the systems taking turns by rou
   llama.cpp's server (built by ../shared/peers/llama_cpp/setup.sh into `--llama-venv`).
 - c32: 64 chat prompts, 64 tokens each, 32 at a time: stepwire quantized and unquantized, same dtype.
 
+- perplexity, teacher-forced over docs/architecture.md (4 windows of 256 tokens), quantized and unquantized.
+
 Prints a table and `RESULT quant format=... c1_vs_llama_cpp=... spec_c1_vs_llama_cpp=... c32_vs_float32=...
-weight_bytes=... ppl_ratio=...`; the speculation and perplexity figures are not measured yet and print n/a.
+weight_bytes=... ppl_ratio=...`; the speculation figure is not measured yet and prints n/a. The unquantized model
+is the GGUF dequantized (the directory's model.safetensors): the ratio is 1 exactly when nothing is added to the
+file's own error.
 Usage: bench/quantized.py --llama-venv DIR [--dtype float32|bfloat16] [--rounds 2] [--tokens 128]
 """
 
@@ -40,6 +44,23 @@ def weights_mb(model: Path) -> tuple[str, float]:
         rest = sum(_numel(f.get_slice(k).get_shape()) for k in f.keys() if k not in taken) * 4
     formats = sorted({v["format"] for v in kinds.values()})
     return "+".join(formats), (quantized + rest) / 1e6
+
+
+def perplexities(dtype: str) -> dict[str, float]:
+    import torch
+
+    from executor_service.loader import load_model
+    from executor_service.teacher_forced import perplexity
+    from gateway.tokenizer import ModelTokenizer
+
+    ids = ModelTokenizer(MODEL).encode((MODEL.parent.parent / "docs" / "architecture.md").read_text())
+    windows = [torch.tensor(ids[i * 256:(i + 1) * 256]) for i in range(4)]
+    out = {}
+    for q in ("gguf", "none"):
+        model = load_model(MODEL, 512, "cpu", getattr(torch, dtype), quantization=q)
+        model.pack_linears()     # the CPU default's GEMM for what is not quantized
+        out[q] = perplexity(model, windows)
+    return out
 
 
 def _numel(shape) -> int:
@@ -86,8 +107,10 @@ def main() -> None:
     fmt, mb = weights_mb(MODEL)
     c1 = got[("c1", "stepwire gguf")]["tok_s"] / got[("c1", "llama.cpp")]["tok_s"]
     c32 = got[("c32", "stepwire gguf")]["tok_s"] / got[("c32", "stepwire none")]["tok_s"]
+    ppl = perplexities(a.dtype)
+    print(f"perplexity over docs/architecture.md: quantized {ppl['gguf']:.4f}, dequantized {ppl['none']:.4f}")
     print(f"RESULT quant format={fmt} c1_vs_llama_cpp={c1:.2f} spec_c1_vs_llama_cpp=n/a c32_vs_float32={c32:.2f} "
-          f"weight_bytes={mb:.1f}MB ppl_ratio=n/a")
+          f"weight_bytes={mb:.1f}MB ppl_ratio={ppl['gguf'] / ppl['none']:.4f}")
 
 
 if __name__ == "__main__":

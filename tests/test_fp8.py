@@ -16,6 +16,7 @@ from executor_service.loader import load_model
 from executor_service.model_config import ModelLoadError
 from executor_service.runner_config import RunnerConfig
 from executor_service.settings import ExecutorSettings
+from executor_service.teacher_forced import full_forward
 from launcher.engine import LLMEngine
 from scheduler_service import SchedulerConfig
 
@@ -144,27 +145,3 @@ def test_the_embedded_model_in_fp8_predicts_the_next_token_as_the_float_model_do
     assert torch.equal(logits["fp8"].argmax(-1)[sure], logits["none"].argmax(-1)[sure])
     kl = (p * (logits["none"].log_softmax(-1) - logits["fp8"].log_softmax(-1))).sum(-1).mean().item()
     assert kl < 0.15, kl
-
-
-def full_forward(model, ids: torch.Tensor) -> torch.Tensor:
-    """Logits at every position of one prompt, through the paged model with a cache of its own."""
-    import numpy as np
-
-    from executor_service.attention import build_attention_metadata
-    from executor_service.input_batch import StepInputs
-
-    cfg, bs, n = model.config, 16, len(ids)
-    nb = -(-n // bs)
-    like = model.lm_head.weight
-    caches = [tuple(like.new_zeros(nb + 1, bs, cfg.num_kv_heads, cfg.head_dim) for _ in "kv")
-              for _ in range(cfg.num_layers)]
-    table = np.arange(1, nb + 2)[None, :]
-    positions = np.arange(n)
-    inputs = StepInputs(handles=[0], rows=np.array([0]), num_scheduled=np.array([n]), query_start=np.array([0]),
-                        input_ids=ids.cpu().numpy(), positions=positions, slot_mapping=table[0, positions // bs] * bs
-                        + positions % bs, seq_lens=np.array([n]), sample_mask=np.array([True]),
-                        logits_index=np.array([n - 1]))
-    meta = build_attention_metadata(inputs, table, bs, lambda a: torch.from_numpy(np.asarray(a)).to(ids.device))
-    with torch.inference_mode():
-        hidden = model(ids, torch.from_numpy(positions).to(ids.device), caches, meta)
-        return model.lm_head(hidden)
