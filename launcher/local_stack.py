@@ -45,7 +45,8 @@ class ServeSettings(ServiceSettings):
 
     model_config = SettingsConfigDict(env_prefix="STEPWIRE_SERVE_", cli_prog_name="stepwire serve")
 
-    model: str = Field("models/SmolLM2-135M-Instruct", description="Hugging Face model directory")
+    model: str = Field("models/SmolLM2-135M-Instruct", description="Hugging Face model directory, or a GGUF file "
+                       "(converted once into a directory, its quantized weights served as they are)")
     port: int = Field(8000, description="HTTP port of the gateway")
     grpc_port: int = Field(50050, description="gRPC port of the gateway (stepwire.v1)")
     scheduler_port: int = Field(50051)
@@ -193,10 +194,33 @@ class Stop(Exception):
     """SIGTERM or SIGINT reached serve."""
 
 
+def model_from_gguf(a: ServeSettings) -> ServeSettings:
+    """A GGUF file as --model: converted once (tools.convert_gguf, which redoes nothing already done) into a model
+    directory under STEPWIRE_MODEL_CACHE (default ~/.cache/stepwire/models), served from there, and with its own
+    quantized weights unless --quantization says otherwise."""
+    gguf = Path(a.model)
+    if gguf.suffix.lower() != ".gguf":
+        return a
+    try:
+        from tools.convert_gguf import ConversionError, convert
+    except ImportError as e:
+        sys.exit(f"stepwire serve: converting {gguf.name} needs the convert extra (pip install "
+                 f"'stepwire[convert]'): {e}")
+    cache = Path(os.environ.get("STEPWIRE_MODEL_CACHE") or Path.home() / ".cache" / "stepwire" / "models")
+    try:
+        directory = convert(gguf, cache / gguf.stem)
+    except ConversionError as e:
+        sys.exit(f"stepwire serve: {e}")
+    quantization = a.quantization if "quantization" in a.model_fields_set else "gguf"
+    log.info("serving %s from %s (--quantization %s)", gguf.name, directory, quantization)
+    return a.model_copy(update={"model": str(directory), "quantization": quantization})
+
+
 def serve(argv: list[str]) -> None:
     a = load(ServeSettings, argv)
     logging.basicConfig(level=logging.INFO, format="stepwire: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)   # not a line per health poll
+    a = model_from_gguf(a)
     certs, temporary = certificates(a)
     executors, stack = children(a, certs)
 

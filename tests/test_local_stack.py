@@ -3,6 +3,7 @@
 import os
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -176,3 +177,23 @@ def test_serve_restarts_a_killed_executor_and_keeps_serving_meanwhile(tmp_path):
     # An executor and a scheduler lost and an ordinary stop: one line for each fault, no traceback.
     text = (tmp_path / "serve.log").read_text()
     assert "Traceback" not in text and "aclose()" not in text and "Task was destroyed" not in text
+
+
+def test_serve_takes_a_gguf_file_converts_it_once_and_serves_its_quantized_weights(tmp_path, monkeypatch):
+    pytest.importorskip("gguf")
+    from test_gguf_quantized_model import MIXED, write_gguf
+
+    from launcher.local_stack import model_from_gguf
+
+    gguf = write_gguf(tmp_path / "Tiny-Q4.gguf", MIXED)
+    monkeypatch.setenv("STEPWIRE_MODEL_CACHE", str(tmp_path / "cache"))
+    a = model_from_gguf(load(ServeSettings, ["--model", str(gguf)]))
+    assert a.model == str(tmp_path / "cache" / "Tiny-Q4") and a.quantization == "gguf"
+    assert (Path(a.model) / "quantized.safetensors").is_file()
+    made = (Path(a.model) / "model.safetensors").stat().st_mtime_ns
+    again = model_from_gguf(load(ServeSettings, ["--model", str(gguf), "--quantization", "none"]))
+    assert again.quantization == "none" and (Path(a.model) / "model.safetensors").stat().st_mtime_ns == made
+    plain = load(ServeSettings, ["--model", str(tmp_path / "a-directory")])
+    assert model_from_gguf(plain) is plain
+    with pytest.raises(SystemExit, match="not found"):
+        model_from_gguf(load(ServeSettings, ["--model", str(tmp_path / "missing.gguf")]))
