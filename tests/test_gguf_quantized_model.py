@@ -126,3 +126,43 @@ def test_a_directory_without_quantized_weights_is_refused_with_the_way_out(tmp_p
     from tiny_model import write_tiny_llama
     with pytest.raises(ModelLoadError, match="quantized.safetensors"):
         engine_logits(write_tiny_llama(tmp_path / "plain"), "gguf", "float32")
+
+
+def test_a_lora_adapter_on_quantized_base_weights_gives_the_dequantized_models_tokens(tmp_path):
+    pytest.importorskip("peft")
+    from lora_fixtures import make_adapter
+
+    from executor_service.runner_config import RunnerConfig
+    from launcher.engine import LLMEngine
+    from stepwire.contract import SamplingParams
+
+    model = convert(write_gguf(tmp_path / "m.gguf", MIXED), tmp_path / "m")
+    adapter = make_adapter(tmp_path / "adapter", seed=3, rank=4, base=model)
+    prompt = [5, 9, 33, 61, 2, 17, 40, 12, 3, 90]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    got = {}
+    for q in ("gguf", "none"):
+        engine = LLMEngine(RunnerConfig(str(model), dtype="float32", quantization=q, max_loras=1, max_lora_rank=8,
+                                        max_num_seqs=4, max_model_len=128, kv_cache_memory=8 << 20))
+        engine.load_adapter("a", str(adapter))
+        got[q] = [c.token_ids for c in engine.generate([prompt, prompt], params, adapters=["a", ""])]
+    assert got["gguf"] == got["none"]
+    assert got["gguf"][0] != got["gguf"][1]     # the adapter changed the tokens
+
+
+def test_deterministic_mode_keeps_its_bits_with_quantized_weights(tmp_path):
+    from executor_service.runner_config import RunnerConfig
+    from launcher.engine import LLMEngine
+    from stepwire.contract import SamplingParams
+
+    model = convert(write_gguf(tmp_path / "m.gguf", MIXED), tmp_path / "m")
+    prompts = [[5, 9, 33, 61, 2, 17, 40, 12, 3, 90], [77, 3, 19]]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    got = {}
+    for q in ("gguf", "none"):
+        engine = LLMEngine(RunnerConfig(str(model), dtype="float32", quantization=q, deterministic=True,
+                                        max_num_seqs=4, max_model_len=128, kv_cache_memory=8 << 20))
+        got[q] = [c.token_ids for c in engine.generate(prompts, params)]
+        alone = [engine.generate([p], params)[0].token_ids for p in prompts]
+        assert alone == got[q]
+    assert got["gguf"] == got["none"]
