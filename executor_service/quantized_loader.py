@@ -1,7 +1,8 @@
 """The linear layers and the embedding a model directory carries quantized (`quantized.safetensors`, written by
 tools/convert_gguf.py from a GGUF: each Q4_0, Q4_1 or Q8_0 tensor's blocks as the file has them), as
 QuantizedLinear layers. A fused layer (q/k/v, gate/up) is quantized only where all its parts are, in one format;
-otherwise it is loaded from model.safetensors as the float weights it dequantizes to, and the log says so.
+otherwise it is loaded from model.safetensors as the float weights it dequantizes to, and the log says so. A
+tensor-parallel rank takes its rows, or its columns in whole blocks (a cut inside a block also falls back).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from safetensors import safe_open
 
 from executor_service.model_config import ModelConfig, ModelLoadError
 from executor_service.partition import Partition
-from executor_service.quantized import FORMATS, QuantizedLinear
+from executor_service.quantized import FORMATS, QK, QuantizedLinear
 
 log = logging.getLogger(__name__)
 FILE = "quantized.safetensors"
@@ -43,38 +44,64 @@ def quantized_layers(path: Path, cfg: ModelConfig, part: Partition) -> dict[str,
         raise ModelLoadError(f"{path}: --quantization gguf takes the weights a GGUF holds quantized, which "
                              f"tools.convert_gguf writes to {FILE}; this directory has none (convert it again "
                              f"from its GGUF, or leave --quantization at none)")
-    if part.size > 1:
-        raise ModelLoadError("--quantization gguf with tensor parallelism: slices of quantized weights are not "
-                             "supported yet (run one rank, or --quantization none)")
     st = safe_open(str(f), framework="np")
     formats = json.loads((st.metadata() or {}).get("stepwire.quantized", "{}"))
 
-    def fused(hf_names: list[str]) -> QuantizedLinear | None:
-        kinds = {formats.get(n, {}).get("format") for n in hf_names}
+    def piece(name: str, rows=None, cols=None) -> np.ndarray | None:
+        """This rank's rows (whole rows of blocks) or columns (whole blocks: a cut inside a block of 32 is not
+        the file's blocks any more, and the layer is then loaded dequantized) of a quantized tensor."""
+        x = st.get_tensor(name)
+        if rows is not None:
+            x = x[rows[0]:rows[1]]
+        if cols is not None:
+            if cols[0] % QK or cols[1] % QK:
+                return None
+            bb = FORMATS[formats[name]["format"]][1]
+            x = x[:, cols[0] // QK * bb:cols[1] // QK * bb]
+        return x
+
+    def fused(parts: list[tuple[str, dict]], pad_to: int = 0) -> QuantizedLinear | None:
+        """One layer made of `parts` (a quantized tensor's name and the rows or cols this rank takes), stacked."""
+        kinds = {formats.get(n, {}).get("format") for n, _ in parts}
         if len(kinds) != 1 or None in kinds or next(iter(kinds)) not in FORMATS:
             return None
-        rows = np.concatenate([st.get_tensor(n) for n in hf_names])
-        return QuantizedLinear.of(next(iter(kinds)), rows, formats[hf_names[0]]["cols"])
+        pieces = [piece(n, **cut) for n, cut in parts]
+        if any(x is None for x in pieces):
+            return None
+        rows = np.concatenate(pieces)
+        if pad_to > rows.shape[0]:     # the last rank's vocabulary slice, padded with zero rows (scales of 0)
+            rows = np.concatenate([rows, np.zeros((pad_to - rows.shape[0], rows.shape[1]), dtype=np.uint8)])
+        cols = parts[0][1].get("cols")
+        k = cols[1] - cols[0] if cols else formats[parts[0][0]]["cols"]
+        return QuantizedLinear.of(next(iter(kinds)), rows, k)
 
+    d = cfg.head_dim
+    q, kv, ff = (part.q_heads[0] * d, part.q_heads[1] * d), (part.kv_heads[0] * d, part.kv_heads[1] * d), \
+        part.intermediate
+    o_cut, down_cut = ({"rows": part.hidden},) * 2 if part.gathers else ({"cols": q}, {"cols": ff})
+    vocab = {"rows": part.vocab}
     out: dict[str, QuantizedLinear] = {}
-    layers = {"embed_tokens.weight": ["model.embed_tokens.weight"]}
-    layers["lm_head.weight"] = ["lm_head.weight"] if "lm_head.weight" in formats or not cfg.tie_word_embeddings \
-        else ["model.embed_tokens.weight"]
+    layers = {"embed_tokens.weight": [("model.embed_tokens.weight", vocab)]}
+    layers["lm_head.weight"] = [("lm_head.weight", vocab)] \
+        if "lm_head.weight" in formats or not cfg.tie_word_embeddings else [("model.embed_tokens.weight", vocab)]
     for i in range(cfg.num_layers):
         p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
-        layers |= {f"layers.{i}.qkv_proj.weight": [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"],
-                   f"layers.{i}.o_proj.weight": [a + "o_proj.weight"],
-                   f"layers.{i}.gate_up_proj.weight": [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
-                   f"layers.{i}.down_proj.weight": [p + "mlp.down_proj.weight"]}
+        layers |= {f"layers.{i}.qkv_proj.weight": [(a + "q_proj.weight", {"rows": q}),
+                                                    (a + "k_proj.weight", {"rows": kv}),
+                                                    (a + "v_proj.weight", {"rows": kv})],
+                   f"layers.{i}.o_proj.weight": [(a + "o_proj.weight", o_cut)],
+                   f"layers.{i}.gate_up_proj.weight": [(p + "mlp.gate_proj.weight", {"rows": ff}),
+                                                       (p + "mlp.up_proj.weight", {"rows": ff})],
+                   f"layers.{i}.down_proj.weight": [(p + "mlp.down_proj.weight", down_cut)]}
     left = []
-    for ours, theirs in layers.items():
-        q = out.get("embed_tokens.weight") if theirs == ["model.embed_tokens.weight"] else None
-        q = q or fused(theirs)
-        if q is None:
-            if any(n in formats for n in theirs):
+    for ours, parts in layers.items():
+        shared = out.get("embed_tokens.weight") if parts[0][0] == "model.embed_tokens.weight" else None
+        made = shared or fused(parts, part.vocab_rows if ours in ("embed_tokens.weight", "lm_head.weight") else 0)
+        if made is None:
+            if any(n in formats for n, _ in parts):
                 left.append(ours)
             continue
-        out[ours] = q
+        out[ours] = made
     if left:
         log.warning("quantized weights in formats the kernel does not take, or fused with others in another "
                     "format, are loaded dequantized: %s", ", ".join(left[:6]) + (" ..." if len(left) > 6 else ""))

@@ -396,3 +396,18 @@ def test_two_ranks_over_nccl_give_the_tokens_of_one_gpu(tmp_path, engines):
     one, two = engines(path, device="cuda", dtype="float32", attention_backend="torch")
     assert two.runner.comm.size == 2 and str(two.runner.device) == "cuda:0"
     assert_same_tokens_and_logits(one, two, [[5, 6, 7, 8, 9], [11, 12]])
+
+
+def test_two_ranks_slice_a_ggufs_quantized_weights_and_agree_with_one(tmp_path, engines):
+    pytest.importorskip("gguf")
+    from test_gguf_quantized_model import MIXED, write_gguf
+
+    from tools.convert_gguf import convert
+
+    path = convert(write_gguf(tmp_path / "m.gguf", MIXED), tmp_path / "m")
+    one, two = engines(path, quantization="gguf")
+    layer = two.runner.model.layers[0]     # rank 0's: half the heads and half the MLP, still quantized
+    assert type(layer.qkv_proj.packed).__name__ == type(layer.down_proj.packed).__name__ == "QuantizedLinear"
+    assert layer.down_proj.packed.k == 64 and layer.qkv_proj.packed.n == 32 + 2 * 16
+    assert type(two.runner.model.embed_tokens).__name__ == "QuantizedEmbedding"
+    assert_same_tokens_and_logits(one, two, [[5, 17, 33, 8, 91, 4, 60, 23, 72, 11, 42, 7], [9, 9, 100, 3]])
