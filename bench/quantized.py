@@ -5,10 +5,13 @@ model dequantized, in one run: three servers up, the systems taking turns by rou
   llama.cpp's server (built by ../shared/peers/llama_cpp/setup.sh into `--llama-venv`).
 - c32: 64 chat prompts, 64 tokens each, 32 at a time: stepwire quantized and unquantized, same dtype.
 
+- spec: the grounded prompts of bench/spec_decode.py one at a time, `--tokens` each: stepwire quantized with
+  `--speculative-method ngram` against the better of llama.cpp plain and llama.cpp with its own prompt lookup
+  (LLAMA_PROMPT_LOOKUP=10).
 - perplexity, teacher-forced over docs/architecture.md (4 windows of 256 tokens), quantized and unquantized.
 
 Prints a table and `RESULT quant format=... c1_vs_llama_cpp=... spec_c1_vs_llama_cpp=... c32_vs_float32=...
-weight_bytes=... ppl_ratio=...`; the speculation figure is not measured yet and prints n/a. The unquantized model
+weight_bytes=... ppl_ratio=...`. The unquantized model
 is the GGUF dequantized (the directory's model.safetensors): the ratio is 1 exactly when nothing is added to the
 file's own error.
 Usage: bench/quantized.py --llama-venv DIR [--dtype float32|bfloat16] [--rounds 2] [--tokens 128]
@@ -29,6 +32,8 @@ sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 from determinism import cpu_model  # noqa: E402
 from offline_throughput import prompt_texts  # noqa: E402
 from serving import MODEL, http_run, merge, row, start_llama, start_stack  # noqa: E402
+from spec_decode import grounded  # noqa: E402
+from spec_decode import run as run_one_at_a_time  # noqa: E402
 
 
 def weights_mb(model: Path) -> tuple[str, float]:
@@ -82,9 +87,20 @@ def main() -> None:
     name = MODEL.name
     servers = {"stepwire gguf": start_stack(env, tls=False, extra=("--quantization", "gguf"))[:2],
                "stepwire none": start_stack(env, tls=False)[:2],
+               "stepwire gguf ngram": start_stack(env, tls=False, extra=("--quantization", "gguf",
+                                                                         "--speculative-method", "ngram"))[:2],
                "llama.cpp": start_llama(a.llama_venv)}
+    os.environ["LLAMA_PROMPT_LOOKUP"] = "10"     # read by its serve.sh
+    try:
+        servers["llama.cpp lookup"] = start_llama(a.llama_venv)
+    finally:
+        del os.environ["LLAMA_PROMPT_LOOKUP"]
+    docs = grounded()
+    spec: dict[str, list[dict]] = {}
     runs: dict[tuple[str, str], list[dict]] = {}
     try:
+        for system, (_, url) in servers.items():      # warm-up, not measured
+            asyncio.run(http_run(url, "smollm2" if system.startswith("llama") else name, texts[:1], 8, 1))
         for r in range(a.rounds):
             order = [("c1", "stepwire gguf"), ("c1", "llama.cpp"), ("c32", "stepwire gguf"), ("c32", "stepwire none")]
             for load, system in (order if r % 2 == 0 else order[::-1]):
@@ -95,6 +111,10 @@ def main() -> None:
                 else:
                     res = asyncio.run(http_run(url, model, texts, 64, 32))
                 runs.setdefault((load, system), []).append(res)
+            for system in ("stepwire gguf ngram", "llama.cpp", "llama.cpp lookup"):
+                _, url = servers[system]
+                model = "smollm2" if system.startswith("llama") else name
+                spec.setdefault(system, []).append(run_one_at_a_time(url, model, docs, a.tokens))
     finally:
         for proc, _ in servers.values():
             proc.terminate()
@@ -107,9 +127,14 @@ def main() -> None:
     fmt, mb = weights_mb(MODEL)
     c1 = got[("c1", "stepwire gguf")]["tok_s"] / got[("c1", "llama.cpp")]["tok_s"]
     c32 = got[("c32", "stepwire gguf")]["tok_s"] / got[("c32", "stepwire none")]["tok_s"]
+    spec_tok_s = {k: sum(r["tokens"] for r in v) / sum(r["seconds"] for r in v) for k, v in spec.items()}
+    for k, v in spec_tok_s.items():
+        print(f"spec (grounded, one at a time) {k:<22} {v:8.1f} tok/s")
+    spec_ratio = spec_tok_s["stepwire gguf ngram"] / max(spec_tok_s["llama.cpp"], spec_tok_s["llama.cpp lookup"])
     ppl = perplexities(a.dtype)
     print(f"perplexity over docs/architecture.md: quantized {ppl['gguf']:.4f}, dequantized {ppl['none']:.4f}")
-    print(f"RESULT quant format={fmt} c1_vs_llama_cpp={c1:.2f} spec_c1_vs_llama_cpp=n/a c32_vs_float32={c32:.2f} "
+    print(f"RESULT quant format={fmt} c1_vs_llama_cpp={c1:.2f} spec_c1_vs_llama_cpp={spec_ratio:.2f} "
+          f"c32_vs_float32={c32:.2f} "
           f"weight_bytes={mb:.1f}MB ppl_ratio={ppl['gguf'] / ppl['none']:.4f}")
 
 
