@@ -3,16 +3,18 @@
 preparation, and the rest (Python and the interpreter), against the step's wall time.
 
 The in-process engine (the same scheduler and runner the services run, without the hop) serves the embedded
-model under the CPU step defaults. Three loads (`--loads`, default all):
+model under the CPU step defaults. Loads (`--loads`, default c32,c1,decode32):
 - c32: 32 requests always in flight, prompts of 64-448 random tokens and 32-224 out (the chat workload of
   bench/peers.py), measured once every request started has been replaced at least once;
 - c1: one request, 256 in, 128 out;
-- decode32: 32 requests in flight, 64 in and 512 out each (the decode workload of bench/peers.py).
+- decode32: 32 requests in flight, 64 in and 512 out each (the decode workload of bench/peers.py);
+- prefill32: 32 requests in flight, 1000 in and 64 out each (the prefill workload of bench/peers.py).
+`--quantization gguf` runs the GGUF's quantized weights as they are (docs/quantized.md).
 Each kind is timed by wrapping the functions that do it (every CPU kernel here is synchronous, so the wall time
 of the call is the kernel's). The GEMMs' rate is set against this machine's peak: one large `torch.mm`.
 
 Usage: bench/step_profile.py [--dtype float32|bfloat16] [--cpu-gemm auto|packed|library] [--torch-paths]
-[--steps 80] [--loads c32,c1,decode32]
+[--quantization none|gguf] [--steps 80] [--loads c32,c1,decode32,prefill32]
 """
 
 from __future__ import annotations
