@@ -34,6 +34,7 @@ from executor_service.runner_config import (
     cpu_kernels,
     default_dtype,
     rank_device,
+    resolve_quantization,
     uses_packed_gemm,
 )
 from executor_service.sample_rows import sample_rows, step_result
@@ -110,8 +111,9 @@ class ModelRunner:
         # At least the context by default: a scheduler without chunked prefill puts a whole prompt in one step.
         self.max_num_batched_tokens = (cfg.max_num_batched_tokens
                                        or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_model_len))
+        self.quantization = resolve_quantization(cfg, self.device, self.dtype)
         self.model = load_model(cfg.model, self.max_model_len, self.device, self.dtype, self.comm, cfg.deterministic,
-                                cfg.quantization)
+                                self.quantization)
         if self.device.type == "cpu" and uses_packed_gemm(cfg, self.dtype):
             self.model.pack_linears()
         # Deterministic mode's kernels are its own (invariant_triton.py); the fused ones are not batch-invariant.
@@ -130,8 +132,8 @@ class ModelRunner:
         # Blocks move only between executors whose blocks are the same bytes, and (deterministic mode) the same
         # kernels wrote them: a batch-invariant executor continuing KV written by another would not be.
         self.kv_layout = layout(self.model_config, part.num_kv_heads, cfg.block_size, self.dtype, size, cfg.model)
-        if self.kv_layout and cfg.quantization != "none":   # FP8 weights compute other K/V from the same tokens
-            self.kv_layout += f":{cfg.quantization}"
+        if self.kv_layout and self.quantization != "none":   # FP8 weights compute other K/V from the same tokens
+            self.kv_layout += f":{self.quantization}"
         if self.kv_layout and cfg.deterministic:
             self.kv_layout += ":deterministic" + (":triton" if self.attention == "triton" else "")
         self.batch = self._new_batch()
@@ -192,7 +194,7 @@ class ModelRunner:
                 "cuda_graphs": self.graphs is not None, "tensor_parallel_size": self.comm.size,
                 "max_num_seqs": self.cfg.max_num_seqs, "max_num_batched_tokens": self.max_num_batched_tokens,
                 "deterministic": self.cfg.deterministic, "kv_layout": self.kv_layout,
-                "quantization": self.cfg.quantization, "fused_kernels": self.model.fused,
+                "quantization": self.quantization, "fused_kernels": self.model.fused,
                 "speculative": {"method": self.spec.cfg.method, "num_tokens": self.max_spec_tokens},
                 **(self.lora.describe() if self.lora is not None else {})}
 

@@ -15,7 +15,7 @@ from executor_service.linear import cpu_has_native_bf16
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-QUANTIZATIONS = ("none", "fp8", "gguf")
+QUANTIZATIONS = ("none", "auto", "fp8", "gguf")
 # The scheduler's step budget on a GPU (vLLM's figure): by default no step the scheduler would send on its own
 # defaults is refused, and a larger budget set there is capped through Describe.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
@@ -101,7 +101,8 @@ class RunnerConfig:
     cuda_graph_max_tokens: int = 512         # mixed steps (prompts beside decodes) up to this many tokens too
     fused_kernels: bool = True               # with triton attention: norm, rotary + KV write, SiLU (fused_kernels.py)
     quantization: str = "none"               # none; fp8: the projections' weights in float8 (fp8.py); gguf:
-                                             # a GGUF's Q4_0/Q4_1/Q8_0 weights as they are (quantized.py, CPU)
+                                             # a GGUF's Q4_0/Q4_1/Q8_0 weights as they are (quantized.py, CPU);
+                                             # auto: gguf where resolve_quantization finds it fastest
     cpu_gemm: str = "auto"                   # auto, packed (fixed_order.c on packed weights) or library (oneDNN)
     tensor_parallel_size: int = 1            # ranks, one process each, that split every layer (partition.py)
     tensor_parallel_timeout_seconds: float = 60.0   # longest wait in a collective, or for a rank to start
@@ -125,7 +126,7 @@ def uses_packed_gemm(cfg: RunnerConfig, dtype: torch.dtype) -> bool:
     quantization they do not take; `packed` refuses to start there instead. Deterministic mode packs anyway."""
     if cfg.cpu_gemm == "library" or cfg.deterministic:
         return False
-    fits = dtype in (torch.float32, torch.bfloat16) and cfg.quantization in ("none", "gguf")
+    fits = dtype in (torch.float32, torch.bfloat16) and cfg.quantization in ("none", "auto", "gguf")
     if cfg.cpu_gemm == "packed" and not fits:
         raise ValueError(f"--cpu-gemm packed takes float32 or bfloat16 weights without quantization, not {dtype} "
                          f"with {cfg.quantization!r}")
@@ -136,6 +137,20 @@ def uses_packed_gemm(cfg: RunnerConfig, dtype: torch.dtype) -> bool:
         library()   # FixedOrderUnavailable: refuse to start
         return True
     return cpu_kernels(dtype)
+
+
+def resolve_quantization(cfg: RunnerConfig, device: torch.device, dtype: torch.dtype) -> str:
+    """`auto`: the GGUF's own quantized weights where they are the fastest way that gives the same tokens, a CPU
+    executor in float32 on the project's GEMM whose directory holds them (quantized.safetensors; measured 1.7x
+    at one stream and 1.0-1.07x at 32, docs/quantized.md); elsewhere none (in bfloat16 the unquantized weights
+    were as fast at one stream and faster at 32)."""
+    if cfg.quantization != "auto":
+        return cfg.quantization
+    from pathlib import Path
+    if (device.type == "cpu" and dtype == torch.float32 and cfg.cpu_gemm != "library"
+            and (Path(cfg.model) / "quantized.safetensors").is_file() and cpu_kernels(dtype)):
+        return "gguf"
+    return "none"
 
 
 def cpu_kernels(dtype: torch.dtype) -> bool:

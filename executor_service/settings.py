@@ -71,8 +71,10 @@ class ExecutorSettings(RoleSettings):
     fused_kernels: bool = Field(True, description="with the triton attention backend (CUDA), outside deterministic "
                                 "mode: one kernel each for the residual add with RMSNorm, rotary with the KV write, "
                                 "and SiLU times up, where torch runs about 20 per layer (docs/gpu.md)")
-    quantization: Literal["none", "fp8", "gguf"] = Field(
-        "none", description="fp8: the decoder's projection weights quantized to float8 (e4m3) at load, a scale per "
+    quantization: Literal["none", "auto", "fp8", "gguf"] = Field(
+        "auto", description="auto: gguf on a float32 CPU executor whose model directory holds a GGUF's quantized "
+        "weights (the fastest way there, same tokens), else none. fp8: the decoder's projection weights "
+        "quantized to float8 (e4m3) at load, a scale per "
         "output channel, activations a scale per token, products on FP8 tensor cores (CUDA, compute capability "
         "8.9 or newer; refused elsewhere on CUDA); half the bytes a decode step reads. Embeddings, LM head, "
         "norms and the KV cache keep --dtype. gguf (CPU): the weights a GGUF held in Q4_0, Q4_1 or Q8_0, which "

@@ -67,8 +67,9 @@ class ServeSettings(ServiceSettings):
         "none", description="executors' speculative decoding: ngram (prompt lookup) or draft (--speculative-model), "
         "verified in one pass; greedy and seeded output unchanged (docs/speculative_decoding.md)")
     speculative_model: str = Field("", description="draft: a small model directory with the target's tokenizer")
-    quantization: Literal["none", "fp8", "gguf"] = Field(
-        "none", description="the executors' weights: gguf (CPU) multiplies the Q4_0/Q4_1/Q8_0 blocks of the GGUF "
+    quantization: Literal["none", "auto", "fp8", "gguf"] = Field(
+        "auto", description="the executors' weights: auto takes gguf on float32 CPU executors where the directory "
+        "holds quantized weights, else none; gguf (CPU) multiplies the Q4_0/Q4_1/Q8_0 blocks of the GGUF "
         "the model directory was converted from as they are (docs/quantized.md); fp8 (CUDA) quantizes at load")
     num_speculative_tokens: int = Field(8, ge=1, le=16, description="most tokens a request verifies per step")
     max_loras: int = Field(0, ge=0, le=256, description="executors' LoRA adapter slots (0: no adapters; "

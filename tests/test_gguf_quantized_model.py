@@ -166,3 +166,21 @@ def test_deterministic_mode_keeps_its_bits_with_quantized_weights(tmp_path):
         alone = [engine.generate([p], params)[0].token_ids for p in prompts]
         assert alone == got[q]
     assert got["gguf"] == got["none"]
+
+
+def test_auto_takes_the_quantized_weights_only_where_they_are_the_fastest_way(tmp_path):
+    from tiny_model import write_tiny_llama
+
+    from executor_service.runner_config import RunnerConfig, resolve_quantization
+
+    model = convert(write_gguf(tmp_path / "m.gguf", MIXED), tmp_path / "m")
+    cpu, auto = torch.device("cpu"), dict(quantization="auto")
+    assert resolve_quantization(RunnerConfig(str(model), **auto), cpu, torch.float32) == "gguf"
+    assert resolve_quantization(RunnerConfig(str(model), **auto), cpu, torch.bfloat16) == "none"
+    assert resolve_quantization(RunnerConfig(str(model), cpu_gemm="library", **auto), cpu, torch.float32) == "none"
+    assert resolve_quantization(RunnerConfig(str(model), **auto), torch.device("cuda"), torch.float32) == "none"
+    plain = write_tiny_llama(tmp_path / "plain")
+    assert resolve_quantization(RunnerConfig(str(plain), **auto), cpu, torch.float32) == "none"
+    assert resolve_quantization(RunnerConfig(str(model), quantization="none"), cpu, torch.float32) == "none"
+    engine, _ = engine_logits(model, "auto", "float32")
+    assert engine.runner.describe()["quantization"] == "gguf" and engine.runner.kv_layout.endswith(":gguf")

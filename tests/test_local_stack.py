@@ -41,7 +41,7 @@ def test_serve_gives_each_executor_its_own_port_and_a_share_of_the_cores():
     assert all("--deterministic" in c.command
                for c in children(load(ServeSettings, ["--executors", "2", "--deterministic"]))[0])
     # So does the weights' quantization.
-    assert _flag(one.command, "--quantization") == "none"
+    assert _flag(one.command, "--quantization") == "auto"
     assert {_flag(c.command, "--quantization")
             for c in children(load(ServeSettings, ["--executors", "2", "--quantization", "gguf"]))[0]} == {"gguf"}
 
