@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -46,7 +47,7 @@ def weights_mb(model: Path) -> tuple[str, float]:
         quantized = sum(f.get_tensor(k).nbytes for k in f.keys())
     taken = set(kinds) | {"lm_head.weight"}
     with safe_open(str(model / "model.safetensors"), framework="np") as f:   # float32: the norms, 4 bytes each
-        rest = sum(_numel(f.get_slice(k).get_shape()) for k in f.keys() if k not in taken) * 4
+        rest = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys() if k not in taken) * 4
     formats = sorted({v["format"] for v in kinds.values()})
     return "+".join(formats), (quantized + rest) / 1e6
 
@@ -66,13 +67,6 @@ def perplexities(dtype: str) -> dict[str, float]:
         model.pack_linears()     # the CPU default's GEMM for what is not quantized
         out[q] = perplexity(model, windows)
     return out
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def main() -> None:

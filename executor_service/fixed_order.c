@@ -222,6 +222,24 @@ static inline void store(int mr, int64_t row0, int64_t col0, int64_t n, const ac
                       case 7: CALL(7); break; default: CALL(8); break; }
 #endif
 
+/* Rows i..i+mr of x times packed panel w (the panel of output columns from col0), stored. */
+static inline void tile_rows(const void *x, int64_t ldx, int x_bf16, const void *w, int64_t k, int64_t i, int mr,
+                             int64_t col0, int64_t n, const float *bias, void *out, int64_t ldo, int out_bf16) {
+    acc_t acc[MR_MAX];
+    if (x_bf16) {
+        const uint16_t *xs = (const uint16_t *)x + i * ldx;
+#define CALL(R) tile_bf16(R, xs, ldx, (const uint16_t *)w, k, acc)
+        DISPATCH(mr, CALL)
+#undef CALL
+    } else {
+        const float *xs = (const float *)x + i * ldx;
+#define CALL(R) tile_f32(R, xs, ldx, (const float *)w, k, acc)
+        DISPATCH(mr, CALL)
+#undef CALL
+    }
+    store(mr, i, col0, n, acc, bias, out, ldo, out_bf16);
+}
+
 /* out[m, n] = x[m, k] @ w^T (+ bias): x float32 or bfloat16 (x_bf16), w packed by pack_f32 / pack_bf16 in the
  * same dtype, bias float32 or NULL, out row stride ldo in out's dtype. Threads take whole tiles. */
 void gemm(const void *x, int64_t ldx, int x_bf16, const void *wp, const float *bias, void *out, int64_t ldo,
@@ -232,19 +250,8 @@ void gemm(const void *x, int64_t ldx, int x_bf16, const void *wp, const float *b
     for (int64_t t = 0; t < tiles; t++) {
         int64_t p = t / row_tiles, i = (t % row_tiles) * MR_MAX;
         int mr = (int)(m - i < MR_MAX ? m - i : MR_MAX);
-        acc_t acc[MR_MAX];
-        if (x_bf16) {
-            const uint16_t *xs = (const uint16_t *)x + i * ldx, *w = (const uint16_t *)wp + p * panel_elems;
-#define CALL(R) tile_bf16(R, xs, ldx, w, k, acc)
-            DISPATCH(mr, CALL)
-#undef CALL
-        } else {
-            const float *xs = (const float *)x + i * ldx, *w = (const float *)wp + p * panel_elems;
-#define CALL(R) tile_f32(R, xs, ldx, w, k, acc)
-            DISPATCH(mr, CALL)
-#undef CALL
-        }
-        store(mr, i, p * NR, n, acc, bias, out, ldo, out_bf16);
+        const char *w = (const char *)wp + p * panel_elems * (x_bf16 ? 2 : 4);
+        tile_rows(x, ldx, x_bf16, w, k, i, mr, p * NR, n, bias, out, ldo, out_bf16);
     }
 }
 
@@ -394,12 +401,8 @@ static inline __attribute__((always_inline)) void qtile_bf16(int MR, const uint1
 
 #if defined(__AVX512BF16__)
 #define QTILE_BF16 1
-#elif defined(__AVX512F__)
+#else
 #define QTILE_BF16 0
-static inline void qtile_bf16(int MR, const uint16_t *x, int64_t ldx, const uint8_t *qp, int fmt, int64_t k,
-                              acc_t *acc) {   /* never called: bfloat16 rows take the panel there */
-    (void)MR; (void)x; (void)ldx; (void)qp; (void)fmt; (void)k; (void)acc;
-}
 #endif
 
 /* Panel p of a quantized weight as gemm's packed panel: float32 (pack_f32's layout) or, for bfloat16 rows, each
@@ -442,11 +445,14 @@ void qgemm(const void *x, int64_t ldx, int x_bf16, const uint8_t *qw, int fmt, c
             if (m <= MR_MAX && (!x_bf16 || QTILE_BF16)) {
                 int mr = (int)m;
                 acc_t acc[MR_MAX];
+#if QTILE_BF16
                 if (x_bf16) {
 #define CALL(R) qtile_bf16(R, (const uint16_t *)x, ldx, qw + p * pb, fmt, k, acc)
                     DISPATCH(mr, CALL)
 #undef CALL
-                } else {
+                } else
+#endif
+                {
 #define CALL(R) qtile_f32(R, (const float *)x, ldx, qw + p * pb, fmt, k, acc)
                     DISPATCH(mr, CALL)
 #undef CALL
@@ -456,22 +462,9 @@ void qgemm(const void *x, int64_t ldx, int x_bf16, const uint8_t *qw, int fmt, c
             }
 #endif
             dequant_panel(fmt, qw + p * pb, k, x_bf16, tmp, panel);
-            for (int64_t i = 0; i < m; i += MR_MAX) {
-                int mr = (int)(m - i < MR_MAX ? m - i : MR_MAX);
-                acc_t acc[MR_MAX];
-                if (x_bf16) {
-                    const uint16_t *xs = (const uint16_t *)x + i * ldx, *w = (const uint16_t *)panel;
-#define CALL(R) tile_bf16(R, xs, ldx, w, k, acc)
-                    DISPATCH(mr, CALL)
-#undef CALL
-                } else {
-                    const float *xs = (const float *)x + i * ldx, *w = (const float *)panel;
-#define CALL(R) tile_f32(R, xs, ldx, w, k, acc)
-                    DISPATCH(mr, CALL)
-#undef CALL
-                }
-                store(mr, i, p * NR, n, acc, bias, out, ldo, out_bf16);
-            }
+            for (int64_t i = 0; i < m; i += MR_MAX)
+                tile_rows(x, ldx, x_bf16, panel, k, i, (int)(m - i < MR_MAX ? m - i : MR_MAX), p * NR, n, bias, out,
+                          ldo, out_bf16);
         }
         free(panel);
         free(tmp);
@@ -669,14 +662,16 @@ static inline void transpose16(__m512 *r) {
 }
 #endif
 
-static inline void load_block(const void *kc, const void *vc, const int32_t *blocks, int64_t j0, int nk,
-                              int64_t block_size, int64_t s_block, int64_t s_slot, int64_t head_off, int64_t d,
-                              int bf16, float *kt, float *vb, int copy_v) {
+/* Key j's slot in the cache, as an element offset (its heads follow at s_head each). */
+static inline int64_t slot_at(const int32_t *blocks, int64_t j, int64_t block_size, int64_t s_block, int64_t s_slot) {
+    return (int64_t)blocks[j / block_size] * s_block + (j % block_size) * s_slot;
+}
+
+/* The block's first nk keys sit at slot[kk] (slot_at), this head at head_off from there. */
+static inline void load_block(const void *kc, const void *vc, const int64_t *slot, int nk, int64_t head_off,
+                              int64_t d, int bf16, float *kt, float *vb, int copy_v) {
     int64_t base[KB];
-    for (int kk = 0; kk < nk; kk++) {
-        int64_t j = j0 + kk;
-        base[kk] = (int64_t)blocks[j / block_size] * s_block + (j % block_size) * s_slot + head_off;
-    }
+    for (int kk = 0; kk < nk; kk++) base[kk] = slot[kk] + head_off;
 #if defined(__AVX512F__)
     if (d % 16 == 0) {
         for (int64_t c0 = 0; c0 < d; c0 += 16) {
@@ -713,7 +708,7 @@ static inline __attribute__((always_inline)) void prefetch_block(const void *kc,
 #if defined(__x86_64__) || defined(__i386__)
     int64_t elem = bf16 ? 2 : 4;
     for (int64_t j = j0; j < j0 + KB && j <= last; j++) {
-        int64_t off = ((int64_t)blocks[j / block_size] * s_block + (j % block_size) * s_slot + head_off) * elem;
+        int64_t off = (slot_at(blocks, j, block_size, s_block, s_slot) + head_off) * elem;
         for (int64_t b = 0; b < width * elem; b += 64) {
             _mm_prefetch((const char *)kc + off + b, _MM_HINT_T1);
             _mm_prefetch((const char *)vc + off + b, _MM_HINT_T1);
@@ -901,23 +896,20 @@ void attention(const void *q, int64_t ldq, const void *kc, const void *vc, int64
                 int nk = (int)(last - j0 + 1 < KB ? last - j0 + 1 : KB);
                 prefetch_block(kc, vc, blocks, j0 + PF * KB, last, block_size, s_block, s_slot, h0 * s_head,
                                hs * s_head, bf16);
+                int64_t slot[KB];
+                for (int kk = 0; kk < nk; kk++) slot[kk] = slot_at(blocks, j0 + kk, block_size, s_block, s_slot);
                 for (int64_t i = 0; i < hs; i++) {
                     int64_t hk = h0 + i, ho = i * rows_head;
                     /* many rows (a prompt's) read each value row many times: copied once into vb, dense; a
                      * decode's few rows read float32 values in place (bfloat16 ones are converted in the copy) */
                     int copy_v = rows > 4 || bf16;
-                    load_block(kc, vc, blocks, j0, nk, block_size, s_block, s_slot, hk * s_head, d, bf16, kt, vb,
-                               copy_v);
+                    load_block(kc, vc, slot, nk, hk * s_head, d, bf16, kt, vb, copy_v);
                     int64_t r = 0;
 #if defined(__AVX512F__)
                     if (d % 16 == 0) {
                         const float *vr[KB];
-                        for (int kk = 0; kk < nk; kk++) {
-                            int64_t j = j0 + kk;
-                            vr[kk] = copy_v ? vb + kk * d
-                                     : (const float *)vc + (int64_t)blocks[j / block_size] * s_block
-                                       + (j % block_size) * s_slot + hk * s_head;
-                        }
+                        for (int kk = 0; kk < nk; kk++)
+                            vr[kk] = copy_v ? vb + kk * d : (const float *)vc + slot[kk] + hk * s_head;
                         /* the last four padded (a head's rows are rows_head, rows rounded up to 4): a pad row sees
                          * nothing, so it is neither read into a sum nor written */
                         for (; r < rows; r += 4) {

@@ -81,13 +81,10 @@ class QuantizedLinear:
         return self.data.numel()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype not in (torch.float32, torch.bfloat16):
-            raise TypeError(f"quantized weights multiply float32 or bfloat16 rows, not {x.dtype}")
+        bf = fixed_order._bf16(x.dtype)      # float32 or bfloat16 rows, else TypeError
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1])
-        if x2.stride(-1) != 1:
-            x2 = x2.contiguous()
-        m, bf = x2.shape[0], int(x.dtype == torch.bfloat16)
+        x2 = fixed_order._rows(x)
+        m = x2.shape[0]
         out = torch.empty(m, self.n, dtype=x.dtype)
         if m:
             fixed_order.library(self.arch).qgemm(
@@ -103,7 +100,7 @@ class QuantizedLinear:
             raise IndexError(f"row ids outside 0..{self.n - 1}")
         out = torch.empty(i.numel(), self.k, dtype=dtype)
         fixed_order.library(self.arch).qrows(self.data.data_ptr(), FORMATS[self.fmt][0], self.k, i.data_ptr(),
-                                             i.numel(), out.data_ptr(), int(dtype == torch.bfloat16))
+                                             i.numel(), out.data_ptr(), fixed_order._bf16(dtype))
         return out.view(*ids.shape, self.k)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
