@@ -61,6 +61,27 @@ def free_ports(n: int) -> list[int]:
     return free_ports(n)
 
 
+def free_port_runs(count: int, length: int) -> list[int]:
+    """`count` first ports of runs of `length` consecutive free loopback ports, all held while they are picked
+    (`stepwire serve --executors N` gives executor i the port and metrics port base + i)."""
+    import contextlib
+    import socket
+
+    with contextlib.ExitStack() as held:
+        firsts: list[int] = []
+        while len(firsts) < count:
+            first = held.enter_context(socket.socket())
+            first.bind(("127.0.0.1", 0))
+            base = first.getsockname()[1]
+            try:
+                for i in range(1, length):
+                    held.enter_context(socket.socket()).bind(("127.0.0.1", base + i))
+            except OSError:
+                continue      # a neighbour is taken: the ports bound so far stay held, and another base is tried
+            firsts.append(base)
+        return firsts
+
+
 def log_tail(path, lines: int = 40) -> str:
     """The last `lines` lines of a service's log file, for failure messages."""
     from pathlib import Path

@@ -121,7 +121,7 @@ def test_serve_restarts_a_killed_executor_and_keeps_serving_meanwhile(tmp_path):
 
     grpc = pytest.importorskip("grpc")
     pytest.importorskip("torch")
-    from helpers import free_ports, wait_http_ready, wait_until
+    from helpers import free_port_runs, free_ports, wait_http_ready, wait_until
 
     from stepwire.internal import scheduler_pb2, scheduler_pb2_grpc
 
@@ -129,7 +129,8 @@ def test_serve_restarts_a_killed_executor_and_keeps_serving_meanwhile(tmp_path):
     model = root / "models" / "SmolLM2-135M-Instruct"
     if not (model / "conversion.json").exists():
         pytest.skip("embedded model not converted (make model)")
-    http, grpc_port, sc, ex, m1, m2 = free_ports(6)
+    http, grpc_port, sc, m1 = free_ports(4)
+    ex, m2 = free_port_runs(2, 2)     # two executors: ex and ex + 1, metrics m2 and m2 + 1
     log = open(tmp_path / "serve.log", "w")
     serve = subprocess.Popen(
         [sys.executable, "-m", "launcher.cli", "serve", "--model", str(model), "--executors", "2", "--port", str(http),
