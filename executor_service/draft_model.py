@@ -35,7 +35,7 @@ from executor_service.sampler import Sampler
 
 class DraftModel:
     def __init__(self, path: str, target: ModelConfig, max_model_len: int, num_blocks: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype):
+                 device: torch.device, dtype: torch.dtype, quantization: str = "none"):
         cfg = ModelConfig.from_dir(path)
         if cfg.vocab_size != target.vocab_size:
             raise ValueError(f"speculative model {path}: vocabulary of {cfg.vocab_size} tokens, the target's has "
@@ -43,7 +43,8 @@ class DraftModel:
         if cfg.max_position_embeddings < max_model_len:
             raise ValueError(f"speculative model {path}: {cfg.max_position_embeddings} positions, fewer than the "
                              f"target's context of {max_model_len}")
-        self.model = load_model(path, max_model_len, device, dtype)
+        self.model = load_model(path, max_model_len, device, dtype, quantization=quantization)
+        self.quantization = quantization
         self.kv = allocate_kv_caches(cfg, self.model.part.num_kv_heads, num_blocks, block_size, device, dtype)
         self.block_size = block_size
         self.device = device

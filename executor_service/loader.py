@@ -6,66 +6,15 @@ tensor-parallel executor never reads the other ranks' heads, MLP columns or voca
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
+from executor_service.checkpoint import Checkpoint
 from executor_service.collectives import Collectives
 from executor_service.model import LlamaModel
 from executor_service.model_config import ModelConfig, ModelLoadError
 from executor_service.partition import Partition
-
-
-def weight_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        missing = [s for s in shards if not (path / s).is_file()]
-        if missing:
-            raise ModelLoadError(f"{path}: shards named in the index are missing: {missing}")
-        return [path / s for s in shards]
-    single = path / "model.safetensors"
-    if single.is_file():
-        return [single]
-    raise ModelLoadError(f"{path}: no model.safetensors or model.safetensors.index.json")
-
-
-class Checkpoint:
-    """A checkpoint's tensors by name, each read on demand, and only the rows or columns asked for."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self._file_of = {}
-        for f in weight_files(path):
-            st = safe_open(str(f), framework="pt")
-            self._file_of.update(dict.fromkeys(st.keys(), st))
-        self.taken: set[str] = set()
-
-    def skip(self, *names: str) -> None:
-        """Names served from elsewhere (quantized_loader.py): not read, and not left over."""
-        self.taken.update(names)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._file_of
-
-    def take(self, name: str, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None
-             ) -> torch.Tensor:
-        if name not in self._file_of:
-            raise ModelLoadError(f"{self.path}: checkpoint lacks {name}")
-        self.taken.add(name)
-        view = self._file_of[name].get_slice(name)
-        if rows is None and cols is None:
-            return view[:]
-        if cols is None:
-            return view[rows[0]:rows[1]]
-        lo, hi = rows or (0, view.get_shape()[0])
-        return view[lo:hi, cols[0]:cols[1]]
-
-    def leftovers(self) -> list[str]:
-        # Rotary inverse frequencies that some checkpoints carry are recomputed, not loaded.
-        return sorted(k for k in self._file_of if k not in self.taken and not k.endswith("rotary_emb.inv_freq"))
 
 
 def load_model(path: str | Path, max_positions: int, device: torch.device | str = "cpu",
@@ -73,7 +22,8 @@ def load_model(path: str | Path, max_positions: int, device: torch.device | str 
                exact: bool = False, quantization: str = "none") -> LlamaModel:
     """`exact`: split the model the way deterministic mode needs (partition.py). `quantization` "fp8": the
     projections' weights in float8, quantized here (fp8.py); "gguf": the weights a GGUF held in Q4_0, Q4_1 or
-    Q8_0 kept in it and multiplied as they are (quantized_loader.py, CPU)."""
+    Q8_0 kept in it and multiplied as they are (quantized_loader.py, CPU); "int8", "int4": the float weights
+    quantized here into those formats (quantize_at_load.py, CPU)."""
     path = Path(path)
     cfg = ModelConfig.from_dir(path)
     comm = comm or Collectives()
@@ -82,11 +32,11 @@ def load_model(path: str | Path, max_positions: int, device: torch.device | str 
     with torch.device("meta"):
         model = LlamaModel(cfg, part, comm)
     quantized = {}
-    if quantization == "gguf":
+    if quantization in ("gguf", "int8", "int4"):
         if torch.device(device).type != "cpu":
-            raise ModelLoadError("--quantization gguf runs on the CPU (its GEMM is fixed_order.c's)")
+            raise ModelLoadError(f"--quantization {quantization} runs on the CPU (its GEMM is fixed_order.c's)")
         from executor_service.quantized_loader import quantized_layers
-        quantized = quantized_layers(path, cfg, part)
+        quantized = quantized_layers(path, cfg, part, quantization, ckpt)
     state = _fuse(cfg, part, ckpt, device, dtype, skip=set(quantized))
     expected = set(model.state_dict())
     missing, unexpected = expected - set(state) - set(quantized), set(state) - expected
@@ -107,8 +57,8 @@ def load_model(path: str | Path, max_positions: int, device: torch.device | str 
     if quantization == "fp8":
         from executor_service.fp8 import quantize_model
         quantize_model(model)
-    elif quantization not in ("none", "gguf"):
-        raise ModelLoadError(f"quantization {quantization!r}: none, fp8 or gguf")
+    elif quantization not in ("none", "gguf", "int8", "int4"):
+        raise ModelLoadError(f"quantization {quantization!r}: none, fp8, gguf, int8 or int4")
     return model.eval().requires_grad_(False)
 
 

@@ -1,8 +1,10 @@
-"""The linear layers and the embedding a model directory carries quantized (`quantized.safetensors`, written by
-tools/convert_gguf.py from a GGUF: each Q4_0, Q4_1 or Q8_0 tensor's blocks as the file has them), as
-QuantizedLinear layers. A fused layer (q/k/v, gate/up) is quantized only where all its parts are, in one format;
-otherwise it is loaded from model.safetensors as the float weights it dequantizes to, and the log says so. A
-tensor-parallel rank takes its rows, or its columns in whole blocks (a cut inside a block also falls back).
+"""The linear layers and the embedding held quantized, as QuantizedLinear layers: those a model directory carries
+quantized (--quantization gguf: `quantized.safetensors`, written by tools/convert_gguf.py from a GGUF, each Q4_0,
+Q4_1 or Q8_0 tensor's blocks as the file has them), or the float checkpoint's, quantized into those formats at
+load (--quantization int8|int4, quantize_at_load.py). A fused layer (q/k/v, gate/up) is quantized only where all
+its parts are, in one format; otherwise it is loaded from model.safetensors in float (for a GGUF, the values its
+blocks dequantize to), and the log says so. A tensor-parallel rank takes its rows, or its columns in whole
+blocks (a cut inside a block also falls back).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+from executor_service.checkpoint import Checkpoint
 from executor_service.model_config import ModelConfig, ModelLoadError
 from executor_service.partition import Partition
 from executor_service.quantized import FORMATS, QK, QuantizedLinear
@@ -36,29 +39,55 @@ class QuantizedEmbedding(torch.nn.Module):
         return self.table.rows(ids, self.weight.dtype)
 
 
-def quantized_layers(path: Path, cfg: ModelConfig, part: Partition) -> dict[str, QuantizedLinear]:
-    """Our parameter name ("layers.3.qkv_proj.weight", "embed_tokens.weight", "lm_head.weight") -> its weight,
-    quantized, for every one whose Hugging Face tensors the directory's quantized file holds."""
-    f = path / FILE
-    if not f.is_file():
-        raise ModelLoadError(f"{path}: --quantization gguf takes the weights a GGUF holds quantized, which "
-                             f"tools.convert_gguf writes to {FILE}; this directory has none (convert it again "
-                             f"from its GGUF, or leave --quantization at none)")
-    st = safe_open(str(f), framework="np")
-    formats = json.loads((st.metadata() or {}).get("stepwire.quantized", "{}"))
+class QuantizedFile:
+    """quantized.safetensors: `formats` names each tensor's format and width, `get` reads the rows asked for."""
 
-    def piece(name: str, rows=None, cols=None) -> np.ndarray | None:
-        """This rank's rows (whole rows of blocks) or columns (whole blocks: a cut inside a block of 32 is not
-        the file's blocks any more, and the layer is then loaded dequantized) of a quantized tensor."""
-        x = st.get_tensor(name)
+    def __init__(self, path: Path):
+        f = path / FILE
+        if not f.is_file():
+            raise ModelLoadError(f"{path}: --quantization gguf takes the weights a GGUF holds quantized, which "
+                                 f"tools.convert_gguf writes to {FILE}; this directory has none (convert it "
+                                 f"again from its GGUF, or use --quantization int8 or int4 to quantize its "
+                                 f"float weights at load)")
+        self.st = safe_open(str(f), framework="np")
+        meta = self.st.metadata() or {}
+        self.formats = json.loads(meta.get("stepwire.quantized", "{}"))
+        # Matrices the GGUF held in formats the kernel does not take: model.safetensors has them dequantized.
+        self.dequantized = json.loads(meta.get("stepwire.dequantized", "{}"))
+
+    def get(self, name: str, rows=None, cols=None) -> np.ndarray:
+        x = self.st.get_tensor(name)
         if rows is not None:
             x = x[rows[0]:rows[1]]
         if cols is not None:
-            if cols[0] % QK or cols[1] % QK:
-                return None
-            bb = FORMATS[formats[name]["format"]][1]
+            bb = FORMATS[self.formats[name]["format"]][1]
             x = x[:, cols[0] // QK * bb:cols[1] // QK * bb]
         return x
+
+
+def quantized_layers(path: Path, cfg: ModelConfig, part: Partition, quantization: str = "gguf",
+                     ckpt: Checkpoint | None = None) -> dict[str, QuantizedLinear]:
+    """Our parameter name ("layers.3.qkv_proj.weight", "embed_tokens.weight", "lm_head.weight") -> its weight,
+    quantized, for every one whose Hugging Face tensors are quantized: in the directory's quantized file
+    (`gguf`), or by quantize_at_load.py from the checkpoint (`int8`, `int4`)."""
+    if quantization == "gguf":
+        src = QuantizedFile(path)
+    else:
+        from executor_service.quantize_at_load import QuantizedAtLoad
+        src = QuantizedAtLoad(ckpt or Checkpoint(path), cfg, quantization)
+    formats = src.formats
+    others = getattr(src, "dequantized", {})
+    if others:
+        log.warning("%d weight matrices of the GGUF are in %s, which the quantized GEMM does not take (it takes %s): "
+                    "they run dequantized, in float", len(others), ", ".join(sorted(set(others.values()))),
+                    ", ".join(FORMATS))
+
+    def piece(name: str, rows=None, cols=None) -> np.ndarray | None:
+        """This rank's rows (whole rows of blocks) or columns (whole blocks: a cut inside a block of 32 is not
+        the same blocks any more, and the layer is then loaded in float) of a quantized tensor."""
+        if cols is not None and (cols[0] % QK or cols[1] % QK):
+            return None
+        return src.get(name, rows, cols)
 
     def fused(parts: list[tuple[str, dict]], pad_to: int = 0) -> QuantizedLinear | None:
         """One layer made of `parts` (a quantized tensor's name and the rows or cols this rank takes), stacked."""

@@ -142,7 +142,8 @@ class ModelRunner:
         if self.spec.cfg.method == "draft":
             from executor_service.draft_model import DraftModel
             self.draft = DraftModel(cfg.speculative_model, self.model_config, self.max_model_len, self.num_blocks,
-                                    cfg.block_size, self.device, self.dtype)
+                                    cfg.block_size, self.device, self.dtype,
+                                    resolve_quantization(cfg, self.device, self.dtype, draft=True))
         self.graphs = None
         # Not with tensor parallelism yet: capturing the collectives inside the graphs is untested.
         if cfg.cuda_graphs and self.attention == "triton" and size == 1:
@@ -195,7 +196,8 @@ class ModelRunner:
                 "max_num_seqs": self.cfg.max_num_seqs, "max_num_batched_tokens": self.max_num_batched_tokens,
                 "deterministic": self.cfg.deterministic, "kv_layout": self.kv_layout,
                 "quantization": self.quantization, "fused_kernels": self.model.fused,
-                "speculative": {"method": self.spec.cfg.method, "num_tokens": self.max_spec_tokens},
+                "speculative": {"method": self.spec.cfg.method, "num_tokens": self.max_spec_tokens,
+                                **({"quantization": self.draft.quantization} if self.draft is not None else {})},
                 **(self.lora.describe() if self.lora is not None else {})}
 
     @property

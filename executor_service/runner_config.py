@@ -15,7 +15,7 @@ from executor_service.linear import cpu_has_native_bf16
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-QUANTIZATIONS = ("none", "auto", "fp8", "gguf")
+QUANTIZATIONS = ("none", "auto", "fp8", "gguf", "int8", "int4")
 # The scheduler's step budget on a GPU (vLLM's figure): by default no step the scheduler would send on its own
 # defaults is refused, and a larger budget set there is capped through Describe.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
@@ -48,8 +48,9 @@ def check_combinations(cfg: RunnerConfig) -> None:
     if cfg.max_loras and cfg.deterministic:
         raise ValueError("LoRA adapters in deterministic mode are not supported yet: their batched products "
                          "are not batch-invariant (leave --max-loras at 0)")
-    if cfg.quantization not in QUANTIZATIONS:
-        raise ValueError(f"--quantization {cfg.quantization!r}: one of {', '.join(QUANTIZATIONS)}")
+    for flag, q in (("--quantization", cfg.quantization), ("--speculative-quantization", cfg.speculative_quantization)):
+        if q not in QUANTIZATIONS:
+            raise ValueError(f"{flag} {q!r}: one of {', '.join(QUANTIZATIONS)}")
     if cfg.quantization == "fp8" and cfg.deterministic:
         raise ValueError("--quantization fp8 in deterministic mode is not supported: the FP8 GEMM is the library's, "
                          "which chooses its kernel by shape (leave --quantization at none)")
@@ -102,13 +103,16 @@ class RunnerConfig:
     fused_kernels: bool = True               # with triton attention: norm, rotary + KV write, SiLU (fused_kernels.py)
     quantization: str = "none"               # none; fp8: the projections' weights in float8 (fp8.py); gguf:
                                              # a GGUF's Q4_0/Q4_1/Q8_0 weights as they are (quantized.py, CPU);
-                                             # auto: gguf where resolve_quantization finds it fastest
+                                             # int8, int4: float weights quantized at load into those formats
+                                             # (quantize_at_load.py, CPU); auto: gguf where resolve_quantization
+                                             # finds it fastest
     cpu_gemm: str = "auto"                   # auto, packed (fixed_order.c on packed weights) or library (oneDNN)
     tensor_parallel_size: int = 1            # ranks, one process each, that split every layer (partition.py)
     tensor_parallel_timeout_seconds: float = 60.0   # longest wait in a collective, or for a rank to start
     deterministic: bool = False              # batch-invariant kernels (batch_invariant.py): same tokens in any batch
     speculative_method: str = "none"         # none, ngram or draft (speculation.py)
     speculative_model: str = ""              # draft: the draft model's directory (draft_model.py)
+    speculative_quantization: str = "auto"   # the draft's weights, as `quantization` (auto: its own choice)
     num_speculative_tokens: int = 8          # most proposals one request verifies in a step
     prompt_lookup_min: int = 2               # n-gram: shortest suffix looked up
     prompt_lookup_max: int = 4               # n-gram: longest suffix looked up
@@ -126,7 +130,7 @@ def uses_packed_gemm(cfg: RunnerConfig, dtype: torch.dtype) -> bool:
     quantization they do not take; `packed` refuses to start there instead. Deterministic mode packs anyway."""
     if cfg.cpu_gemm == "library" or cfg.deterministic:
         return False
-    fits = dtype in (torch.float32, torch.bfloat16) and cfg.quantization in ("none", "auto", "gguf")
+    fits = dtype in (torch.float32, torch.bfloat16) and cfg.quantization in ("none", "auto", "gguf", "int8", "int4")
     if cfg.cpu_gemm == "packed" and not fits:
         raise ValueError(f"--cpu-gemm packed takes float32 or bfloat16 weights without quantization, not {dtype} "
                          f"with {cfg.quantization!r}")
@@ -139,16 +143,18 @@ def uses_packed_gemm(cfg: RunnerConfig, dtype: torch.dtype) -> bool:
     return cpu_kernels(dtype)
 
 
-def resolve_quantization(cfg: RunnerConfig, device: torch.device, dtype: torch.dtype) -> str:
+def resolve_quantization(cfg: RunnerConfig, device: torch.device, dtype: torch.dtype, draft: bool = False) -> str:
     """`auto`: the GGUF's own quantized weights where they are the fastest way that gives the same tokens, a CPU
     executor in float32 on the project's GEMM whose directory holds them (quantized.safetensors; measured 1.7x
     at one stream and 1.0-1.07x at 32, docs/quantized.md); elsewhere none (in bfloat16 the unquantized weights
-    were as fast at one stream and faster at 32)."""
-    if cfg.quantization != "auto":
-        return cfg.quantization
+    were as fast at one stream and faster at 32). `draft`: the same for the draft model (its directory, its
+    --speculative-quantization)."""
+    choice, model = (cfg.speculative_quantization, cfg.speculative_model) if draft else (cfg.quantization, cfg.model)
+    if choice != "auto":
+        return choice
     from pathlib import Path
     if (device.type == "cpu" and dtype == torch.float32 and cfg.cpu_gemm != "library"
-            and (Path(cfg.model) / "quantized.safetensors").is_file() and cpu_kernels(dtype)):
+            and (Path(model) / "quantized.safetensors").is_file() and cpu_kernels(dtype)):
         return "gguf"
     return "none"
 

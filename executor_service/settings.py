@@ -71,7 +71,7 @@ class ExecutorSettings(RoleSettings):
     fused_kernels: bool = Field(True, description="with the triton attention backend (CUDA), outside deterministic "
                                 "mode: one kernel each for the residual add with RMSNorm, rotary with the KV write, "
                                 "and SiLU times up, where torch runs about 20 per layer (docs/gpu.md)")
-    quantization: Literal["none", "auto", "fp8", "gguf"] = Field(
+    quantization: Literal["none", "auto", "fp8", "gguf", "int8", "int4"] = Field(
         "auto", description="auto: gguf on a float32 CPU executor whose model directory holds a GGUF's quantized "
         "weights (the fastest way there, same tokens), else none. fp8: the decoder's projection weights "
         "quantized to float8 (e4m3) at load, a scale per "
@@ -79,7 +79,9 @@ class ExecutorSettings(RoleSettings):
         "8.9 or newer; refused elsewhere on CUDA); half the bytes a decode step reads. Embeddings, LM head, "
         "norms and the KV cache keep --dtype. gguf (CPU): the weights a GGUF held in Q4_0, Q4_1 or Q8_0, which "
         "tools.convert_gguf keeps in the model directory (quantized.safetensors), multiplied as they are: the "
-        "tokens of the dequantized model, a quarter to a sixth of its weight bytes")
+        "tokens of the dequantized model, a quarter to a sixth of its weight bytes. int8, int4 (CPU): the float "
+        "weights quantized at load into those formats (int8: Q8_0; int4: the projections in Q4_1, the embedding "
+        "and LM head in Q8_0), for checkpoints that come without a GGUF")
     cpu_gemm: Literal["auto", "packed", "library"] = Field(
         "auto", description="the CPU's linear layers: packed (weights packed at load into panels for the project's "
         "own GEMM, executor_service/fixed_order.c, built by gcc for this CPU), library (oneDNN or torch); auto: "
@@ -109,6 +111,10 @@ class ExecutorSettings(RoleSettings):
     speculative_model: str = Field("", description="draft: a small model directory with the target's tokenizer, "
                                    "run by this executor with its own KV cache (extra memory: its KV for as many "
                                    "blocks as the target's)")
+    speculative_quantization: Literal["none", "auto", "fp8", "gguf", "int8", "int4"] = Field(
+        "auto", description="the draft model's weights, as --quantization (auto: gguf on a float32 CPU executor "
+        "where the draft's directory holds a GGUF's quantized weights, else none); the tokens out are the "
+        "target's whatever the draft's weights")
     num_speculative_tokens: int = Field(8, ge=1, le=16, description="most tokens one request verifies per step")
     prompt_lookup_min: int = Field(2, ge=1, le=16, description="ngram: shortest suffix of a request looked up")
     prompt_lookup_max: int = Field(4, ge=1, le=16, description="ngram: longest suffix looked up (tried first)")

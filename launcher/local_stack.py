@@ -67,10 +67,14 @@ class ServeSettings(ServiceSettings):
         "none", description="executors' speculative decoding: ngram (prompt lookup) or draft (--speculative-model), "
         "verified in one pass; greedy and seeded output unchanged (docs/speculative_decoding.md)")
     speculative_model: str = Field("", description="draft: a small model directory with the target's tokenizer")
-    quantization: Literal["none", "auto", "fp8", "gguf"] = Field(
+    speculative_quantization: Literal["none", "auto", "fp8", "gguf", "int8", "int4"] = Field(
+        "auto", description="the draft model's weights, as --quantization")
+    quantization: Literal["none", "auto", "fp8", "gguf", "int8", "int4"] = Field(
         "auto", description="the executors' weights: auto takes gguf on float32 CPU executors where the directory "
         "holds quantized weights, else none; gguf (CPU) multiplies the Q4_0/Q4_1/Q8_0 blocks of the GGUF "
-        "the model directory was converted from as they are (docs/quantized.md); fp8 (CUDA) quantizes at load")
+        "the model directory was converted from as they are (docs/quantized.md); int8 and int4 (CPU) quantize a "
+        "float checkpoint at load into Q8_0, or Q4_1 with the embedding and head in Q8_0; fp8 (CUDA) quantizes "
+        "at load")
     num_speculative_tokens: int = Field(8, ge=1, le=16, description="most tokens a request verifies per step")
     max_loras: int = Field(0, ge=0, le=256, description="executors' LoRA adapter slots (0: no adapters; "
                            "docs/lora.md)")
@@ -160,7 +164,8 @@ def children(a: ServeSettings, certs: Path | None = None) -> tuple[list[Child], 
         "--tensor-parallel-size": a.tensor_parallel_size, "--deterministic": a.deterministic,
         "--role": role_of(a, i), "--metrics-address": f"127.0.0.1:{a.executor_metrics_port + i}",
         "--speculative-method": a.speculative_method, "--num-speculative-tokens": a.num_speculative_tokens,
-        "--speculative-model": a.speculative_model or None, "--max-loras": a.max_loras,
+        "--speculative-model": a.speculative_model or None,
+        "--speculative-quantization": a.speculative_quantization, "--max-loras": a.max_loras,
         "--max-lora-rank": a.max_lora_rank, "--lora-dir": a.lora_dir or None, "--quantization": a.quantization})
         for i, address in enumerate(addresses)]
     stack = [

@@ -88,8 +88,8 @@ def test_a_quantized_model_holds_its_projections_in_one_byte_and_the_rest_as_it_
             assert getattr(layer, name).weight.dtype == FP8
         assert layer.input_layernorm.weight.dtype == torch.float32
     assert model.lm_head.weight.dtype == model.embed_tokens.weight.dtype == torch.float32
-    with pytest.raises(ModelLoadError, match="int4"):
-        load_model(path, 64, DEVICE, torch.float32, quantization="int4")
+    with pytest.raises(ModelLoadError, match="int3"):
+        load_model(path, 64, DEVICE, torch.float32, quantization="int3")
 
 
 def test_projections_not_in_multiples_of_16_are_refused_at_load(tmp_path):
@@ -118,9 +118,9 @@ def test_fp8_is_refused_where_it_cannot_hold_its_promise(tmp_path):
     with pytest.raises(ValueError, match="deterministic"):
         engine(path, quantization="fp8", deterministic=True)
     with pytest.raises(ValueError, match="quantization"):
-        engine(path, quantization="int8")
+        engine(path, quantization="int3")
     with pytest.raises(ValueError):
-        ExecutorSettings(quantization="int8")
+        ExecutorSettings(quantization="int3")
     assert ExecutorSettings(quantization="fp8").runner_config().quantization == "fp8"
 
 

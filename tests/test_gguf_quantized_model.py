@@ -122,6 +122,18 @@ def test_a_fused_layer_in_two_formats_is_loaded_dequantized_and_still_runs(tmp_p
     assert "qkv_proj" in caplog.text
 
 
+def test_a_format_the_kernel_does_not_take_runs_dequantized_and_the_log_names_it(tmp_path, caplog):
+    model = convert(write_gguf(tmp_path / "m.gguf", {"ffn_down": "Q5_0", "ffn_gate": "Q8_0", "ffn_up": "Q8_0"}),
+                    tmp_path / "m")
+    engine, got = engine_logits(model, "gguf", "float32")
+    _, want = engine_logits(model, "none", "float32")
+    assert got == want
+    layer = engine.runner.model.layers[0]
+    assert type(layer.down_proj.packed).__name__ == "PackedLinear"
+    assert type(layer.gate_up_proj.packed).__name__ == "QuantizedLinear"
+    assert "2 weight matrices of the GGUF are in Q5_0" in caplog.text
+
+
 def test_a_directory_without_quantized_weights_is_refused_with_the_way_out(tmp_path):
     from tiny_model import write_tiny_llama
     with pytest.raises(ModelLoadError, match="quantized.safetensors"):

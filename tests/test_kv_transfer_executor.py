@@ -24,21 +24,33 @@ PROMPT = list(range(20, 45))          # 25 tokens: 6 full blocks of 4 and one pa
 GREEDY = sampling_pb2.SamplingParams(max_tokens=10, top_p=1.0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("kv")
+def _pair(tmp, quantization: str):
     model = write_tiny_llama(tmp / "llama")
     # A directory of their own to share: the test holds wherever the machine's /dev/shm is small or full.
     flags = {"--model": model, "--block-size": 4, "--kv-cache-memory": kv_bytes(64), "--max-num-seqs": 8,
-             "--max-model-len": 128, "--metrics-address": "", "--threads": 1, "--kv-shared-memory-dir": tmp}
+             "--max-model-len": 128, "--metrics-address": "", "--threads": 1, "--kv-shared-memory-dir": tmp,
+             "--quantization": quantization}
     with Stack([Service("executor", "a", flags=dict(flags)), Service("executor", "b", flags=dict(flags))],
                tmp) as stack:
         chans = {n: grpc.insecure_channel(stack[n].address) for n in ("a", "b")}
-        yield {"model": model, "stack": stack, "expected": reference_greedy(model, [PROMPT], 10)[0],
+        yield {"model": model, "stack": stack,
+               "expected": reference_greedy(model, [PROMPT], 10, quantization=quantization)[0],
                "stub": {n: executor_pb2_grpc.ExecutorStub(c) for n, c in chans.items()},
                "layout": executor_pb2_grpc.ExecutorStub(chans["a"]).Describe(executor_pb2.DescribeRequest()).kv_layout}
         for c in chans.values():
             c.close()
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    yield from _pair(tmp_path_factory.mktemp("kv"), "none")
+
+
+@pytest.fixture(scope="module")
+def int8_pair(tmp_path_factory):
+    """Two executors whose weights are quantized at load (int8): their KV moves as any other's."""
+    pytest.importorskip("gguf")
+    yield from _pair(tmp_path_factory.mktemp("kv8"), "int8")
 
 
 class Stream:
@@ -81,8 +93,11 @@ def pull(stub, source: str, src: list[int], dst: list[int], layout: str, epoch: 
         after_step=after, source_epoch=source_epoch, deadline_seconds=timeout), timeout=timeout + 5)
 
 
-def test_blocks_pulled_from_a_peer_continue_the_request_as_if_it_had_never_moved(pair):
+@pytest.mark.parametrize("weights", ["pair", "int8_pair"])
+def test_blocks_pulled_from_a_peer_continue_the_request_as_if_it_had_never_moved(request, weights):
+    pair = request.getfixturevalue(weights)
     stub, layout, expected = pair["stub"], pair["layout"], pair["expected"]
+    assert layout.endswith(":int8") == (weights == "int8_pair")
     a, b = Stream(stub["a"], fresh_epoch()), Stream(stub["b"], fresh_epoch())
     src = list(range(1, 10))
     got = prefill_and_decode(a, src, decode=3)                 # 4 tokens out: 28 tokens of KV computed

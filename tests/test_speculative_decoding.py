@@ -175,6 +175,21 @@ def test_a_draft_model_that_is_the_target_itself_has_every_greedy_proposal_accep
     assert (s.accepted - accepted) / (s.proposed - proposed) > 0.9
 
 
+def test_a_draft_quantized_at_load_proposes_almost_what_the_target_decodes_and_changes_no_token(plain, shallow,
+                                                                                                 tok):
+    ps = prompts(tok)[1:3]
+    sp = SamplingParams(max_tokens=24, temperature=0.0)
+    expected = [c.token_ids for c in plain.generate(ps, sp)]
+    e = engine("draft", shallow, speculative_model=str(shallow), speculative_quantization="int8",
+               num_speculative_tokens=4)
+    assert [c.token_ids for c in e.generate(ps, sp)] == expected
+    assert type(e.runner.draft.model.layers[0].qkv_proj.packed).__name__ == "QuantizedLinear"
+    assert e.runner.describe()["speculative"]["quantization"] == "int8"
+    assert e.runner.describe()["quantization"] == "none"      # the target's weights are its own
+    s = e.runner.spec
+    assert s.proposed > 20 and s.accepted / s.proposed > 0.6
+
+
 def test_a_random_draft_model_changes_no_token_greedy_seeded_or_preempted(plain, shallow, tiny_draft, tok):
     ps = prompts(tok) * 2
     params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True) if i % 2 else

@@ -411,3 +411,13 @@ def test_two_ranks_slice_a_ggufs_quantized_weights_and_agree_with_one(tmp_path, 
     assert layer.down_proj.packed.k == 64 and layer.qkv_proj.packed.n == 32 + 2 * 16
     assert type(two.runner.model.embed_tokens).__name__ == "QuantizedEmbedding"
     assert_same_tokens_and_logits(one, two, [[5, 17, 33, 8, 91, 4, 60, 23, 72, 11, 42, 7], [9, 9, 100, 3]])
+
+
+def test_two_ranks_quantize_their_own_slices_at_load_and_agree_with_one(tmp_path, engines):
+    pytest.importorskip("gguf")
+    path = write_tiny_llama(tmp_path / "m", hidden_size=64, intermediate_size=128, vocab_size=128)
+    one, two = engines(path, quantization="int4")
+    layer = two.runner.model.layers[0]     # rank 0's half of each projection, quantized from its own slice
+    assert layer.qkv_proj.packed.fmt == layer.down_proj.packed.fmt == "Q4_1"
+    assert layer.down_proj.packed.k == 64 and two.runner.model.embed_tokens.table.fmt == "Q8_0"
+    assert_same_tokens_and_logits(one, two, [[5, 17, 33, 8, 91, 4, 60, 23, 72, 11, 42, 7], [9, 9, 100, 3]])

@@ -53,11 +53,17 @@ KEPT_QUANTIZED = ("Q4_0", "Q4_1", "Q8_0")
 def write_quantized(tensors: list[ReaderTensor], shape: ModelShape, path: Path) -> None:
     """Every weight matrix the GGUF holds in a format of KEPT_QUANTIZED, its bytes untouched: a uint8 tensor of
     [rows, bytes per row] under its Hugging Face name (the rows of Q and K put back in Hugging Face's order, as
-    whole rows), the formats in the metadata. Weights in other formats are left to model.safetensors."""
-    weights, formats = {}, {}
+    whole rows), the formats in the metadata. Weight matrices in other quantized formats (the K-quants) are left
+    to model.safetensors, dequantized: the metadata names them too (`stepwire.dequantized`), and the executor's
+    log says which it runs in float."""
+    weights, formats, dequantized = {}, {}, {}
     for tensor in tensors:
         kind = tensor.tensor_type.name
-        if kind not in KEPT_QUANTIZED or len(tensor.shape) != 2:
+        if len(tensor.shape) != 2:
+            continue
+        if kind not in KEPT_QUANTIZED:
+            if kind not in ("F32", "F16", "BF16"):
+                dequantized[_hf_name(tensor.name)] = kind
             continue
         name = _hf_name(tensor.name)
         rows = np.ascontiguousarray(np.asarray(tensor.data, dtype=np.uint8).reshape(int(tensor.shape[1]), -1))
@@ -66,7 +72,11 @@ def write_quantized(tensors: list[ReaderTensor], shape: ModelShape, path: Path) 
         elif shape.family.rotary_rows_permuted and ".attn_k." in tensor.name:
             rows = _undo_rotary_permutation(rows, shape.num_kv_heads)
         weights[name], formats[name] = rows, {"format": kind, "cols": int(tensor.shape[0])}
-    save_file(weights, str(path), metadata={"format": "pt", "stepwire.quantized": json.dumps(formats)})
+    if dequantized:
+        print(f"{len(dequantized)} weight matrices in {', '.join(sorted(set(dequantized.values())))} are kept "
+              f"dequantized: the quantized GEMM takes {', '.join(KEPT_QUANTIZED)}", file=sys.stderr)
+    save_file(weights, str(path), metadata={"format": "pt", "stepwire.quantized": json.dumps(formats),
+                                            "stepwire.dequantized": json.dumps(dequantized)})
     path.chmod(0o644)
 
 
