@@ -112,7 +112,7 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
             max_num_batched_tokens=d["max_num_batched_tokens"], kv_layout=d["kv_layout"], role=self.role,
             max_loras=d.get("max_loras", 0), max_lora_rank=d.get("max_lora_rank", 0),
             max_cpu_loras=d.get("max_cpu_loras", 0), kv_cache_file=self.mover.cache_file if self.mover else "",
-            run_ahead=self.run_ahead)
+            run_ahead=self.run_ahead, quantization=d["quantization"])
 
     async def CheckAdapter(self, request, context):
         await self._ready(context)

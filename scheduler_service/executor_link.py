@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import grpc
 
-from observability.log_limits import Every
+from observability.log_limits import Every, held_note
 from scheduler_service import migration
 from scheduler_service.drain import Drain
 from scheduler_service.executor_dial import core_for, describe, dial
@@ -28,6 +28,7 @@ from scheduler_service.fair_share import FleetClock
 from scheduler_service.lifecycle import Lifecycles
 from scheduler_service.request import Request
 from scheduler_service.scheduler import Scheduler
+from scheduler_service.served_weights import weights_of
 from scheduler_service.settings import SchedulerSettings
 from scheduler_service.step_depth import steps_in_flight
 from scheduler_service.step_loop import StepLoop
@@ -35,6 +36,10 @@ from scheduler_service.wire import HandleTable
 from stepwire.internal import executor_pb2, executor_pb2_grpc
 
 log = logging.getLogger("stepwire.scheduler")
+
+
+class WeightsRefused(ConnectionError):
+    """The executor serves weights other than the fleet's (served_weights.py)."""
 
 
 class ExecutorLink(StepLoop):
@@ -47,6 +52,7 @@ class ExecutorLink(StepLoop):
                  on_drain: Callable[[ExecutorLink, bool], None] = lambda link, everything: None,
                  on_export: Callable[[ExecutorLink, object], None] = lambda link, which: None,
                  on_bad_adapter: Callable[[ExecutorLink, str], None] = lambda link, key: None,
+                 refuse: Callable[[ExecutorLink, tuple[str, str]], str] = lambda link, weights: "",
                  tenants: FleetClock | None = None):
         self.address = address
         self.tenants = tenants            # the fleet's tenant virtual times, shared by every link's core
@@ -58,10 +64,13 @@ class ExecutorLink(StepLoop):
         self.on_drain = on_drain          # move its queue (or, `everything`, all its requests) elsewhere
         self.on_export = on_export        # move running requests with their KV (kv_moves.export_running)
         self.on_bad_adapter = on_bad_adapter   # an adapter the executor cannot read: drop it, end its requests
+        self.refuse = refuse              # why the fleet will not take an executor of these weights ("": it will)
         self.core: Scheduler | None = None
         self.eos_token_ids, self.vocab_size = (), 0
         self.kv_layout, self.role, self.stub = "", "mixed", None   # from Describe; the stub while connected
         self.kv_cache = None                                         # Describe's kv_cache_file, as a CacheFile
+        self.quantization, self.weights = "", None   # from Describe: its quantization, served_weights.weights_of
+        self.refused = ""                 # why the fleet refused it at its last Describe ("": it did not)
         self.epoch, self.last_sent_step = 0, -1   # the last step sent in this epoch (-1: none yet)
         self.depth = 1                    # steps it keeps sent and unanswered (step_depth.py), from each Describe
         self.most_in_flight = 0           # the most it had at once since it connected (Stats)
@@ -176,6 +185,10 @@ class ExecutorLink(StepLoop):
                 await self._drive(stub)
             except grpc.RpcError as e:
                 log.warning("executor %s: stream lost (%s)", self.address, e.code())
+            except WeightsRefused as e:
+                held = self.resync_log.ready("refused")
+                if held is not None:
+                    log.error("executor %s refused: %s%s", self.address, e, held_note(held))
             except ConnectionError as e:
                 log.warning("executor %s: %s", self.address, e)
             except asyncio.CancelledError:
@@ -195,6 +208,13 @@ class ExecutorLink(StepLoop):
 
     async def _connect(self, stub) -> None:
         d = await describe(stub, self.address, self.settings.retry_seconds)
+        # Checked and then marked connected with no await between: two executors of other weights that answer
+        # Describe at once cannot both join.
+        weights = weights_of(d.model, d.quantization)
+        self.quantization, self.refused = d.quantization or "none", self.refuse(self, weights)
+        if self.refused:
+            raise WeightsRefused(self.refused)
+        self.weights = weights
         if self.core is None:       # the core outlives reconnects: its requests stay with the address
             self.core = core_for(self.settings, d, self.tenants)
             self.eos_token_ids, self.vocab_size, self.kv_layout = tuple(d.eos_token_ids), d.vocab_size, d.kv_layout

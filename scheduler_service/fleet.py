@@ -23,6 +23,7 @@ from scheduler_service.kv_moves import KVMoves
 from scheduler_service.lifecycle import Lifecycles
 from scheduler_service.request import Request
 from scheduler_service.routing import Choice, PullCost, by_adapter, by_role, pick
+from scheduler_service.served_weights import refusal
 from scheduler_service.settings import SchedulerSettings
 from scheduler_service.tenant_limits import TenantLimits
 
@@ -83,7 +84,7 @@ class Fleet:
         link = ExecutorLink(address, self.settings, streams=self.streams, lifecycles=self.lifecycles,
                             on_change=self._changed, on_lost=self.evacuate, on_drain=self.drain_queue,
                             on_export=self.kv_moves.export_running, on_bad_adapter=self.drop_adapter,
-                            tenants=self.tenants)
+                            refuse=self.refuse, tenants=self.tenants)
         self.links[address] = link
         link.start().add_done_callback(lambda _: self._ended(link))
         log.info("executor %s joined the fleet", address)
@@ -99,6 +100,11 @@ class Fleet:
         self._changed()
         self.drain_queue(link, everything=False)
         link.start_export()
+
+    def refuse(self, link: ExecutorLink, weights: tuple[str, str]) -> str:
+        """Why `link`'s executor, of `weights`, may not serve beside the connected ones ("" if it may)."""
+        return refusal(weights, {lk.weights for lk in self.links.values()
+                                 if lk is not link and lk.connected and lk.weights is not None})
 
     def _ended(self, link: ExecutorLink) -> None:
         if self.links.get(link.address) is link:

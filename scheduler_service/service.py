@@ -158,7 +158,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                                    forward_seconds=link.forward_seconds, draining=link.leaving,
                                    num_migrated_out=link.num_migrated_out,
                                    num_routed=link.num_routed, kv_layout=link.kv_layout, role=link.role,
-                                   max_steps_in_flight=link.depth, most_steps_in_flight=link.most_in_flight)
+                                   max_steps_in_flight=link.depth, most_steps_in_flight=link.most_in_flight,
+                                   quantization=link.quantization, refused=link.refused)
             if link.core is not None:
                 s = link.core.stats()
                 e.num_running, e.num_waiting = s.num_running, s.num_waiting

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from stepwire.internal import sampling_pb2 as stepwire_dot_internal_dot_sampling__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n stepwire/internal/executor.proto\x12\x11stepwire.internal\x1a stepwire/internal/sampling.proto\"\x11\n\x0f\x44\x65scribeRequest\"\xb5\x03\n\x10\x44\x65scribeResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x15\n\reos_token_ids\x18\t \x03(\r\x12\x13\n\x0binstance_id\x18\n \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x0b \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x0c \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\r \x01(\r\x12\x11\n\tkv_layout\x18\x0e \x01(\t\x12\x0c\n\x04role\x18\x0f \x01(\t\x12\x11\n\tmax_loras\x18\x10 \x01(\r\x12\x15\n\rmax_lora_rank\x18\x11 \x01(\r\x12\x15\n\rmax_cpu_loras\x18\x12 \x01(\r\x12\x15\n\rkv_cache_file\x18\x13 \x01(\t\x12\x11\n\trun_ahead\x18\x14 \x01(\x08\"1\n\x13\x43heckAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"<\n\x14\x43heckAdapterResponse\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x16\n\x0etarget_modules\x18\x02 \x03(\t\"3\n\x08LoraLoad\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x0b\n\x03key\x18\x02 \x01(\t\x12\x0c\n\x04path\x18\x03 \x01(\t\"\xb3\x01\n\nNewRequest\x12\x0e\n\x06handle\x18\x01 \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x18\n\x10output_token_ids\x18\x03 \x03(\r\x12\x31\n\x06params\x18\x04 \x01(\x0b\x32!.stepwire.internal.SamplingParams\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\r\"\xc5\x03\n\x0bStepRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x13\n\x0btraceparent\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x03(\r\x12\x11\n\tpreempted\x18\x05 \x03(\r\x12\x33\n\x0cnew_requests\x18\x06 \x03(\x0b\x32\x1d.stepwire.internal.NewRequest\x12\x0f\n\x07handles\x18\x07 \x03(\r\x12\x12\n\nnum_tokens\x18\x08 \x03(\r\x12\x0f\n\x07resumed\x18\t \x03(\r\x12\x1c\n\x14resumed_num_computed\x18\n \x03(\r\x12\x1c\n\x14resumed_block_counts\x18\x0b \x03(\r\x12\x19\n\x11resumed_block_ids\x18\x0c \x03(\r\x12\r\n\x05grown\x18\r \x03(\r\x12\x1a\n\x12grown_block_counts\x18\x0e \x03(\r\x12\x17\n\x0fgrown_block_ids\x18\x0f \x03(\r\x12/\n\nlora_loads\x18\x10 \x03(\x0b\x32\x1b.stepwire.internal.LoraLoad\x12\x14\n\x0clora_handles\x18\x11 \x03(\r\x12\x12\n\nlora_slots\x18\x12 \x03(\r\"0\n\x06Resync\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x16\n\x0e\x66\x61iled_adapter\x18\x02 \x01(\t\"\xc4\x02\n\x0cStepResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x13\n\x0b\x61ll_sampled\x18\x03 \x01(\x08\x12\x0f\n\x07sampled\x18\x04 \x03(\r\x12\x11\n\ttoken_ids\x18\x05 \x03(\r\x12\x14\n\x0clogprob_rows\x18\x06 \x03(\r\x12\x16\n\x0elogprob_counts\x18\x07 \x03(\r\x12\x19\n\x11logprob_token_ids\x18\x08 \x03(\r\x12\x16\n\x0elogprob_values\x18\t \x03(\x02\x12)\n\x06resync\x18\n \x01(\x0b\x32\x19.stepwire.internal.Resync\x12\x17\n\x0f\x66orward_seconds\x18\x0b \x01(\x01\x12\x10\n\x08\x64raining\x18\x0c \x01(\x08\x12\x14\n\x0ctoken_counts\x18\r \x03(\r\x12\x11\n\tproposals\x18\x0e \x03(\r\"\xcb\x02\n\x11PullBlocksRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x15\n\rsource_blocks\x18\x03 \x03(\r\x12\x15\n\rtarget_blocks\x18\x04 \x03(\r\x12\x11\n\tkv_layout\x18\x05 \x01(\t\x12\r\n\x05\x65poch\x18\x06 \x01(\x04\x12\x12\n\nafter_step\x18\x07 \x01(\x03\x12\x13\n\x0btraceparent\x18\x08 \x01(\t\x12\x18\n\x10\x64\x65\x61\x64line_seconds\x18\t \x01(\x01\x12\x14\n\x0csource_epoch\x18\n \x01(\x04\x12\x1e\n\x11source_after_step\x18\x0b \x01(\x03H\x00\x88\x01\x01\x12\x32\n\x0csource_cache\x18\x0c \x01(\x0b\x32\x1c.stepwire.internal.CacheFileB\x14\n\x12_source_after_step\"G\n\x12PullBlocksResponse\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\x11\n\ttransport\x18\x03 \x01(\t\"\x82\x01\n\x11ReadBlocksRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0e\n\x06\x62locks\x18\x02 \x03(\r\x12\x11\n\tkv_layout\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\x17\n\nafter_step\x18\x05 \x01(\x03H\x00\x88\x01\x01\x42\r\n\x0b_after_step\"F\n\nBlockChunk\x12\r\n\x05\x66irst\x18\x01 \x01(\r\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0c\n\x04xxh3\x18\x04 \x01(\x06\"C\n\tCacheFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x14\n\x0c\x63hunk_blocks\x18\x03 \x01(\r\"s\n\x0bMappedChunk\x12,\n\x04\x66ile\x18\x01 \x01(\x0b\x32\x1c.stepwire.internal.CacheFileH\x00\x12.\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1d.stepwire.internal.BlockChunkH\x00\x42\x06\n\x04kind2\x99\x04\n\x08\x45xecutor\x12S\n\x08\x44\x65scribe\x12\".stepwire.internal.DescribeRequest\x1a#.stepwire.internal.DescribeResponse\x12K\n\x04Step\x12\x1e.stepwire.internal.StepRequest\x1a\x1f.stepwire.internal.StepResponse(\x01\x30\x01\x12Y\n\nPullBlocks\x12$.stepwire.internal.PullBlocksRequest\x1a%.stepwire.internal.PullBlocksResponse\x12S\n\nReadBlocks\x12$.stepwire.internal.ReadBlocksRequest\x1a\x1d.stepwire.internal.BlockChunk0\x01\x12Z\n\x10ReadBlocksMapped\x12$.stepwire.internal.ReadBlocksRequest\x1a\x1e.stepwire.internal.MappedChunk0\x01\x12_\n\x0c\x43heckAdapter\x12&.stepwire.internal.CheckAdapterRequest\x1a\'.stepwire.internal.CheckAdapterResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n stepwire/internal/executor.proto\x12\x11stepwire.internal\x1a stepwire/internal/sampling.proto\"\x11\n\x0f\x44\x65scribeRequest\"\xcb\x03\n\x10\x44\x65scribeResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x15\n\reos_token_ids\x18\t \x03(\r\x12\x13\n\x0binstance_id\x18\n \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x0b \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x0c \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\r \x01(\r\x12\x11\n\tkv_layout\x18\x0e \x01(\t\x12\x0c\n\x04role\x18\x0f \x01(\t\x12\x11\n\tmax_loras\x18\x10 \x01(\r\x12\x15\n\rmax_lora_rank\x18\x11 \x01(\r\x12\x15\n\rmax_cpu_loras\x18\x12 \x01(\r\x12\x15\n\rkv_cache_file\x18\x13 \x01(\t\x12\x11\n\trun_ahead\x18\x14 \x01(\x08\x12\x14\n\x0cquantization\x18\x15 \x01(\t\"1\n\x13\x43heckAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"<\n\x14\x43heckAdapterResponse\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x16\n\x0etarget_modules\x18\x02 \x03(\t\"3\n\x08LoraLoad\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x0b\n\x03key\x18\x02 \x01(\t\x12\x0c\n\x04path\x18\x03 \x01(\t\"\xb3\x01\n\nNewRequest\x12\x0e\n\x06handle\x18\x01 \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x18\n\x10output_token_ids\x18\x03 \x03(\r\x12\x31\n\x06params\x18\x04 \x01(\x0b\x32!.stepwire.internal.SamplingParams\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\r\"\xc5\x03\n\x0bStepRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x13\n\x0btraceparent\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x03(\r\x12\x11\n\tpreempted\x18\x05 \x03(\r\x12\x33\n\x0cnew_requests\x18\x06 \x03(\x0b\x32\x1d.stepwire.internal.NewRequest\x12\x0f\n\x07handles\x18\x07 \x03(\r\x12\x12\n\nnum_tokens\x18\x08 \x03(\r\x12\x0f\n\x07resumed\x18\t \x03(\r\x12\x1c\n\x14resumed_num_computed\x18\n \x03(\r\x12\x1c\n\x14resumed_block_counts\x18\x0b \x03(\r\x12\x19\n\x11resumed_block_ids\x18\x0c \x03(\r\x12\r\n\x05grown\x18\r \x03(\r\x12\x1a\n\x12grown_block_counts\x18\x0e \x03(\r\x12\x17\n\x0fgrown_block_ids\x18\x0f \x03(\r\x12/\n\nlora_loads\x18\x10 \x03(\x0b\x32\x1b.stepwire.internal.LoraLoad\x12\x14\n\x0clora_handles\x18\x11 \x03(\r\x12\x12\n\nlora_slots\x18\x12 \x03(\r\"0\n\x06Resync\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x16\n\x0e\x66\x61iled_adapter\x18\x02 \x01(\t\"\xc4\x02\n\x0cStepResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x13\n\x0b\x61ll_sampled\x18\x03 \x01(\x08\x12\x0f\n\x07sampled\x18\x04 \x03(\r\x12\x11\n\ttoken_ids\x18\x05 \x03(\r\x12\x14\n\x0clogprob_rows\x18\x06 \x03(\r\x12\x16\n\x0elogprob_counts\x18\x07 \x03(\r\x12\x19\n\x11logprob_token_ids\x18\x08 \x03(\r\x12\x16\n\x0elogprob_values\x18\t \x03(\x02\x12)\n\x06resync\x18\n \x01(\x0b\x32\x19.stepwire.internal.Resync\x12\x17\n\x0f\x66orward_seconds\x18\x0b \x01(\x01\x12\x10\n\x08\x64raining\x18\x0c \x01(\x08\x12\x14\n\x0ctoken_counts\x18\r \x03(\r\x12\x11\n\tproposals\x18\x0e \x03(\r\"\xcb\x02\n\x11PullBlocksRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x15\n\rsource_blocks\x18\x03 \x03(\r\x12\x15\n\rtarget_blocks\x18\x04 \x03(\r\x12\x11\n\tkv_layout\x18\x05 \x01(\t\x12\r\n\x05\x65poch\x18\x06 \x01(\x04\x12\x12\n\nafter_step\x18\x07 \x01(\x03\x12\x13\n\x0btraceparent\x18\x08 \x01(\t\x12\x18\n\x10\x64\x65\x61\x64line_seconds\x18\t \x01(\x01\x12\x14\n\x0csource_epoch\x18\n \x01(\x04\x12\x1e\n\x11source_after_step\x18\x0b \x01(\x03H\x00\x88\x01\x01\x12\x32\n\x0csource_cache\x18\x0c \x01(\x0b\x32\x1c.stepwire.internal.CacheFileB\x14\n\x12_source_after_step\"G\n\x12PullBlocksResponse\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\x11\n\ttransport\x18\x03 \x01(\t\"\x82\x01\n\x11ReadBlocksRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0e\n\x06\x62locks\x18\x02 \x03(\r\x12\x11\n\tkv_layout\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\x17\n\nafter_step\x18\x05 \x01(\x03H\x00\x88\x01\x01\x42\r\n\x0b_after_step\"F\n\nBlockChunk\x12\r\n\x05\x66irst\x18\x01 \x01(\r\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0c\n\x04xxh3\x18\x04 \x01(\x06\"C\n\tCacheFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x14\n\x0c\x63hunk_blocks\x18\x03 \x01(\r\"s\n\x0bMappedChunk\x12,\n\x04\x66ile\x18\x01 \x01(\x0b\x32\x1c.stepwire.internal.CacheFileH\x00\x12.\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1d.stepwire.internal.BlockChunkH\x00\x42\x06\n\x04kind2\x99\x04\n\x08\x45xecutor\x12S\n\x08\x44\x65scribe\x12\".stepwire.internal.DescribeRequest\x1a#.stepwire.internal.DescribeResponse\x12K\n\x04Step\x12\x1e.stepwire.internal.StepRequest\x1a\x1f.stepwire.internal.StepResponse(\x01\x30\x01\x12Y\n\nPullBlocks\x12$.stepwire.internal.PullBlocksRequest\x1a%.stepwire.internal.PullBlocksResponse\x12S\n\nReadBlocks\x12$.stepwire.internal.ReadBlocksRequest\x1a\x1d.stepwire.internal.BlockChunk0\x01\x12Z\n\x10ReadBlocksMapped\x12$.stepwire.internal.ReadBlocksRequest\x1a\x1e.stepwire.internal.MappedChunk0\x01\x12_\n\x0c\x43heckAdapter\x12&.stepwire.internal.CheckAdapterRequest\x1a\'.stepwire.internal.CheckAdapterResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,33 +35,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DESCRIBEREQUEST']._serialized_start=89
   _globals['_DESCRIBEREQUEST']._serialized_end=106
   _globals['_DESCRIBERESPONSE']._serialized_start=109
-  _globals['_DESCRIBERESPONSE']._serialized_end=546
-  _globals['_CHECKADAPTERREQUEST']._serialized_start=548
-  _globals['_CHECKADAPTERREQUEST']._serialized_end=597
-  _globals['_CHECKADAPTERRESPONSE']._serialized_start=599
-  _globals['_CHECKADAPTERRESPONSE']._serialized_end=659
-  _globals['_LORALOAD']._serialized_start=661
-  _globals['_LORALOAD']._serialized_end=712
-  _globals['_NEWREQUEST']._serialized_start=715
-  _globals['_NEWREQUEST']._serialized_end=894
-  _globals['_STEPREQUEST']._serialized_start=897
-  _globals['_STEPREQUEST']._serialized_end=1350
-  _globals['_RESYNC']._serialized_start=1352
-  _globals['_RESYNC']._serialized_end=1400
-  _globals['_STEPRESPONSE']._serialized_start=1403
-  _globals['_STEPRESPONSE']._serialized_end=1727
-  _globals['_PULLBLOCKSREQUEST']._serialized_start=1730
-  _globals['_PULLBLOCKSREQUEST']._serialized_end=2061
-  _globals['_PULLBLOCKSRESPONSE']._serialized_start=2063
-  _globals['_PULLBLOCKSRESPONSE']._serialized_end=2134
-  _globals['_READBLOCKSREQUEST']._serialized_start=2137
-  _globals['_READBLOCKSREQUEST']._serialized_end=2267
-  _globals['_BLOCKCHUNK']._serialized_start=2269
-  _globals['_BLOCKCHUNK']._serialized_end=2339
-  _globals['_CACHEFILE']._serialized_start=2341
-  _globals['_CACHEFILE']._serialized_end=2408
-  _globals['_MAPPEDCHUNK']._serialized_start=2410
-  _globals['_MAPPEDCHUNK']._serialized_end=2525
-  _globals['_EXECUTOR']._serialized_start=2528
-  _globals['_EXECUTOR']._serialized_end=3065
+  _globals['_DESCRIBERESPONSE']._serialized_end=568
+  _globals['_CHECKADAPTERREQUEST']._serialized_start=570
+  _globals['_CHECKADAPTERREQUEST']._serialized_end=619
+  _globals['_CHECKADAPTERRESPONSE']._serialized_start=621
+  _globals['_CHECKADAPTERRESPONSE']._serialized_end=681
+  _globals['_LORALOAD']._serialized_start=683
+  _globals['_LORALOAD']._serialized_end=734
+  _globals['_NEWREQUEST']._serialized_start=737
+  _globals['_NEWREQUEST']._serialized_end=916
+  _globals['_STEPREQUEST']._serialized_start=919
+  _globals['_STEPREQUEST']._serialized_end=1372
+  _globals['_RESYNC']._serialized_start=1374
+  _globals['_RESYNC']._serialized_end=1422
+  _globals['_STEPRESPONSE']._serialized_start=1425
+  _globals['_STEPRESPONSE']._serialized_end=1749
+  _globals['_PULLBLOCKSREQUEST']._serialized_start=1752
+  _globals['_PULLBLOCKSREQUEST']._serialized_end=2083
+  _globals['_PULLBLOCKSRESPONSE']._serialized_start=2085
+  _globals['_PULLBLOCKSRESPONSE']._serialized_end=2156
+  _globals['_READBLOCKSREQUEST']._serialized_start=2159
+  _globals['_READBLOCKSREQUEST']._serialized_end=2289
+  _globals['_BLOCKCHUNK']._serialized_start=2291
+  _globals['_BLOCKCHUNK']._serialized_end=2361
+  _globals['_CACHEFILE']._serialized_start=2363
+  _globals['_CACHEFILE']._serialized_end=2430
+  _globals['_MAPPEDCHUNK']._serialized_start=2432
+  _globals['_MAPPEDCHUNK']._serialized_end=2547
+  _globals['_EXECUTOR']._serialized_start=2550
+  _globals['_EXECUTOR']._serialized_end=3087
 # @@protoc_insertion_point(module_scope)

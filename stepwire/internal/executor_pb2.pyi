@@ -12,7 +12,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("model", "architecture", "vocab_size", "max_model_len", "block_size", "num_blocks", "dtype", "device", "eos_token_ids", "instance_id", "tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "kv_layout", "role", "max_loras", "max_lora_rank", "max_cpu_loras", "kv_cache_file", "run_ahead")
+    __slots__ = ("model", "architecture", "vocab_size", "max_model_len", "block_size", "num_blocks", "dtype", "device", "eos_token_ids", "instance_id", "tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "kv_layout", "role", "max_loras", "max_lora_rank", "max_cpu_loras", "kv_cache_file", "run_ahead", "quantization")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,7 @@ class DescribeResponse(_message.Message):
     MAX_CPU_LORAS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_FILE_FIELD_NUMBER: _ClassVar[int]
     RUN_AHEAD_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     vocab_size: int
@@ -53,7 +54,8 @@ class DescribeResponse(_message.Message):
     max_cpu_loras: int
     kv_cache_file: str
     run_ahead: bool
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., kv_layout: _Optional[str] = ..., role: _Optional[str] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., max_cpu_loras: _Optional[int] = ..., kv_cache_file: _Optional[str] = ..., run_ahead: _Optional[bool] = ...) -> None: ...
+    quantization: str
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., kv_layout: _Optional[str] = ..., role: _Optional[str] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., max_cpu_loras: _Optional[int] = ..., kv_cache_file: _Optional[str] = ..., run_ahead: _Optional[bool] = ..., quantization: _Optional[str] = ...) -> None: ...
 
 class CheckAdapterRequest(_message.Message):
     __slots__ = ("name", "path")

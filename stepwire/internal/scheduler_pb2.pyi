@@ -174,7 +174,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ExecutorStats(_message.Message):
-    __slots__ = ("address", "connected", "epoch", "num_running", "num_waiting", "num_total_blocks", "num_free_blocks", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_steps", "wire_bytes", "wire_request_steps", "max_model_len", "forward_seconds", "draining", "num_migrated_out", "num_routed", "num_recomputed_tokens", "kv_layout", "role", "lora_slots", "max_steps_in_flight", "most_steps_in_flight")
+    __slots__ = ("address", "connected", "epoch", "num_running", "num_waiting", "num_total_blocks", "num_free_blocks", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_steps", "wire_bytes", "wire_request_steps", "max_model_len", "forward_seconds", "draining", "num_migrated_out", "num_routed", "num_recomputed_tokens", "kv_layout", "role", "lora_slots", "max_steps_in_flight", "most_steps_in_flight", "quantization", "refused")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     CONNECTED_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -200,6 +200,8 @@ class ExecutorStats(_message.Message):
     LORA_SLOTS_FIELD_NUMBER: _ClassVar[int]
     MAX_STEPS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     MOST_STEPS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     address: str
     connected: bool
     epoch: int
@@ -225,7 +227,9 @@ class ExecutorStats(_message.Message):
     lora_slots: _containers.RepeatedScalarFieldContainer[str]
     max_steps_in_flight: int
     most_steps_in_flight: int
-    def __init__(self, address: _Optional[str] = ..., connected: _Optional[bool] = ..., epoch: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., wire_request_steps: _Optional[int] = ..., max_model_len: _Optional[int] = ..., forward_seconds: _Optional[float] = ..., draining: _Optional[bool] = ..., num_migrated_out: _Optional[int] = ..., num_routed: _Optional[int] = ..., num_recomputed_tokens: _Optional[int] = ..., kv_layout: _Optional[str] = ..., role: _Optional[str] = ..., lora_slots: _Optional[_Iterable[str]] = ..., max_steps_in_flight: _Optional[int] = ..., most_steps_in_flight: _Optional[int] = ...) -> None: ...
+    quantization: str
+    refused: str
+    def __init__(self, address: _Optional[str] = ..., connected: _Optional[bool] = ..., epoch: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., wire_request_steps: _Optional[int] = ..., max_model_len: _Optional[int] = ..., forward_seconds: _Optional[float] = ..., draining: _Optional[bool] = ..., num_migrated_out: _Optional[int] = ..., num_routed: _Optional[int] = ..., num_recomputed_tokens: _Optional[int] = ..., kv_layout: _Optional[str] = ..., role: _Optional[str] = ..., lora_slots: _Optional[_Iterable[str]] = ..., max_steps_in_flight: _Optional[int] = ..., most_steps_in_flight: _Optional[int] = ..., quantization: _Optional[str] = ..., refused: _Optional[str] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("executors", "num_requests", "num_waiting_for_executor", "num_migrations", "num_kv_transfers", "num_kv_transfer_failures", "kv_transfer_blocks", "kv_transfer_bytes", "kv_transfer_seconds", "recompute_avoided_tokens", "num_prefix_pulls", "num_rebalanced", "kv_transfer_busy_seconds", "kv_transfer_shared_memory_bytes")
