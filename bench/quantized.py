@@ -1,5 +1,5 @@
 """GGUF weights kept quantized (`--quantization gguf`) against llama.cpp on the same GGUF, and against the same
-model dequantized, in one run: three servers up, the systems taking turns by round.
+model dequantized, in one run: five servers up, the systems taking turns by round.
 
 - c1: chat prompts one at a time, `--tokens` (128) each, neither system speculating: stepwire quantized and
   llama.cpp's server (built by ../shared/peers/llama_cpp/setup.sh into `--llama-venv`).
@@ -8,7 +8,8 @@ model dequantized, in one run: three servers up, the systems taking turns by rou
 - spec: the grounded prompts of bench/spec_decode.py one at a time, `--tokens` each: stepwire quantized with
   `--speculative-method ngram` against the better of llama.cpp plain and llama.cpp with its own prompt lookup
   (LLAMA_PROMPT_LOOKUP=10).
-- perplexity, teacher-forced over docs/architecture.md (4 windows of 256 tokens), quantized and unquantized.
+- perplexity, teacher-forced over docs/architecture.md (4 windows of 256 tokens): the GGUF's blocks, the same
+  model dequantized, and that float model quantized at load to Q8_0 (`--quantization int8`) and Q4_1 (`int4`).
 
 Prints a table and `RESULT quant format=... c1_vs_llama_cpp=... spec_c1_vs_llama_cpp=... c32_vs_float32=...
 weight_bytes=... ppl_ratio=...`. The unquantized model
@@ -62,7 +63,7 @@ def perplexities(dtype: str) -> dict[str, float]:
     ids = ModelTokenizer(MODEL).encode((MODEL.parent.parent / "docs" / "architecture.md").read_text())
     windows = [torch.tensor(ids[i * 256:(i + 1) * 256]) for i in range(4)]
     out = {}
-    for q in ("gguf", "none"):
+    for q in ("gguf", "none", "int8", "int4"):
         model = load_model(MODEL, 512, "cpu", getattr(torch, dtype), quantization=q)
         model.pack_linears()     # the CPU default's GEMM for what is not quantized
         out[q] = perplexity(model, windows)
@@ -126,7 +127,10 @@ def main() -> None:
         print(f"spec (grounded, one at a time) {k:<22} {v:8.1f} tok/s")
     spec_ratio = spec_tok_s["stepwire gguf ngram"] / max(spec_tok_s["llama.cpp"], spec_tok_s["llama.cpp lookup"])
     ppl = perplexities(a.dtype)
-    print(f"perplexity over docs/architecture.md: quantized {ppl['gguf']:.4f}, dequantized {ppl['none']:.4f}")
+    print(f"perplexity over docs/architecture.md: the GGUF's blocks (gguf) {ppl['gguf']:.4f}, dequantized (none) "
+          f"{ppl['none']:.4f}; the dequantized model quantized at load: Q8_0 (int8) {ppl['int8']:.4f} "
+          f"(ratio {ppl['int8'] / ppl['none']:.4f}), Q4_1 (int4) {ppl['int4']:.4f} (ratio "
+          f"{ppl['int4'] / ppl['none']:.4f})")
     print(f"RESULT quant format={fmt} c1_vs_llama_cpp={c1:.2f} spec_c1_vs_llama_cpp={spec_ratio:.2f} "
           f"c32_vs_float32={c32:.2f} "
           f"weight_bytes={mb:.1f}MB ppl_ratio={ppl['gguf'] / ppl['none']:.4f}")
