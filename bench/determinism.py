@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
-from executor_service.runner_config import RunnerConfig, default_dtype  # noqa: E402
+from executor_service.engine.runner_config import RunnerConfig, default_dtype  # noqa: E402
 from launcher.engine import LLMEngine  # noqa: E402
 from scheduler_service import SchedulerConfig  # noqa: E402
 from stepwire.contract import SamplingParams  # noqa: E402

@@ -7,7 +7,7 @@ fake model of bench/scheduler_step.py (a request gets `output_token` in every st
 complete; EOS ignored; it stops at max_tokens), in three set-ups:
   one pool      one Scheduler core with the trace's config;
   stepwire      4 cores with a quarter of the blocks and of max_num_seqs each, every request routed on arrival by
-                scheduler_service.routing.pick (least tokens to compute before the first: its uncached prompt
+                scheduler_service.fleet.routing.pick (least tokens to compute before the first: its uncached prompt
                 plus the work queued there; with prefix pulls at the scheduler's default cost, done at once);
   least-loaded  the same 4 cores, routed by pick(..., by_prefix=False).
 A set-up's hit rate is the sum over its cores of prefix-cache hit tokens over queried tokens.
@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(1, str(ROOT / "tests"))     # the tiny test model and the port/health helpers
 
 from scheduler_service import Request, RunnerOutput, Scheduler, SchedulerConfig  # noqa: E402
-from scheduler_service.routing import PullCost, pick  # noqa: E402
+from scheduler_service.fleet.routing import PullCost, pick  # noqa: E402
 from stepwire.contract import SamplingParams  # noqa: E402
 
 SHARED = Path(os.environ.get("STEPWIRE_SHARED", ROOT.parent / "shared"))

@@ -47,8 +47,8 @@ sys.path.append(str(ROOT / "bench"))     # after the packages: bench/structured.
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from executor_service import step_ahead  # noqa: E402
-from executor_service.runner_config import RunnerConfig  # noqa: E402
+from executor_service.engine import run_ahead  # noqa: E402
+from executor_service.engine.runner_config import RunnerConfig  # noqa: E402
 from launcher.engine import LLMEngine  # noqa: E402
 from launcher.processes import MODULE  # noqa: E402
 from scheduler_service import SchedulerConfig  # noqa: E402
@@ -179,7 +179,7 @@ def decode_step(engine: LLMEngine, prompts, batch: int, args, name: str) -> dict
         engine.step()
     sync(args.device)
     spent: dict[str, float] = {}
-    wrapped = ((s, "schedule"), (s, "update_from_output"), (engine.runner, "execute"), (step_ahead, "launch"),
+    wrapped = ((s, "schedule"), (s, "update_from_output"), (engine.runner, "execute"), (run_ahead, "launch"),
                (engine, "_finish_ahead"))
     for obj, fn in wrapped:
         timed(obj, fn, spent)
@@ -209,7 +209,7 @@ def decode_step(engine: LLMEngine, prompts, batch: int, args, name: str) -> dict
                 host[ahead].update(zip(("prepare", "forward", "sample"), phases / args.decode_steps, strict=True))
     engine.run_ahead = default
     for obj, fn in wrapped:
-        if obj is step_ahead:
+        if obj is run_ahead:
             obj.launch = obj.launch.__wrapped__
         else:
             delattr(obj, fn)
@@ -345,7 +345,7 @@ def split_runs(model: Path, engine: LLMEngine, concurrencies: list[int], split: 
     from offline_throughput import prompt_texts
     from serving import executor_stats, inproc_run, pct, start_stack
 
-    from gateway.tokenizer import ModelTokenizer
+    from gateway.text.tokenizer import ModelTokenizer
 
     top = max(concurrencies)
     env = os.environ | {"STEPWIRE_EXECUTOR_DEVICE": args.device, "STEPWIRE_EXECUTOR_MAX_NUM_SEQS": str(top),

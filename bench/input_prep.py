@@ -22,11 +22,11 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from executor_service.attention import build_attention_metadata  # noqa: E402
-from executor_service.input_batch import InputBatch  # noqa: E402
-from executor_service.wire import decode_step  # noqa: E402
+from executor_service.batch.input_batch import InputBatch  # noqa: E402
+from executor_service.batch.wire import decode_step  # noqa: E402
+from executor_service.kernels.attention import build_attention_metadata  # noqa: E402
 from scheduler_service import Request, RunnerOutput, Scheduler, SchedulerConfig  # noqa: E402
-from scheduler_service.wire import HandleTable, encode_step  # noqa: E402
+from scheduler_service.fleet.wire import HandleTable, encode_step  # noqa: E402
 from stepwire.contract import SamplingParams  # noqa: E402
 
 BS = 16

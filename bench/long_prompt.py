@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from serving import MODEL, free_port, wait_ready  # noqa: E402
 
-from scheduler_service.config import CPU_STEP_DEFAULTS, GPU_STEP_DEFAULTS  # noqa: E402
+from scheduler_service.core.config import CPU_STEP_DEFAULTS, GPU_STEP_DEFAULTS  # noqa: E402
 
 KNOBS = ("STEPWIRE_SCHEDULER_MAX_NUM_BATCHED_TOKENS", "STEPWIRE_SCHEDULER_LONG_PREFILL_TOKEN_THRESHOLD")
 

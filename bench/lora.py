@@ -9,7 +9,7 @@ identity of a mixed batch against each request alone, and how often routing find
 - identical: on a float32 stack (in bfloat16 a batch of another shape rounds differently even without adapters,
   which says nothing about LoRA), 16 greedy requests, 8 adapters and base, all at once, against each alone.
 - LoRA steps replayed as CUDA graphs: the executor's `stepwire:executor_lora_steps{path}` over the throughput
-  phases (graph: replayed with every slot's product, lora_mask.py; eager: the grouped products), printed
+  phases (graph: replayed with every slot's product, lora/mask.py; eager: the grouped products), printed
   before the RESULT line; on a CPU every one is eager.
 - adapter_hit_ratio: 2 executors with 4 slots each and 16 adapters, 320 requests for random adapters, 16 at a
   time: the scheduler's count of requests routed to an executor that held their adapter (in a slot or in host

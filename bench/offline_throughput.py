@@ -21,7 +21,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from executor_service.runner_config import RunnerConfig  # noqa: E402
+from executor_service.engine.runner_config import RunnerConfig  # noqa: E402
 from launcher.engine import LLMEngine  # noqa: E402
 from scheduler_service import SchedulerConfig  # noqa: E402
 from stepwire.contract import SamplingParams  # noqa: E402

@@ -25,9 +25,9 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from executor_service.attention import PagedAttention, build_attention_metadata  # noqa: E402
-from executor_service.input_batch import StepInputs  # noqa: E402
-from executor_service.triton_attention import paged_attention, paged_metadata  # noqa: E402
+from executor_service.batch.input_batch import StepInputs  # noqa: E402
+from executor_service.kernels.attention import PagedAttention, build_attention_metadata  # noqa: E402
+from executor_service.kernels.triton_attention import paged_attention, paged_metadata  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 64, 16
 

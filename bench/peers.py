@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from determinism import cpu_model  # noqa: E402
 from serving import MODEL, free_port, start_stack, wait_ready  # noqa: E402
 
-from executor_service.runner_config import default_dtype  # noqa: E402
+from executor_service.engine.runner_config import default_dtype  # noqa: E402
 
 PEERS = ROOT.parent / "shared" / "peers" / "vllm_cpu"
 NAME = "SmolLM2-135M-Instruct"

@@ -56,9 +56,9 @@ def weights_mb(model: Path) -> tuple[str, float]:
 def perplexities(dtype: str) -> dict[str, float]:
     import torch
 
-    from executor_service.loader import load_model
-    from executor_service.teacher_forced import perplexity
-    from gateway.tokenizer import ModelTokenizer
+    from executor_service.model.loader import load_model
+    from executor_service.model.teacher_forced import perplexity
+    from gateway.text.tokenizer import ModelTokenizer
 
     ids = ModelTokenizer(MODEL).encode((MODEL.parent.parent / "docs" / "architecture.md").read_text())
     windows = [torch.tensor(ids[i * 256:(i + 1) * 256]) for i in range(4)]

@@ -35,8 +35,8 @@ from determinism import cpu_model  # noqa: E402
 from gguf import GGMLQuantizationType  # noqa: E402
 from gguf.quants import dequantize, quantize  # noqa: E402
 
-from executor_service import fixed_order  # noqa: E402
-from executor_service.quantized import QuantizedLinear  # noqa: E402
+from executor_service.kernels import fixed_order  # noqa: E402
+from executor_service.model.quantized import QuantizedLinear  # noqa: E402
 
 # name: (n, k) of SmolLM2-135M's weights
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}

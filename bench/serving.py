@@ -85,7 +85,7 @@ async def http_run(url: str, model: str, prompts: list[str], tokens: int, concur
 
 
 def inproc_engine():
-    from executor_service.runner_config import RunnerConfig
+    from executor_service.engine.runner_config import RunnerConfig
     from launcher.engine import LLMEngine
 
     return LLMEngine(RunnerConfig(str(MODEL), kv_cache_memory=1 << 30))
@@ -286,7 +286,7 @@ def main() -> None:
     args = ap.parse_args()
     from offline_throughput import prompt_texts
 
-    from gateway.tokenizer import ModelTokenizer
+    from gateway.text.tokenizer import ModelTokenizer
 
     texts = prompt_texts(args.requests)
     header = f"{'system':<22} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9}  (ms)"

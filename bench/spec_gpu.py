@@ -13,7 +13,7 @@ prompts repeated to 32 requests at once. Greedy, `--tokens` tokens each (ignore_
 once on the same prompts (so every method finds the prompts in its prefix cache alike), then timed.
 
 Rows, one engine each:
-- none: the baseline (which, unlike speculation, runs a step ahead of the host on a GPU: step_ahead.py);
+- none: the baseline (which, unlike speculation, runs a step ahead of the host on a GPU: engine/run_ahead.py);
 - ngram: `--speculative-method ngram`;
 - draft: `--speculative-method draft` with `--draft` (its checkpoint is loaded in the target's dtype);
 - self: the target as its own draft. An upper bound, not a method: every greedy proposal stands, so it
@@ -54,8 +54,8 @@ sys.path.append(str(ROOT / "bench"))
 
 import torch  # noqa: E402
 
-from executor_service.runner_config import RunnerConfig  # noqa: E402
-from gateway.tokenizer import ModelTokenizer  # noqa: E402
+from executor_service.engine.runner_config import RunnerConfig  # noqa: E402
+from gateway.text.tokenizer import ModelTokenizer  # noqa: E402
 from launcher.engine import LLMEngine  # noqa: E402
 from stepwire.contract import SamplingParams  # noqa: E402
 

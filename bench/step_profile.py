@@ -35,13 +35,13 @@ import torch  # noqa: E402
 from determinism import cpu_model  # noqa: E402
 from serving import MODEL  # noqa: E402
 
-import executor_service.attention as attn_mod  # noqa: E402
-import executor_service.model as model_mod  # noqa: E402
-import executor_service.runner as runner_mod  # noqa: E402
-from executor_service import fixed_order  # noqa: E402
-from executor_service.attention import PagedAttention  # noqa: E402
-from executor_service.linear import Linear  # noqa: E402
-from executor_service.runner_config import RunnerConfig, default_dtype  # noqa: E402
+import executor_service.engine.runner as runner_mod  # noqa: E402
+import executor_service.kernels.attention as attn_mod  # noqa: E402
+import executor_service.model.llama as model_mod  # noqa: E402
+from executor_service.engine.runner_config import RunnerConfig, default_dtype  # noqa: E402
+from executor_service.kernels import fixed_order  # noqa: E402
+from executor_service.kernels.attention import PagedAttention  # noqa: E402
+from executor_service.kernels.linear import Linear  # noqa: E402
 from launcher.engine import LLMEngine  # noqa: E402
 from stepwire.contract import SamplingParams  # noqa: E402
 

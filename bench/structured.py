@@ -28,8 +28,8 @@ import jsonschema  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.determinism import cpu_model  # noqa: E402
-from executor_service.runner_config import RunnerConfig, default_dtype  # noqa: E402
-from gateway.tokenizer import ModelTokenizer  # noqa: E402
+from executor_service.engine.runner_config import RunnerConfig, default_dtype  # noqa: E402
+from gateway.text.tokenizer import ModelTokenizer  # noqa: E402
 from launcher.engine import LLMEngine  # noqa: E402
 from scheduler_service import SchedulerConfig  # noqa: E402
 from stepwire.contract import SamplingParams  # noqa: E402

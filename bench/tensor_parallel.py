@@ -32,7 +32,7 @@ import torch  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
 from bench.offline_throughput import prompt_texts  # noqa: E402
-from executor_service.runner_config import RunnerConfig  # noqa: E402
+from executor_service.engine.runner_config import RunnerConfig  # noqa: E402
 from launcher.engine import LLMEngine  # noqa: E402
 from scheduler_service import SchedulerConfig  # noqa: E402
 from stepwire.contract import SamplingParams  # noqa: E402

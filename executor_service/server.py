@@ -1,4 +1,4 @@
-"""The executor as a process: its gRPC server (the servicer is service.py), health, metrics, the model load,
+"""The executor as a process: its gRPC server (the servicer is api/servicer.py), health, metrics, the model load,
 and the way it ends.
 
 SIGTERM starts a drain: health goes NOT_SERVING, every reply says `draining`, and the process exits once
@@ -23,12 +23,14 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from executor_service import kv_tensors, shared_cache, step_ahead
-from executor_service.drain import drain
-from executor_service.kv_transfer import BlockMover
-from executor_service.runner import ModelRunner
-from executor_service.runner_config import threads_per_rank
-from executor_service.service import ExecutorService
+from executor_service.api.drain import drain
+from executor_service.api.servicer import ExecutorService
+from executor_service.engine import run_ahead
+from executor_service.engine.runner import ModelRunner
+from executor_service.engine.runner_config import threads_per_rank
+from executor_service.kv import shared_cache
+from executor_service.kv.tensors import make_resident
+from executor_service.kv.transfer import BlockMover
 from executor_service.settings import ExecutorSettings
 from observability import tracing
 from observability.health_port import HealthServicer, serve_health
@@ -94,12 +96,12 @@ async def serve(settings: ExecutorSettings) -> int:
     service.runner = runner = await loop.run_in_executor(worker, ModelRunner, runner_config)
     # Known once the runner is: one whose every step reads the tokens on the host never runs ahead, and its
     # Describe says so, so the scheduler keeps no third step in flight for it, nor the pipeline room for one.
-    service.run_ahead = settings.runs_ahead() and step_ahead.allowed(runner)
+    service.run_ahead = settings.runs_ahead() and run_ahead.allowed(runner)
     service.pipeline = settings.pipeline(service.run_ahead)
     service.mover = BlockMover(runner.kv_blocks, runner.kv_layout, tls, settings.peer_server_name, service.metrics,
                                service.progress, settings.kv_shared_memory_dir, runner.kv_segment)
     if settings.kv_cache_resident:
-        kv_tensors.make_resident(runner.kv_blocks)
+        make_resident(runner.kv_blocks)
     if runner.ranks is not None:
         runner.ranks.watch(lambda why: loop.call_soon_threadsafe(service.fail, why))
     for name in ("", SERVICE):

@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from executor_service.runner_config import RunnerConfig
+from executor_service.engine.runner_config import RunnerConfig
 from security.peer_roles import RoleSettings
 
 
@@ -84,8 +84,8 @@ class ExecutorSettings(RoleSettings):
         "and LM head in Q8_0), for checkpoints that come without a GGUF")
     cpu_gemm: Literal["auto", "packed", "library"] = Field(
         "auto", description="the CPU's linear layers: packed (weights packed at load into panels for the project's "
-        "own GEMM, executor_service/fixed_order.c, built by gcc for this CPU), library (oneDNN or torch); auto: "
-        "packed in float32 and bfloat16 where the kernels build, else library. Deterministic mode always packs")
+        "own GEMM, executor_service/kernels/fixed_order.c, built by gcc for this CPU), library (oneDNN or torch); "
+        "auto: packed in float32 and bfloat16 where the kernels build, else library. Deterministic mode always packs")
     kv_cache_memory: int = Field(1 << 30, ge=1, description="bytes for the KV cache of all layers, on each rank "
                                  "(each holds its own KV heads of every block)")
     block_size: int = Field(16, ge=1, description="tokens per KV block")
@@ -138,7 +138,7 @@ class ExecutorSettings(RoleSettings):
 
     def pipeline(self, runs_ahead: bool) -> int:
         """--step-pipeline resolved for an executor that (`runs_ahead`) or not: room for every step the scheduler
-        keeps in flight (scheduler_service/step_depth.py), or the last one waits in the stream unread, and a
+        keeps in flight (scheduler_service/fleet/step_depth.py), or the last one waits in the stream unread, and a
         step running ahead finds no next step queued to launch before it answers."""
         if self.step_pipeline != "auto":
             return self.step_pipeline

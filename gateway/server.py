@@ -14,14 +14,14 @@ import uvicorn
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from gateway.auth import ApiKeys, GrpcKeys, require_key_beyond_loopback
-from gateway.backend import Backend
-from gateway.connection_limits import ConnectionLimits, LimitedH11Protocol
-from gateway.grpc_api import SERVICE, GenerationService
-from gateway.http_api import build_app, build_health_app
+from gateway.access.auth import ApiKeys, GrpcKeys, require_key_beyond_loopback
+from gateway.access.connection_limits import ConnectionLimits, LimitedH11Protocol
+from gateway.generation.backend import Backend
+from gateway.generation.telemetry import GatewayMetrics
+from gateway.grpc_api.servicer import SERVICE, GenerationService
+from gateway.http_api.routes import build_app, build_health_app
 from gateway.settings import GatewaySettings
-from gateway.telemetry import GatewayMetrics
-from gateway.tokenizer import ModelTokenizer
+from gateway.text.tokenizer import ModelTokenizer
 from observability import tracing
 from observability.health_port import HealthServicer
 from security import tls

@@ -12,14 +12,14 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from executor_service import step_ahead
-from executor_service.runner import ModelRunner
-from executor_service.runner_config import RunnerConfig
-from executor_service.step import StepResult
-from executor_service.wire import decode_step, encode_result
+from executor_service.batch.step import StepResult
+from executor_service.batch.wire import decode_step, encode_result
+from executor_service.engine import run_ahead
+from executor_service.engine.runner import ModelRunner
+from executor_service.engine.runner_config import RunnerConfig
 from scheduler_service import Request, RequestDelta, Scheduler, SchedulerConfig
-from scheduler_service.config import step_defaults
-from scheduler_service.wire import HandleTable, decode_result, encode_step
+from scheduler_service.core.config import step_defaults
+from scheduler_service.fleet.wire import HandleTable, decode_result, encode_step
 from stepwire.contract import SamplingParams
 
 
@@ -36,7 +36,7 @@ class LLMEngine:
     def __init__(self, runner_config: RunnerConfig, scheduler_config: SchedulerConfig | None = None,
                  run_ahead: bool | None = None):
         """`run_ahead` (default: on a GPU) queues each plain step on the device before the last one's tokens
-        reach the host, and schedules it meanwhile (executor_service/step_ahead.py); tokens are the same."""
+        reach the host, and schedules it meanwhile (executor_service/engine/run_ahead.py); tokens are the same."""
         self.runner = ModelRunner(runner_config)
         facts = self.runner.describe()
         self.run_ahead = facts["device"].startswith("cuda") if run_ahead is None else run_ahead
@@ -91,8 +91,8 @@ class LLMEngine:
             return self._finish_ahead()     # what is in flight may be all that is left
         msg, order = encode_step(out, self.handles, epoch=1, step=0)
         step = decode_step(msg)
-        if self.run_ahead and step_ahead.plain(self.runner, step):
-            launched = step_ahead.launch(self.runner, step, self._ahead[2] if self._ahead else None)
+        if self.run_ahead and run_ahead.plain(self.runner, step):
+            launched = run_ahead.launch(self.runner, step, self._ahead[2] if self._ahead else None)
             deltas = self._finish_ahead()
             if isinstance(launched, StepResult):    # nothing sampled: answered at once
                 return deltas + self._update(out, order, launched, len(step.handles))

@@ -32,6 +32,7 @@ from pydantic_settings import SettingsConfigDict
 
 from launcher.announce import announce
 from launcher.forked import Forked, stop_server
+from launcher.port_check import taken_ports
 from launcher.processes import Service, command, fork
 from launcher.tethered import ProcessGroup
 from stepwire.contract.settings import ServiceSettings, load
@@ -222,9 +223,24 @@ def model_from_gguf(a: ServeSettings) -> ServeSettings:
     return a.model_copy(update={"model": str(directory), "quantization": quantization})
 
 
+def ports_of(a: ServeSettings) -> list[tuple[int, str]]:
+    """Every port serve's services listen on, with the flag that moves it."""
+    out = [(a.port, "--port"), (a.grpc_port, "--grpc-port"), (a.scheduler_port, "--scheduler-port"),
+           (a.scheduler_metrics_port, "--scheduler-metrics-port")]
+    for i in range(a.executors):
+        out += [(a.executor_port + i, "--executor-port"), (a.executor_metrics_port + i, "--executor-metrics-port")]
+    return out
+
+
 def serve(argv: list[str]) -> None:
     a = load(ServeSettings, argv)
     logging.basicConfig(level=logging.INFO, format="stepwire: %(message)s")
+    taken = taken_ports(ports_of(a))
+    if taken:
+        for line in taken:
+            log.error("%s", line)
+        log.error("nothing was started")
+        sys.exit(2)
     logging.getLogger("httpx").setLevel(logging.WARNING)   # not a line per health poll
     a = model_from_gguf(a)
     certs, temporary = certificates(a)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -109,11 +110,41 @@ def fork(service: Service, group: ProcessGroup, *, env: dict, log: str | None, c
 
 def free_ports(n: int) -> list[int]:
     """`n` distinct free loopback ports: all are held while they are picked, so none is handed out twice."""
+    return free_port_runs(n, 1)
+
+
+def free_port_runs(count: int, length: int) -> list[int]:
+    """The first ports of `count` runs of `length` consecutive free loopback ports (`stepwire serve --executors N`
+    gives executor i the port and metrics port base + i), all held while they are picked. They are picked below
+    the kernel's ephemeral range where it has one: a port bound to 0 and released is the kernel's to give to
+    any process's next outgoing connection before the service binds it (that cost one CI run 17 tests), a port
+    below the range only to another picker that draws the same number."""
+    quiet = _below_ephemeral(length)
+    draw = random.SystemRandom()
     with contextlib.ExitStack() as held:
-        socks = [held.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
+        firsts: list[int] = []
+        for _ in range(10_000):
+            if len(firsts) == count:
+                return firsts
+            first = held.enter_context(socket.socket())
+            try:
+                first.bind(("127.0.0.1", draw.randrange(*quiet) if quiet else 0))
+                base = first.getsockname()[1]
+                for i in range(1, length):
+                    held.enter_context(socket.socket()).bind(("127.0.0.1", base + i))
+            except OSError:
+                continue     # taken: what was bound stays held until the end, and another base is tried
+            firsts.append(base)
+    raise OSError(f"no {count} runs of {length} free loopback ports")
+
+
+def _below_ephemeral(length: int) -> tuple[int, int] | None:
+    """The ports from 10000 up to the kernel's ephemeral range (Linux), where a run of `length` fits; else None."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return (10_000, low - length) if low - length - 10_000 >= 1000 else None
 
 
 def place(services: list[Service]) -> None:

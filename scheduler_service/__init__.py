@@ -3,8 +3,8 @@
 Pure Python by design: a scheduler image carries no torch, and the core needs no gRPC.
 """
 
-from scheduler_service.config import SchedulerConfig
-from scheduler_service.output import (
+from scheduler_service.core.config import SchedulerConfig
+from scheduler_service.core.output import (
     CachedRequestData,
     NewRequestData,
     RequestDelta,
@@ -12,8 +12,8 @@ from scheduler_service.output import (
     SchedulerOutput,
     SchedulerStats,
 )
-from scheduler_service.request import Request, RequestStatus
-from scheduler_service.scheduler import Scheduler
+from scheduler_service.core.request import Request, RequestStatus
+from scheduler_service.core.scheduler import Scheduler
 
 __all__ = ["CachedRequestData", "NewRequestData", "Request", "RequestDelta", "RequestStatus", "RunnerOutput",
            "Scheduler", "SchedulerConfig", "SchedulerOutput", "SchedulerStats"]

@@ -17,12 +17,13 @@ from observability import tracing
 from observability.health_port import HealthServicer, serve_health
 from observability.metrics_server import serve_metrics
 from observability.shutdown import serve_until_sigterm
-from scheduler_service import membership, rebalance
-from scheduler_service.fleet import Fleet
-from scheduler_service.lifecycle import Lifecycles
-from scheduler_service.metrics import SchedulerMetrics
-from scheduler_service.service import SchedulerService
+from scheduler_service.api.servicer import SchedulerService
+from scheduler_service.fleet import rebalance
+from scheduler_service.fleet.fleet import Fleet
+from scheduler_service.membership.discovery import start as start_discovery
 from scheduler_service.settings import SchedulerSettings
+from scheduler_service.telemetry.lifecycle import Lifecycles
+from scheduler_service.telemetry.metrics import SchedulerMetrics
 from security import peer_roles
 from security.identity import GATEWAY, OPERATOR, SCHEDULER
 from security.listen import add_port, describe
@@ -83,7 +84,7 @@ async def serve(settings: SchedulerSettings) -> None:
     health_port = await serve_health(settings.health_address, health_servicer)
     log.info("scheduler listening on %s (port %d, %s); executors from %s discovery", settings.address, port,
              describe(tls), settings.discovery)
-    discovery = membership.start(settings, fleet.sync)
+    discovery = start_discovery(settings, fleet.sync)
     orphans = asyncio.create_task(fleet.watch_orphans())
     rebalancing = asyncio.create_task(rebalance.run(fleet, settings))
     async def shut_down() -> None:

@@ -13,11 +13,24 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
 
-from scheduler_service.adapter_registry import parse_modules
-from scheduler_service.config import CPU_STEP_DEFAULTS, GPU_STEP_DEFAULTS, SchedulerConfig, step_defaults
-from scheduler_service.step_depth import MOST
+from scheduler_service.core.config import CPU_STEP_DEFAULTS, GPU_STEP_DEFAULTS, SchedulerConfig, step_defaults
 from security.peer_roles import RoleSettings
+from stepwire.contract.limits import ADAPTER_NAME
 
+MOST_STEPS_IN_FLIGHT = 4   # more only queues steps whose placeholders a stop or a preemption wastes
+
+
+def parse_modules(modules: list[str]) -> list[tuple[str, str]]:
+    """`name=path` pairs, as --lora-modules takes them; ValueError on a malformed one."""
+    pairs = []
+    for m in modules:
+        name, sep, path = m.partition("=")
+        if not sep or not ADAPTER_NAME.fullmatch(name) or not path:
+            raise ValueError(f"--lora-modules {m!r}: name=path expected, the name of letters, digits and ._:/@+-")
+        pairs.append((name, path))
+    if len({n for n, _ in pairs}) != len(pairs):
+        raise ValueError("--lora-modules names an adapter twice")
+    return pairs
 
 class SchedulerSettings(RoleSettings):
     """Run the stepwire scheduler. Every flag is also STEPWIRE_SCHEDULER_<FLAG> (capitals, underscores)."""
@@ -78,7 +91,7 @@ class SchedulerSettings(RoleSettings):
 
     async_scheduling: bool = Field(True, description="schedule and send each executor's next step while it runs "
                                    "the current one (a request that stops costs one wasted token)")
-    max_steps_in_flight: Literal["auto"] | Annotated[int, Field(ge=1, le=MOST)] = Field(
+    max_steps_in_flight: Literal["auto"] | Annotated[int, Field(ge=1, le=MOST_STEPS_IN_FLIGHT)] = Field(
         "auto", description="steps sent to an executor and not yet answered (1-4), each executor's own; auto: 2, or "
         "3 for an executor that runs ahead (its --run-ahead, as its Describe says), 1 with --no-async-scheduling. "
         "A prefill executor always gets 1; a request that stops wastes a token per step beyond the first")

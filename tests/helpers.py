@@ -62,24 +62,10 @@ def free_ports(n: int) -> list[int]:
 
 
 def free_port_runs(count: int, length: int) -> list[int]:
-    """`count` first ports of runs of `length` consecutive free loopback ports, all held while they are picked
-    (`stepwire serve --executors N` gives executor i the port and metrics port base + i)."""
-    import contextlib
-    import socket
+    """`count` first ports of runs of `length` consecutive free loopback ports (the launcher's)."""
+    from launcher.processes import free_port_runs
 
-    with contextlib.ExitStack() as held:
-        firsts: list[int] = []
-        while len(firsts) < count:
-            first = held.enter_context(socket.socket())
-            first.bind(("127.0.0.1", 0))
-            base = first.getsockname()[1]
-            try:
-                for i in range(1, length):
-                    held.enter_context(socket.socket()).bind(("127.0.0.1", base + i))
-            except OSError:
-                continue      # a neighbour is taken: the ports bound so far stay held, and another base is tried
-            firsts.append(base)
-        return firsts
+    return free_port_runs(count, length)
 
 
 def log_tail(path, lines: int = 40) -> str:
@@ -215,7 +201,7 @@ def bf16_linear_unsupported() -> str | None:
     no bfloat16 inner product on CPUs without native bfloat16 instructions (no avx512_bf16 or AMX)."""
     import torch
 
-    from executor_service.linear import linear
+    from executor_service.kernels.linear import linear
 
     x, w = torch.ones(2, 8, dtype=torch.bfloat16), torch.ones(4, 8, dtype=torch.bfloat16)
     try:

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections import Counter
 
 from scheduler_service import RequestStatus
-from scheduler_service.kv_cache.free_queue import KVCacheBlock
-from scheduler_service.kv_cache.hashing import extend_block_hashes
+from scheduler_service.core.kv_cache.free_queue import KVCacheBlock
+from scheduler_service.core.kv_cache.hashing import extend_block_hashes
 
 _RUNNING = RequestStatus.RUNNING
 _QUEUED = (RequestStatus.WAITING, RequestStatus.PREEMPTED)

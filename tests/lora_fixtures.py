@@ -7,7 +7,7 @@ from pathlib import Path
 
 from conftest import MODEL
 
-# Every projection an adapter may target (executor_service/lora_adapter.py), by PEFT's module name.
+# Every projection an adapter may target (executor_service/lora/adapter.py), by PEFT's module name.
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ATTENTION = ALL_PROJECTIONS[:4]
 MLP = ALL_PROJECTIONS[4:]

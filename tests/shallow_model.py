@@ -25,7 +25,7 @@ SHALLOW = MODEL.parent / f".{MODEL.name}-{LAYERS}-layers"     # git-ignored, bes
 def block_bytes(dtype: str = "float32") -> int:
     """One KV block of the cut in `dtype` at the default block size: K and V, every layer, 16 slots, 3 KV heads
     of 64."""
-    from executor_service.runner_config import DTYPES
+    from executor_service.engine.runner_config import DTYPES
     return 2 * LAYERS * 16 * 3 * 64 * DTYPES[dtype].itemsize
 
 

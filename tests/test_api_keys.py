@@ -12,8 +12,8 @@ openai = pytest.importorskip("openai")
 
 from helpers import free_port, wait_until  # noqa: E402
 
-from gateway import auth, watched_file  # noqa: E402
-from gateway.auth import ApiKeys, bearer, require_key_beyond_loopback  # noqa: E402
+from gateway.access import auth, watched_file  # noqa: E402
+from gateway.access.auth import ApiKeys, bearer, require_key_beyond_loopback  # noqa: E402
 from launcher.processes import Service, flag_dict  # noqa: E402
 
 NAME = "model"

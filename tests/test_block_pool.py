@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from scheduler_service.kv_cache.block_pool import BlockPool
-from scheduler_service.kv_cache.free_queue import FreeBlockQueue, KVCacheBlock
-from scheduler_service.kv_cache.hashing import ROOT_HASH, extend_block_hashes, hash_block
+from scheduler_service.core.kv_cache.block_pool import BlockPool
+from scheduler_service.core.kv_cache.free_queue import FreeBlockQueue, KVCacheBlock
+from scheduler_service.core.kv_cache.hashing import ROOT_HASH, extend_block_hashes, hash_block
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -110,7 +110,7 @@ def test_block_hashes_chain_so_equal_blocks_after_different_prefixes_differ():
 
 
 def test_block_hashes_are_the_same_in_another_process_with_another_hash_seed():
-    code = ("from scheduler_service.kv_cache.hashing import extend_block_hashes as e; h=[]; "
+    code = ("from scheduler_service.core.kv_cache.hashing import extend_block_hashes as e; h=[]; "
             "e(h, list(range(40)), 16, b'salt:t'); print(','.join(x.hex() for x in h))")
     here = []
     extend_block_hashes(here, list(range(40)), 16, b"salt:t")

@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 import json
 
-from gateway.generation import Chunk, GenerationParams
-from gateway.openai_responses import respond
-from gateway.telemetry import GatewayMetrics, Observation
+from gateway.generation.params import Chunk, GenerationParams
+from gateway.generation.telemetry import GatewayMetrics, Observation
+from gateway.http_api.responses import respond
 
 
 class Gated:

@@ -9,10 +9,10 @@ torch = pytest.importorskip("torch")
 
 from tiny_model import chunked_and_cached_prompts, kv_bytes, write_tiny_llama  # noqa: E402
 
-from executor_service import fixed_order  # noqa: E402
-from executor_service.attention import GatherScratch, PagedAttention, build_attention_metadata  # noqa: E402
-from executor_service.input_batch import StepInputs  # noqa: E402
-from executor_service.rope import RotaryEmbedding, apply_rotary  # noqa: E402
+from executor_service.batch.input_batch import StepInputs  # noqa: E402
+from executor_service.kernels import fixed_order  # noqa: E402
+from executor_service.kernels.attention import GatherScratch, PagedAttention, build_attention_metadata  # noqa: E402
+from executor_service.model.rope import RotaryEmbedding, apply_rotary  # noqa: E402
 
 
 def mixed_step(requests, block: int, seed: int = 0):
@@ -78,7 +78,7 @@ def test_rotary_in_place_gives_the_bits_of_torchs_rotary(dtype):
 
 
 def test_cpu_engine_attends_in_place_and_keeps_the_gathered_paths_greedy_tokens(tmp_path):
-    from executor_service.runner_config import RunnerConfig
+    from executor_service.engine.runner_config import RunnerConfig
     from launcher.engine import LLMEngine
     from scheduler_service import SchedulerConfig
     from stepwire.contract import SamplingParams
@@ -103,8 +103,8 @@ def test_cpu_engine_attends_in_place_and_keeps_the_gathered_paths_greedy_tokens(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block", [4, 16])
 def test_store_kv_writes_the_slots_write_slots_writes_and_nothing_else(dtype, block):
-    from executor_service.attention import write_slots
-    from executor_service.kv_tensors import layer_views
+    from executor_service.kernels.attention import write_slots
+    from executor_service.kv.tensors import layer_views
 
     g = torch.Generator().manual_seed(3)
     t, kv_heads, d = 23, 3, 64

@@ -10,8 +10,8 @@ import pytest
 from helpers import req, step
 
 from scheduler_service import Scheduler, SchedulerConfig
-from scheduler_service.config import CPU_STEP_DEFAULTS, GPU_STEP_DEFAULTS, step_defaults
-from scheduler_service.executor_link import ExecutorLink
+from scheduler_service.core.config import CPU_STEP_DEFAULTS, GPU_STEP_DEFAULTS, step_defaults
+from scheduler_service.fleet.executor_link import ExecutorLink
 from scheduler_service.settings import SchedulerSettings
 from stepwire.contract.settings import load
 from stepwire.internal import executor_pb2
@@ -147,7 +147,7 @@ def test_with_the_old_defaults_the_same_prompt_takes_one_step():
 def test_cpu_dtype_is_bfloat16_only_where_the_cpu_multiplies_it_natively(monkeypatch, amx, avx512_bf16, expected):
     import torch
 
-    from executor_service.runner_config import default_dtype
+    from executor_service.engine.runner_config import default_dtype
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     monkeypatch.setattr(torch.cpu, "_init_amx", lambda: True)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
@@ -158,7 +158,7 @@ def test_cpu_dtype_is_bfloat16_only_where_the_cpu_multiplies_it_natively(monkeyp
 def test_amx_that_the_kernel_refuses_to_enable_does_not_count(monkeypatch):
     import torch
 
-    from executor_service.runner_config import default_dtype
+    from executor_service.engine.runner_config import default_dtype
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
     monkeypatch.setattr(torch.cpu, "_init_amx", lambda: False)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
@@ -169,8 +169,8 @@ def test_this_machines_default_dtype_is_what_torch_says_it_supports(tmp_path, mo
     import torch
     from tiny_model import write_tiny_llama
 
-    from executor_service.runner import ModelRunner
-    from executor_service.runner_config import RunnerConfig
+    from executor_service.engine.runner import ModelRunner
+    from executor_service.engine.runner_config import RunnerConfig
     native = (torch.cpu._is_amx_tile_supported() and torch.cpu._init_amx()) or torch.cpu._is_avx512_bf16_supported()
     monkeypatch.delenv("STEPWIRE_EXECUTOR_DTYPE", raising=False)     # the machine's own default, not the suite's
     runner = ModelRunner(RunnerConfig(write_tiny_llama(tmp_path), kv_cache_memory=1 << 20))
@@ -182,7 +182,7 @@ def test_this_machines_default_dtype_is_what_torch_says_it_supports(tmp_path, mo
 def test_the_in_process_engine_takes_the_same_device_defaults_as_the_scheduler_service(tmp_path):
     from tiny_model import kv_bytes, write_tiny_llama
 
-    from executor_service.runner_config import RunnerConfig
+    from executor_service.engine.runner_config import RunnerConfig
     from launcher.engine import LLMEngine
     engine = LLMEngine(RunnerConfig(str(write_tiny_llama(tmp_path)), block_size=4, kv_cache_memory=kv_bytes(64),
                                     max_model_len=128))

@@ -7,13 +7,13 @@ torch = pytest.importorskip("torch")
 
 from tiny_model import chunked_and_cached_prompts, reference_greedy, write_tiny_llama  # noqa: E402
 
-from executor_service.runner_config import RunnerConfig, uses_packed_gemm  # noqa: E402
+from executor_service.engine.runner_config import RunnerConfig, uses_packed_gemm  # noqa: E402
 
 pytestmark = pytest.mark.model
 
 
 def test_packed_weights_give_the_librarys_greedy_tokens_in_float32_and_drop_the_unpacked_copy(tmp_path):
-    from executor_service.runner import ModelRunner
+    from executor_service.engine.runner import ModelRunner
     model = write_tiny_llama(tmp_path)
     prompts = chunked_and_cached_prompts()
     library = reference_greedy(model, prompts, dtype="float32", cpu_gemm="library")
@@ -36,7 +36,7 @@ def test_packed_gemm_refuses_a_dtype_it_does_not_take_and_auto_falls_back(tmp_pa
 
 
 def test_without_a_c_compiler_auto_keeps_the_library_and_packed_refuses(tmp_path, monkeypatch):
-    from executor_service import fixed_order
+    from executor_service.kernels import fixed_order
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("STEPWIRE_KERNEL_CACHE", str(tmp_path))
     monkeypatch.setenv("STEPWIRE_FIXED_ORDER_ARCH", "x86-64")    # a build no earlier test cached

@@ -13,9 +13,9 @@ pytest.importorskip("triton", reason="triton is not installed (the test extra in
 
 from tiny_model import kv_bytes, write_tiny_llama  # noqa: E402
 
-from executor_service.cuda_graphs import StepGraphs, batch_ladder, token_ladder  # noqa: E402
-from executor_service.runner_config import RunnerConfig  # noqa: E402
-from executor_service.triton_attention import query_blocks  # noqa: E402
+from executor_service.engine.cuda_graphs import StepGraphs, batch_ladder, token_ladder  # noqa: E402
+from executor_service.engine.runner_config import RunnerConfig  # noqa: E402
+from executor_service.kernels.triton_attention import query_blocks  # noqa: E402
 from launcher.engine import LLMEngine  # noqa: E402
 from scheduler_service import SchedulerConfig  # noqa: E402
 from stepwire.contract import SamplingParams  # noqa: E402

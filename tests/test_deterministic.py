@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 from conftest import MODEL  # noqa: E402
 from helpers import record_logits  # noqa: E402
 
-from executor_service.batch_invariant import (  # noqa: E402
+from executor_service.kernels.batch_invariant import (  # noqa: E402
     TILE_ROWS,
     DeterminismUnavailable,
     RowPlan,
@@ -73,7 +73,7 @@ def test_a_kernel_that_depends_on_a_rows_position_is_refused_with_the_shape_name
 # ---- the embedded model's first layers (conftest.shallow), in-process --------------------------------------
 
 def _engine(model, dtype: str):
-    from executor_service.runner_config import RunnerConfig
+    from executor_service.engine.runner_config import RunnerConfig
     from launcher.engine import LLMEngine
     # Steps of 256 tokens at most, as _fresh's budgets: the kernels are checked for the row counts they meet.
     return LLMEngine(RunnerConfig(str(model), dtype=dtype, deterministic=True, kv_cache_memory=32 << 20,
@@ -84,8 +84,8 @@ def _fresh(engine, budget: int):
     """The same loaded model behind a new scheduler (empty queues, empty prefix cache) with this step budget:
     loading and checking the kernels once keeps the test short."""
     from scheduler_service import SchedulerConfig
-    from scheduler_service.scheduler import Scheduler
-    from scheduler_service.wire import HandleTable
+    from scheduler_service.core.scheduler import Scheduler
+    from scheduler_service.fleet.wire import HandleTable
     engine.runner.reset_batch()
     engine.handles = HandleTable()
     engine.scheduler = Scheduler(SchedulerConfig(block_size=16, max_model_len=256, max_num_seqs=64,
@@ -147,12 +147,12 @@ def test_a_request_gets_the_same_bits_alone_and_among_1_to_64_neighbours_any_chu
 def test_deterministic_mode_on_the_cpu_runs_the_fixed_order_kernels_with_no_probe(tmp_path, monkeypatch):
     from tiny_model import write_tiny_llama
 
-    from executor_service.runner import ModelRunner
-    from executor_service.runner_config import RunnerConfig
+    from executor_service.engine.runner import ModelRunner
+    from executor_service.engine.runner_config import RunnerConfig
     path = str(write_tiny_llama(tmp_path))
     # (On CUDA it takes the Triton kernels, and refuses to start without them: test_deterministic_triton.py.)
     probed = []
-    monkeypatch.setattr("executor_service.model.plan_rows", lambda *a, **k: probed.append(a))
+    monkeypatch.setattr("executor_service.model.llama.plan_rows", lambda *a, **k: probed.append(a))
     runner = ModelRunner(RunnerConfig(path, deterministic=True, kv_cache_memory=1 << 20))
     assert runner.describe()["deterministic"] is True and runner.attention == "torch"
     layer = runner.model.layers[0]
@@ -171,8 +171,8 @@ def test_a_kernel_that_is_row_invariant_but_differs_from_the_whole_layer_on_one_
 
 
 def test_a_deterministic_rank_splits_o_and_down_by_output_and_holds_every_hidden_column_once():
-    from executor_service.model_config import ModelConfig
-    from executor_service.partition import Partition
+    from executor_service.model.config import ModelConfig
+    from executor_service.model.partition import Partition
     cfg = ModelConfig.from_dir(MODEL) if (MODEL / "config.json").exists() else None
     if cfg is None:
         pytest.skip("embedded model not converted (make model)")
@@ -191,7 +191,7 @@ def test_a_deterministic_rank_splits_o_and_down_by_output_and_holds_every_hidden
 def test_one_two_and_three_tensor_parallel_ranks_give_a_request_the_same_bits(dtype, degrees, shallow):
     """A fleet may run a request on one rank, then after a fault on an executor of another degree: every
     degree (each rank its own process, on its own thread count) must give the same logits, to the bit."""
-    from executor_service.runner_config import RunnerConfig
+    from executor_service.engine.runner_config import RunnerConfig
     from launcher.engine import LLMEngine
     from scheduler_service import SchedulerConfig
     from stepwire.contract import SamplingParams
@@ -231,7 +231,7 @@ _ISA_RUN = r"""
 import hashlib, json, sys
 sys.path[:0] = [sys.argv[2], sys.argv[3]]
 from helpers import record_logits
-from executor_service.runner_config import RunnerConfig
+from executor_service.engine.runner_config import RunnerConfig
 from launcher.engine import LLMEngine
 from scheduler_service import SchedulerConfig
 from stepwire.contract import SamplingParams

@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed (the test extra installs it)")
 
-from executor_service.invariant_triton import matmul, rms_norm  # noqa: E402
+from executor_service.kernels.invariant_triton import matmul, rms_norm  # noqa: E402
 
 pytestmark = pytest.mark.interpreted   # without a GPU: not in `make test-fast`
 
@@ -34,7 +34,7 @@ def test_the_gemm_is_torch_s_product_and_a_row_gets_the_same_bits_in_a_call_of_a
 
 
 def test_the_norm_is_the_modules_and_a_row_gets_the_same_bits_in_a_call_of_any_size():
-    from executor_service.model import RMSNorm
+    from executor_service.model.llama import RMSNorm
     norm = RMSNorm(96, 1e-5).to(DEVICE)
     norm.weight.data = 1 + rnd(96, seed=4)
     x = rnd(5, 7, 96, seed=5)
@@ -46,8 +46,8 @@ def test_the_norm_is_the_modules_and_a_row_gets_the_same_bits_in_a_call_of_any_s
 def test_a_decode_s_attention_row_is_the_same_token_s_row_inside_a_prompt_s_block():
     from test_triton_attention import step_inputs
 
-    from executor_service.attention import PagedAttention
-    from executor_service.triton_attention import paged_metadata
+    from executor_service.kernels.attention import PagedAttention
+    from executor_service.kernels.triton_attention import paged_metadata
 
     heads, kv_heads, d, block_size = 9, 3, 64, 16
     table = np.arange(1, 1 + 2 * 12).reshape(2, 12)
@@ -84,7 +84,7 @@ def test_a_model_on_the_triton_kernels_gives_a_request_the_same_bits_alone_and_a
     from test_deterministic import _fresh, _run
     from tiny_model import write_tiny_llama
 
-    from executor_service.runner_config import RunnerConfig
+    from executor_service.engine.runner_config import RunnerConfig
     from launcher.engine import LLMEngine
     from stepwire.contract import SamplingParams
 
@@ -123,7 +123,7 @@ def test_a_model_on_the_triton_kernels_gives_a_request_the_same_bits_alone_and_a
 
 
 def test_deterministic_mode_on_cuda_without_triton_is_refused_at_start():
-    from executor_service.runner_config import check_deterministic_backend
+    from executor_service.engine.runner_config import check_deterministic_backend
     with pytest.raises(ValueError, match="needs Triton"):
         check_deterministic_backend("torch", torch.device("cuda"))
     check_deterministic_backend("torch", torch.device("cpu"))

@@ -11,8 +11,8 @@ pytest.importorskip("jinja2")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from gateway.detokenizer import IncrementalDetokenizer  # noqa: E402
-from gateway.tokenizer import ModelTokenizer  # noqa: E402
+from gateway.text.detokenizer import IncrementalDetokenizer  # noqa: E402
+from gateway.text.tokenizer import ModelTokenizer  # noqa: E402
 
 MODEL = Path(__file__).resolve().parent.parent / "models" / "SmolLM2-135M-Instruct"
 REPLACEMENT = "\ufffd"

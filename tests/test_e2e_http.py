@@ -11,8 +11,8 @@ pytest.importorskip("torch")
 
 from helpers import wait_executor_idle  # noqa: E402
 
-from executor_service.runner_config import RunnerConfig  # noqa: E402
-from gateway.tokenizer import ModelTokenizer  # noqa: E402
+from executor_service.engine.runner_config import RunnerConfig  # noqa: E402
+from gateway.text.tokenizer import ModelTokenizer  # noqa: E402
 from launcher.engine import LLMEngine  # noqa: E402
 from stepwire.contract import SamplingParams  # noqa: E402
 

@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 from helpers import record_logits, skip_unless_torch_runs  # noqa: E402
 from shallow_model import block_bytes  # noqa: E402
 
-from executor_service.runner_config import RunnerConfig  # noqa: E402
+from executor_service.engine.runner_config import RunnerConfig  # noqa: E402
 from launcher.engine import LLMEngine  # noqa: E402
 from scheduler_service import SchedulerConfig  # noqa: E402
 from stepwire.contract import SamplingParams  # noqa: E402

@@ -12,7 +12,7 @@ from tiny_model import executor_dtype, kv_bytes, reference_greedy, write_tiny_ll
 
 from launcher.processes import Service, Stack  # noqa: E402
 from scheduler_service import Request, Scheduler, SchedulerConfig  # noqa: E402
-from scheduler_service.wire import HandleTable, decode_result, encode_step  # noqa: E402
+from scheduler_service.fleet.wire import HandleTable, decode_result, encode_step  # noqa: E402
 from stepwire.contract import SamplingParams  # noqa: E402
 from stepwire.internal import executor_pb2, executor_pb2_grpc, sampling_pb2  # noqa: E402
 

@@ -9,9 +9,9 @@ torch = pytest.importorskip("torch")
 from helpers import record_logits, skip_unless_torch_runs  # noqa: E402
 from tiny_model import chunked_and_cached_prompts, executor_dtype, kv_bytes, write_tiny_llama  # noqa: E402
 
-from executor_service.attention import AttentionMetadata  # noqa: E402
-from executor_service.kv_tensors import allocate_kv_caches  # noqa: E402
-from executor_service.runner_config import RunnerConfig  # noqa: E402
+from executor_service.engine.runner_config import RunnerConfig  # noqa: E402
+from executor_service.kernels.attention import AttentionMetadata  # noqa: E402
+from executor_service.kv.tensors import allocate_kv_caches  # noqa: E402
 from launcher.engine import LLMEngine  # noqa: E402
 from scheduler_service import SchedulerConfig  # noqa: E402
 from stepwire.contract import SamplingParams  # noqa: E402
@@ -156,7 +156,7 @@ def test_logprobs_come_back_for_the_requests_that_ask_and_match_log_softmax(tiny
 def test_the_cpu_linear_equals_torchs_for_one_row_or_many_wide_or_narrow(rows, out_features):
     import torch.nn.functional as F
 
-    from executor_service.linear import linear
+    from executor_service.kernels.linear import linear
     g = torch.Generator().manual_seed(rows + out_features)
     x, w = torch.randn(rows, 576, generator=g), torch.randn(out_features, 576, generator=g)
     b = torch.randn(out_features, generator=g)

@@ -28,12 +28,12 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from tiny_model import TINY, kv_bytes, reference_greedy, write_tiny_llama  # noqa: E402
 
-from executor_service.input_batch import InputBatch  # noqa: E402
-from executor_service.step_checks import Limits, check_step  # noqa: E402
-from executor_service.wire import decode_step  # noqa: E402
+from executor_service.batch.input_batch import InputBatch  # noqa: E402
+from executor_service.batch.step_checks import Limits, check_step  # noqa: E402
+from executor_service.batch.wire import decode_step  # noqa: E402
 from launcher.processes import Service, Stack  # noqa: E402
 from scheduler_service import Request, RunnerOutput, Scheduler, SchedulerConfig  # noqa: E402
-from scheduler_service.wire import HandleTable, decode_result, encode_step  # noqa: E402
+from scheduler_service.fleet.wire import HandleTable, decode_result, encode_step  # noqa: E402
 from stepwire.contract import SamplingParams  # noqa: E402
 from stepwire.internal import executor_pb2, sampling_pb2, scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
 
@@ -415,9 +415,9 @@ def test_a_prompt_token_outside_the_vocabulary_gets_resync_and_the_stream_goes_o
 def test_a_failing_step_is_answered_with_resync_and_an_empty_batch(tmp_path, caplog):
     """The last line of defence: whatever escapes the checks is logged with its traceback and answered with a
     resync, the batch reset, and the next step (a newer epoch, as the scheduler sends) runs normally."""
-    from executor_service.runner import ModelRunner
-    from executor_service.runner_config import RunnerConfig
-    from executor_service.service import ExecutorService, _Stream
+    from executor_service.api.servicer import ExecutorService, _Stream
+    from executor_service.engine.runner import ModelRunner
+    from executor_service.engine.runner_config import RunnerConfig
 
     model = write_tiny_llama(tmp_path / "llama")
     runner = ModelRunner(RunnerConfig(str(model), block_size=BLOCK, max_num_seqs=MAX_SEQS,

@@ -10,10 +10,10 @@ from helpers import make_scheduler, place_running, req, step
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler_service.config import SchedulerConfig
-from scheduler_service.fair_share import FairQueue, FleetClock, TenantClock
-from scheduler_service.request_queue import make_queue
-from scheduler_service.scheduler import Scheduler
+from scheduler_service.core.config import SchedulerConfig
+from scheduler_service.core.fair_share import FairQueue, FleetClock, TenantClock
+from scheduler_service.core.request_queue import make_queue
+from scheduler_service.core.scheduler import Scheduler
 
 
 @settings(max_examples=80, deadline=None)
@@ -101,7 +101,7 @@ def test_a_tenant_back_from_idle_gets_its_share_not_a_burst_for_the_time_it_was_
 
 
 def test_requests_that_leave_and_join_cores_keep_the_tenant_counts_right():
-    from scheduler_service.migration import adopt, take_all
+    from scheduler_service.fleet.migration import adopt, take_all
     src, dst = make_scheduler(), make_scheduler()
     for i in range(6):
         src.add_request(req(f"r{i}", 8, max_tokens=2, first=20 * i, tenant="ab"[i % 2]))
@@ -262,7 +262,7 @@ def test_shares_hold_across_the_fleet_when_a_tenant_s_requests_all_land_on_one_e
 
 
 def test_a_fleet_s_tenant_counts_are_the_sum_of_its_cores_and_empty_when_every_request_ended():
-    from scheduler_service.migration import adopt, take_all
+    from scheduler_service.fleet.migration import adopt, take_all
     clock = FleetClock()
     src, dst = (Scheduler(SchedulerConfig(max_model_len=20000), num_blocks=1000, tenants=clock) for _ in range(2))
     for i in range(6):
@@ -279,10 +279,10 @@ def test_a_fleet_s_tenant_counts_are_the_sum_of_its_cores_and_empty_when_every_r
 def test_every_executor_s_core_in_a_scheduler_runs_on_the_fleet_s_one_clock():
     import asyncio
 
-    from scheduler_service.fleet import Fleet
-    from scheduler_service.lifecycle import Lifecycles
-    from scheduler_service.metrics import SchedulerMetrics
+    from scheduler_service.fleet.fleet import Fleet
     from scheduler_service.settings import SchedulerSettings
+    from scheduler_service.telemetry.lifecycle import Lifecycles
+    from scheduler_service.telemetry.metrics import SchedulerMetrics
     from stepwire.contract.settings import load
     from stepwire.internal import executor_pb2
 

@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from executor_service import fixed_order  # noqa: E402
+from executor_service.kernels import fixed_order  # noqa: E402
 
 
 def _arches() -> list[str]:

@@ -11,12 +11,12 @@ import torch
 import torch.nn.functional as F
 from tiny_model import kv_bytes, write_tiny_llama
 
-from executor_service.fp8 import FP8, FP8_MAX, Fp8Linear, quantize_rows, quantize_weight
-from executor_service.loader import load_model
-from executor_service.model_config import ModelLoadError
-from executor_service.runner_config import RunnerConfig
+from executor_service.engine.runner_config import RunnerConfig
+from executor_service.model.config import ModelLoadError
+from executor_service.model.fp8 import FP8, FP8_MAX, Fp8Linear, quantize_rows, quantize_weight
+from executor_service.model.loader import load_model
+from executor_service.model.teacher_forced import full_forward
 from executor_service.settings import ExecutorSettings
-from executor_service.teacher_forced import full_forward
 from launcher.engine import LLMEngine
 from scheduler_service import SchedulerConfig
 
@@ -134,7 +134,7 @@ def test_the_embedded_model_in_fp8_predicts_the_next_token_as_the_float_model_do
             "capital of Germany. Water boils at one hundred degrees Celsius at sea level. In 1492 Columbus sailed "
             "the ocean blue, and the first man on the moon was Neil Armstrong in 1969. def add(a, b):\n    return "
             "a + b\n")
-    from gateway.tokenizer import ModelTokenizer
+    from gateway.text.tokenizer import ModelTokenizer
     ids = torch.tensor(ModelTokenizer(EMBEDDED).encode(text))
     logits = {q: full_forward(load_model(EMBEDDED, 256, DEVICE, torch.float32, quantization=q), ids.to(DEVICE))
               .float().cpu() for q in ("none", "fp8")}

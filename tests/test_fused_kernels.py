@@ -12,11 +12,11 @@ pytest.importorskip("triton", reason="triton is not installed (the test extra in
 
 from tiny_model import executor_dtype, kv_bytes, write_tiny_llama  # noqa: E402
 
-from executor_service.attention import write_slots  # noqa: E402
-from executor_service.fused_kernels import rotary_kv, silu_mul  # noqa: E402
-from executor_service.model import RMSNorm  # noqa: E402
-from executor_service.rope import RotaryEmbedding, apply_rotary  # noqa: E402
-from executor_service.runner_config import RunnerConfig  # noqa: E402
+from executor_service.engine.runner_config import RunnerConfig  # noqa: E402
+from executor_service.kernels.attention import write_slots  # noqa: E402
+from executor_service.kernels.fused_kernels import rotary_kv, silu_mul  # noqa: E402
+from executor_service.model.llama import RMSNorm  # noqa: E402
+from executor_service.model.rope import RotaryEmbedding, apply_rotary  # noqa: E402
 from launcher.engine import LLMEngine  # noqa: E402
 from scheduler_service import SchedulerConfig  # noqa: E402
 from stepwire.contract import SamplingParams  # noqa: E402
@@ -138,8 +138,8 @@ def test_deterministic_mode_keeps_its_own_kernels(tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_fp8_row_quantization_kernel_gives_torchs_scales_and_values(dtype):
-    from executor_service import fp8
-    from executor_service.fp8_triton import quantize_rows
+    from executor_service.kernels.fp8_triton import quantize_rows
+    from executor_service.model import fp8
 
     x = rnd(9, 300, dtype=dtype, scale=5)
     x[3] = 0

@@ -10,9 +10,9 @@ import grpc
 import pytest
 from gateway_stack import EMBEDDED
 
-from gateway.backend import Backend
-from gateway.generation import GenerationParams, Usage
-from gateway.tokenizer import ModelTokenizer
+from gateway.generation.backend import Backend
+from gateway.generation.params import GenerationParams, Usage
+from gateway.text.tokenizer import ModelTokenizer
 from stepwire.contract import SamplingParams
 from stepwire.internal import scheduler_pb2
 

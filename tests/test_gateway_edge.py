@@ -17,8 +17,8 @@ pytest.importorskip("torch")
 from gateway_stack import EMBEDDED, MAX_MODEL_LEN, VOCAB, tiny_model_with_tokenizer, tiny_stack  # noqa: E402
 from helpers import free_ports, wait_until  # noqa: E402
 
-from gateway.backend import SCHEDULER_GONE, Backend  # noqa: E402
-from gateway.tokenizer import ModelTokenizer  # noqa: E402
+from gateway.generation.backend import SCHEDULER_GONE, Backend  # noqa: E402
+from gateway.text.tokenizer import ModelTokenizer  # noqa: E402
 from launcher.processes import Service  # noqa: E402
 from stepwire.contract import InvalidRequestError, SamplingParams, check_sampling, check_stop  # noqa: E402
 from stepwire.contract.sampling import MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS  # noqa: E402

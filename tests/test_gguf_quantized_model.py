@@ -13,7 +13,7 @@ gguf = pytest.importorskip("gguf")
 from gguf.quants import quantize  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
-from executor_service.model_config import ModelLoadError  # noqa: E402
+from executor_service.model.config import ModelLoadError  # noqa: E402
 from tools.convert_gguf import convert  # noqa: E402
 from tools.gguf_tokenizer import byte_alphabet  # noqa: E402
 
@@ -73,7 +73,7 @@ def write_gguf(path: Path, types: dict[str, str], layers: int = 2, seed: int = 0
 
 
 def engine_logits(model: Path, quantization: str, dtype: str):
-    from executor_service.runner_config import RunnerConfig
+    from executor_service.engine.runner_config import RunnerConfig
     from launcher.engine import LLMEngine
     from scheduler_service import SchedulerConfig
     from stepwire.contract import SamplingParams
@@ -144,7 +144,7 @@ def test_a_lora_adapter_on_quantized_base_weights_gives_the_dequantized_models_t
     pytest.importorskip("peft")
     from lora_fixtures import make_adapter
 
-    from executor_service.runner_config import RunnerConfig
+    from executor_service.engine.runner_config import RunnerConfig
     from launcher.engine import LLMEngine
     from stepwire.contract import SamplingParams
 
@@ -163,7 +163,7 @@ def test_a_lora_adapter_on_quantized_base_weights_gives_the_dequantized_models_t
 
 
 def test_deterministic_mode_keeps_its_bits_with_quantized_weights(tmp_path):
-    from executor_service.runner_config import RunnerConfig
+    from executor_service.engine.runner_config import RunnerConfig
     from launcher.engine import LLMEngine
     from stepwire.contract import SamplingParams
 
@@ -183,7 +183,7 @@ def test_deterministic_mode_keeps_its_bits_with_quantized_weights(tmp_path):
 def test_auto_takes_the_quantized_weights_only_where_they_are_the_fastest_way(tmp_path):
     from tiny_model import write_tiny_llama
 
-    from executor_service.runner_config import RunnerConfig, resolve_quantization
+    from executor_service.engine.runner_config import RunnerConfig, resolve_quantization
 
     model = convert(write_gguf(tmp_path / "m.gguf", MIXED), tmp_path / "m")
     cpu, auto = torch.device("cpu"), dict(quantization="auto")

@@ -2,6 +2,10 @@
 security. The `stepwire` package (the bottom) imports no service and nothing above; only `launcher` (the
 top) composes services, and nothing below imports it. No import cycle anywhere.
 
+Inside each service, rooms by capability stand on floors: a subpackage imports only those below it (the scheduler's
+core/ nothing else of the scheduler, the executor's kernels/ nothing else of the executor), and no folder of
+runtime code holds more than 16 modules.
+
 The services ship as separate images and scale separately; a service that reaches into another's modules
 drags that service's dependencies and assumptions into its own pod. The check reads every import
 statement, those inside functions too, so a lazy import cannot slip past it.
@@ -30,6 +34,31 @@ RULES = {
     "stepwire/v1": {"stepwire.v1", "stepwire.internal"},
     "stepwire/internal": {"stepwire.internal"},
 }
+
+
+def _floors(service: str, floors: list[str], extra: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Each subpackage of `service` (listed from the ground up) may import itself and those listed before it."""
+    out = {}
+    for i, sub in enumerate(floors):
+        out[f"{service}/{sub}"] = {f"{service}.{s}" for s in floors[:i + 1]} | extra.get(sub, set()) | SHARED
+    return out
+
+
+# The executor: kernels, then one step's rows, the model, the KV cache, adapters, speculation, the runner, the API.
+RULES |= _floors("executor_service", ["kernels", "batch", "model", "kv", "lora", "spec", "engine", "api"],
+                 {s: {"structured"} for s in ("batch", "model", "kv", "lora", "spec", "engine", "api")})
+for sub in ("kv", "lora"):     # side by side: neither imports the other
+    RULES[f"executor_service/{sub}"] -= {"executor_service.kv", "executor_service.lora"} - {f"executor_service.{sub}"}
+# The scheduler: the vLLM core on the ground; the process's settings (a module at the root) above it.
+RULES |= _floors("scheduler_service", ["core", "telemetry", "fleet", "api"],
+                 {s: {"scheduler_service.settings"} for s in ("fleet", "api")})
+RULES["scheduler_service/membership"] = {"scheduler_service.membership", "scheduler_service.settings"} | SHARED
+# The gateway: the edge's checks, text and tool calling side by side, the generation both APIs share, then the APIs.
+RULES |= {f"gateway/{s}": {f"gateway.{s}"} | SHARED for s in ("access", "text")}
+RULES["gateway/tools"] = {"gateway.tools", "structured"} | SHARED
+RULES |= _floors("gateway", ["generation", "http_api", "grpc_api"],
+                 {s: {"gateway.access", "gateway.text", "gateway.tools", "structured"}
+                  for s in ("generation", "http_api", "grpc_api")})
 
 
 pytestmark = pytest.mark.processes   # starts services as separate processes: not in `make test-fast`
@@ -65,15 +94,39 @@ def test_a_service_imports_only_itself_the_contract_the_protos_and_observability
     assert violations(directory, RULES[package]) == []
 
 
+def test_every_runtime_folder_holds_at_most_16_modules_and_says_what_it_holds():
+    crowded, silent = [], []
+    for service in ("scheduler_service", "executor_service", "gateway"):
+        for folder in [ROOT / service, *(p.parent for p in (ROOT / service).rglob("__init__.py"))]:
+            modules = [p for p in folder.glob("*.py") if p.name != "__init__.py"]
+            if len(modules) > 16:
+                crowded.append(f"{folder.relative_to(ROOT)}: {len(modules)}")
+            init = folder / "__init__.py"
+            if folder != ROOT / service and not (init.is_file() and init.read_text().startswith('"""')):
+                silent.append(str(folder.relative_to(ROOT)))
+    assert crowded == [] and silent == []
+
+
+def test_the_floors_rule_catches_a_kernel_that_imports_the_runner(tmp_path):
+    pkg = tmp_path / "kernels"
+    pkg.mkdir()
+    (pkg / "gemm.py").write_text("from executor_service.kernels import fixed_order\n"
+                                 "from executor_service.engine.runner import ModelRunner\n")
+    assert violations(pkg, RULES["executor_service/kernels"]) == [
+        "kernels/gemm.py:2 imports executor_service.engine.runner"]
+    assert RULES["scheduler_service/core"] == {"scheduler_service.core"} | SHARED
+
+
 def test_the_check_catches_a_service_that_imports_another(tmp_path):
     pkg = tmp_path / "gateway"
     pkg.mkdir()
     (pkg / "ok.py").write_text("import json\nfrom stepwire.contract import SamplingParams\nimport observability\n")
-    (pkg / "bad.py").write_text("import grpc\n\n\ndef later():\n    from scheduler_service.request import Request\n")
-    (pkg / "worse.py").write_text("import executor_service.runner as r\nfrom launcher import engine\n")
+    (pkg / "bad.py").write_text("import grpc\n\n\ndef later():\n"
+                                "    from scheduler_service.core.request import Request\n")
+    (pkg / "worse.py").write_text("import executor_service.engine.runner as r\nfrom launcher import engine\n")
     found = violations(pkg, RULES["gateway"])
-    assert found == ["gateway/bad.py:5 imports scheduler_service.request", "gateway/worse.py:1 imports "
-                     "executor_service.runner", "gateway/worse.py:2 imports launcher"]
+    assert found == ["gateway/bad.py:5 imports scheduler_service.core.request", "gateway/worse.py:1 imports "
+                     "executor_service.engine.runner", "gateway/worse.py:2 imports launcher"]
 
 
 # ---- cycles ----------------------------------------------------------------------------------------------------

@@ -6,10 +6,10 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from executor_service.input_batch import InputBatch
-from executor_service.wire import decode_step
+from executor_service.batch.input_batch import InputBatch
+from executor_service.batch.wire import decode_step
 from scheduler_service import Request, RequestStatus, RunnerOutput, Scheduler, SchedulerConfig
-from scheduler_service.wire import HandleTable, encode_step
+from scheduler_service.fleet.wire import HandleTable, encode_step
 from stepwire.contract import SamplingParams
 
 BS = 4

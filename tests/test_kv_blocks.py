@@ -1,4 +1,4 @@
-"""KV blocks as bytes (executor_service/kv_blocks.py): the CPU's numpy path and torch's give the same bytes,
+"""KV blocks as bytes (executor_service/kv/blocks.py): the CPU's numpy path and torch's give the same bytes,
 in and out, whatever the dtype; a block is one run of bytes of the block-major cache, which a layer's view
 reads as the model wrote it; and a wrong length is refused."""
 
@@ -6,9 +6,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from executor_service.attention import write_slots  # noqa: E402
-from executor_service.kv_blocks import BlockBytes  # noqa: E402
-from executor_service.kv_tensors import layer_views  # noqa: E402
+from executor_service.kernels.attention import write_slots  # noqa: E402
+from executor_service.kv.blocks import BlockBytes  # noqa: E402
+from executor_service.kv.tensors import layer_views  # noqa: E402
 
 
 def cache(dtype, layers=3, num_blocks=12, shape=(4, 2, 8)):

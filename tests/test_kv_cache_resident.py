@@ -9,7 +9,7 @@ pytest.importorskip("torch")
 
 from tiny_model import write_tiny_llama  # noqa: E402
 
-from executor_service.kv_tensors import MADV_POPULATE_WRITE  # noqa: E402
+from executor_service.kv.tensors import MADV_POPULATE_WRITE  # noqa: E402
 from launcher.processes import Service, Stack  # noqa: E402
 
 pytestmark = pytest.mark.processes

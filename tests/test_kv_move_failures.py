@@ -7,10 +7,10 @@ import asyncio
 
 from helpers import req, step
 
-from scheduler_service.fleet import Fleet
-from scheduler_service.lifecycle import Lifecycles
-from scheduler_service.metrics import SchedulerMetrics
+from scheduler_service.fleet.fleet import Fleet
 from scheduler_service.settings import SchedulerSettings
+from scheduler_service.telemetry.lifecycle import Lifecycles
+from scheduler_service.telemetry.metrics import SchedulerMetrics
 from stepwire.contract.settings import load
 from stepwire.internal import executor_pb2
 

@@ -6,7 +6,7 @@ import pytest
 from helpers import OUT, make_scheduler, req, step
 from invariants import assert_pool_invariants
 
-from scheduler_service.migration import adopt, detach, rows_dropped
+from scheduler_service.fleet.migration import adopt, detach, rows_dropped
 
 
 def running_on(core, n_prompt: int = 22, decode: int = 3, rid: str = "r"):

@@ -1,4 +1,4 @@
-"""How the scheduler groups the requests that leave an executor into pulls (scheduler_service/kv_moves.py): one
+"""How the scheduler groups the requests that leave an executor into pulls (scheduler_service/fleet/kv_moves.py): one
 pull per target for a drain's requests, never past MAX_PULL_BLOCKS and never with a source block twice; each move
 gets its own share of the pull's bytes and time; and a target is told the source's cache file only where no step
 of the source can still write the blocks."""
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 from helpers import req, step
 
-from scheduler_service.kv_moves import MAX_PULL_BLOCKS, KVMoves, _batch, _share
+from scheduler_service.fleet.kv_moves import MAX_PULL_BLOCKS, KVMoves, _batch, _share
 from stepwire.contract.metadata import PULL_ENDED
 from stepwire.internal import executor_pb2
 
@@ -25,10 +25,10 @@ class Describes:
 async def two_connected_executors():
     """A fleet of two fake executors whose caches are in shared memory, in-process (no step loop: the test drives
     the cores), as tests/test_kv_move_failures.py has them."""
-    from scheduler_service.fleet import Fleet
-    from scheduler_service.lifecycle import Lifecycles
-    from scheduler_service.metrics import SchedulerMetrics
+    from scheduler_service.fleet.fleet import Fleet
     from scheduler_service.settings import SchedulerSettings
+    from scheduler_service.telemetry.lifecycle import Lifecycles
+    from scheduler_service.telemetry.metrics import SchedulerMetrics
     from stepwire.contract.settings import load
     fleet = Fleet(load(SchedulerSettings, ["--executor-wait-seconds", "30"]),
                   Lifecycles(SchedulerMetrics(lambda: []), "m"))

@@ -1,5 +1,5 @@
 """KV blocks between executors on one host are copied straight from the source's cache, a file of shared memory
-(executor_service/shared_cache.py), on real executor processes of the tiny model: the same bytes as through
+(executor_service/kv/shared_cache.py), on real executor processes of the tiny model: the same bytes as through
 gRPC; gRPC where the file does not map or the source's cache is not in shared memory; hostile readers refused
 with a clear status, hostile sources read through gRPC or refused, and no file left."""
 
@@ -14,7 +14,7 @@ from test_executor_server import fresh_epoch  # noqa: E402
 from test_kv_transfer_executor import Stream, prefill_and_decode, pull, read, serve_fake  # noqa: E402
 from tiny_model import kv_bytes, write_tiny_llama  # noqa: E402
 
-from executor_service import shared_cache  # noqa: E402
+from executor_service.kv import shared_cache  # noqa: E402
 from launcher.processes import Service, Stack  # noqa: E402
 from stepwire.internal import executor_pb2, executor_pb2_grpc  # noqa: E402
 

@@ -176,3 +176,21 @@ def test_an_idle_executor_on_sigterm_leaves_without_waiting_out_its_drain_while_
     assert stack.wait("executor", seconds=120) == 0
     assert "drained: no request here" in stack.log("executor").read_text()
     assert stack.alive("scheduler")
+
+
+def test_free_ports_come_from_below_the_kernels_ephemeral_range_in_whole_free_runs():
+    import socket
+    from pathlib import Path
+
+    from launcher.processes import free_port_runs
+
+    firsts = free_port_runs(5, 3)
+    assert len(set(firsts)) == 5
+    ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    if ephemeral.is_file():
+        low = int(ephemeral.read_text().split()[0])
+        assert all(10_000 <= p and p + 2 < low for p in firsts)
+    for p in firsts:           # each run is free right after it was handed out
+        for port in range(p, p + 3):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port))

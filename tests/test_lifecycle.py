@@ -11,8 +11,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor  # noqa: E402
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
 
 from observability import tracing  # noqa: E402
-from scheduler_service.lifecycle import Lifecycles  # noqa: E402
-from scheduler_service.metrics import SchedulerMetrics  # noqa: E402
+from scheduler_service.telemetry.lifecycle import Lifecycles  # noqa: E402
+from scheduler_service.telemetry.metrics import SchedulerMetrics  # noqa: E402
 
 TRACE = "0af7651916cd43dd8448eb211c80319c"
 

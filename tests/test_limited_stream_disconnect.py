@@ -8,11 +8,11 @@ import asyncio
 
 from starlette.authentication import AuthCredentials
 
-from gateway.auth import TenantUser
-from gateway.generation import GenerationParams
-from gateway.openai_responses import respond
-from gateway.telemetry import GatewayMetrics, Observation
-from gateway.tenants import Tenant
+from gateway.access.auth import TenantUser
+from gateway.access.tenants import Tenant
+from gateway.generation.params import GenerationParams
+from gateway.generation.telemetry import GatewayMetrics, Observation
+from gateway.http_api.responses import respond
 
 
 class QueuedForever:

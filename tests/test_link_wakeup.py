@@ -9,10 +9,10 @@ from __future__ import annotations
 import asyncio
 
 from scheduler_service import Request, Scheduler
-from scheduler_service.executor_link import ExecutorLink
-from scheduler_service.lifecycle import Lifecycles
-from scheduler_service.metrics import SchedulerMetrics
+from scheduler_service.fleet.executor_link import ExecutorLink
 from scheduler_service.settings import SchedulerSettings
+from scheduler_service.telemetry.lifecycle import Lifecycles
+from scheduler_service.telemetry.metrics import SchedulerMetrics
 from stepwire.contract import SamplingParams
 from stepwire.contract.settings import load
 

@@ -198,3 +198,26 @@ def test_serve_takes_a_gguf_file_converts_it_once_and_serves_its_quantized_weigh
     assert model_from_gguf(plain) is plain
     with pytest.raises(SystemExit, match="not found"):
         model_from_gguf(load(ServeSettings, ["--model", str(tmp_path / "missing.gguf")]))
+
+
+def test_serve_beside_a_process_holding_its_port_starts_nothing_and_names_the_port_the_flag_and_the_holder(tmp_path):
+    import socket
+    import subprocess
+    from pathlib import Path
+
+    from helpers import free_ports
+
+    root = Path(__file__).resolve().parent.parent
+    http, grpc_port, sc, m1, ex, m2 = free_ports(6)
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", grpc_port))
+        holder.listen()
+        done = subprocess.run(
+            [sys.executable, "-m", "launcher.cli", "serve", "--model", str(tmp_path / "no-model"), "--port", str(http),
+             "--grpc-port", str(grpc_port), "--scheduler-port", str(sc), "--executor-port", str(ex),
+             "--scheduler-metrics-port", str(m1), "--executor-metrics-port", str(m2)],
+            cwd=root, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert f"port {grpc_port} is taken" in done.stderr and "--grpc-port" in done.stderr
+    assert f"held by pid {os.getpid()}" in done.stderr
+    assert "nothing was started" in done.stderr and "starting it again" not in done.stderr

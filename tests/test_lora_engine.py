@@ -30,10 +30,10 @@ from lora_fixtures import (  # noqa: E402
 )
 from shallow_model import BLOCK_BYTES, SHALLOW  # noqa: E402
 
-from executor_service.lora_adapter import AdapterError, read_adapter  # noqa: E402
-from executor_service.model_config import ModelConfig  # noqa: E402
-from executor_service.runner import ModelRunner  # noqa: E402
-from executor_service.runner_config import RunnerConfig  # noqa: E402
+from executor_service.engine.runner import ModelRunner  # noqa: E402
+from executor_service.engine.runner_config import RunnerConfig  # noqa: E402
+from executor_service.lora.adapter import AdapterError, read_adapter  # noqa: E402
+from executor_service.model.config import ModelConfig  # noqa: E402
 from launcher.engine import LLMEngine  # noqa: E402
 from stepwire.contract import SamplingParams  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Steps with LoRA rows through the CUDA-graph buffers (cuda_graphs.py, lora_mask.py): on a GPU captured once and
+"""Steps with LoRA rows through the CUDA-graph buffers (cuda_graphs.py, lora/mask.py): on a GPU captured once and
 replayed with every slot's product, on a CPU the same static, padded buffers run eagerly (Triton attention in its
 interpreter). Either way a mixed batch (adapters, base rows, prompt chunks, decodes, padding) must give the eager
 grouped path's tokens and logits and each request's tokens alone; rows without an adapter must be the base
@@ -20,11 +20,11 @@ from helpers import record_logits  # noqa: E402
 from lora_fixtures import ATTENTION, make_adapter  # noqa: E402
 from tiny_model import kv_bytes, write_tiny_llama  # noqa: E402
 
-from executor_service.lora_mask import slot_mask  # noqa: E402
-from executor_service.lora_slots import KINDS, LoraSlots  # noqa: E402
-from executor_service.metrics import ExecutorMetrics  # noqa: E402
-from executor_service.model_config import ModelConfig  # noqa: E402
-from executor_service.runner_config import RunnerConfig  # noqa: E402
+from executor_service.api.metrics import ExecutorMetrics  # noqa: E402
+from executor_service.engine.runner_config import RunnerConfig  # noqa: E402
+from executor_service.lora.mask import slot_mask  # noqa: E402
+from executor_service.lora.slots import KINDS, LoraSlots  # noqa: E402
+from executor_service.model.config import ModelConfig  # noqa: E402
 from launcher.engine import LLMEngine  # noqa: E402
 from scheduler_service import SchedulerConfig  # noqa: E402
 from stepwire.contract import SamplingParams  # noqa: E402

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from invariants import assert_pool_invariants
 
-from scheduler_service.adapter_slots import AdapterSlots
-from scheduler_service.routing import by_adapter
+from scheduler_service.core.adapter_slots import AdapterSlots
+from scheduler_service.fleet.routing import by_adapter
 
 
 def lora(name: str) -> tuple[str, str]:

@@ -14,11 +14,11 @@ if importlib.util.find_spec("peft") is None:   # found, not imported: 2 s in eve
 
 from tiny_model import write_tiny_llama  # noqa: E402
 
-from executor_service.input_batch import InputBatch  # noqa: E402
-from executor_service.lora_manager import AdapterUnreadable, LoraManager  # noqa: E402
-from executor_service.model_config import ModelConfig  # noqa: E402
-from executor_service.runner_config import RunnerConfig  # noqa: E402
-from executor_service.step import BadStep, NewRow, Step  # noqa: E402
+from executor_service.batch.input_batch import InputBatch  # noqa: E402
+from executor_service.batch.step import BadStep, NewRow, Step  # noqa: E402
+from executor_service.engine.runner_config import RunnerConfig  # noqa: E402
+from executor_service.lora.manager import AdapterUnreadable, LoraManager  # noqa: E402
+from executor_service.model.config import ModelConfig  # noqa: E402
 from stepwire.internal import sampling_pb2  # noqa: E402
 
 

@@ -11,9 +11,9 @@ pytest.importorskip("kubernetes")
 from fake_discovery import FakeDNS, FakeKubeAPI  # noqa: E402
 from helpers import wait_until  # noqa: E402
 
-from scheduler_service import endpoint_slices  # noqa: E402
-from scheduler_service.endpoint_slices import watch_endpoint_slices  # noqa: E402
-from scheduler_service.membership import resolve, resolver  # noqa: E402
+from scheduler_service.membership import endpoint_slices  # noqa: E402
+from scheduler_service.membership.discovery import resolve, resolver  # noqa: E402
+from scheduler_service.membership.endpoint_slices import watch_endpoint_slices  # noqa: E402
 from scheduler_service.settings import SchedulerSettings  # noqa: E402
 
 

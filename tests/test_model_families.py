@@ -10,9 +10,9 @@ transformers = pytest.importorskip("transformers")
 from helpers import skip_unless_torch_runs  # noqa: E402
 from tiny_model import FAMILIES, write_family, write_tiny_llama  # noqa: E402
 
-from executor_service.loader import load_model  # noqa: E402
-from executor_service.model_config import ModelLoadError  # noqa: E402
-from executor_service.runner_config import RunnerConfig  # noqa: E402
+from executor_service.engine.runner_config import RunnerConfig  # noqa: E402
+from executor_service.model.config import ModelLoadError  # noqa: E402
+from executor_service.model.loader import load_model  # noqa: E402
 from launcher.engine import LLMEngine  # noqa: E402
 from scheduler_service import SchedulerConfig  # noqa: E402
 from stepwire.contract import SamplingParams  # noqa: E402

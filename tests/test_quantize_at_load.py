@@ -16,8 +16,8 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from test_gguf_quantized_model import engine_logits  # noqa: E402
 from tiny_model import write_tiny_llama  # noqa: E402
 
-from executor_service.loader import load_model  # noqa: E402
-from executor_service.quantize_at_load import SCHEMES, VOCAB_TENSORS  # noqa: E402
+from executor_service.model.loader import load_model  # noqa: E402
+from executor_service.model.quantize_at_load import SCHEMES, VOCAB_TENSORS  # noqa: E402
 
 TIE = {"tied": True, "untied": False}
 
@@ -82,7 +82,7 @@ def test_a_matrix_whose_width_the_blocks_do_not_divide_stays_in_float(tmp_path, 
 
 
 def test_int8_perplexity_stays_within_a_percent_of_the_float_models(tmp_path):
-    from executor_service.teacher_forced import perplexity
+    from executor_service.model.teacher_forced import perplexity
 
     model = write_tiny_llama(tmp_path / "m", hidden_size=64, intermediate_size=128,
                              vocab_size=128)

@@ -9,8 +9,8 @@ gguf_quants = pytest.importorskip("gguf.quants")
 
 from gguf import GGMLQuantizationType  # noqa: E402
 
-from executor_service import fixed_order  # noqa: E402
-from executor_service.quantized import FORMATS, QuantizedLinear, UnsupportedQuantization  # noqa: E402
+from executor_service.kernels import fixed_order  # noqa: E402
+from executor_service.model.quantized import FORMATS, QuantizedLinear, UnsupportedQuantization  # noqa: E402
 from tests.test_fixed_order import _arches, _bits  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16]

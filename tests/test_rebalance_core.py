@@ -4,12 +4,12 @@ running requests are chosen off the fuller pool, the longest still to generate f
 
 from helpers import make_scheduler, place_running, req
 
-from scheduler_service import rebalance
-from scheduler_service.executor_link import ExecutorLink
-from scheduler_service.fleet import Fleet
-from scheduler_service.lifecycle import Lifecycles
-from scheduler_service.metrics import SchedulerMetrics
+from scheduler_service.fleet import rebalance
+from scheduler_service.fleet.executor_link import ExecutorLink
+from scheduler_service.fleet.fleet import Fleet
 from scheduler_service.settings import SchedulerSettings
+from scheduler_service.telemetry.lifecycle import Lifecycles
+from scheduler_service.telemetry.metrics import SchedulerMetrics
 from stepwire.contract.settings import load
 
 

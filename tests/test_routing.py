@@ -4,7 +4,7 @@ tokens) than computing the prefix there and than waiting for the busy one."""
 
 from helpers import make_scheduler, req, step
 
-from scheduler_service.routing import PullCost, pick, queued_tokens
+from scheduler_service.fleet.routing import PullCost, pick, queued_tokens
 
 
 def _cores(n: int = 3):

@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as hs  # noqa: E402
 
-from executor_service.sampler import (  # noqa: E402
+from executor_service.batch.sampler import (  # noqa: E402
     Sampler,
     SamplingTensors,
     apply_top_k_only,

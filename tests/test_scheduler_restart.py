@@ -23,7 +23,7 @@ from gateway_stack import tiny_model_with_tokenizer
 from helpers import wait_until
 from tiny_model import kv_bytes
 
-from gateway.backend import SCHEDULER_GONE
+from gateway.generation.backend import SCHEDULER_GONE
 from launcher.processes import Service, Stack, flag_dict
 from stepwire.v1 import generation_pb2 as g
 from stepwire.v1 import generation_pb2_grpc

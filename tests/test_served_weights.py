@@ -3,7 +3,7 @@
 
 import pytest
 
-from scheduler_service.served_weights import refusal, weights_of
+from scheduler_service.fleet.served_weights import refusal, weights_of
 
 
 def test_unquantized_and_gguf_executors_serve_the_same_weights_and_the_others_do_not():

@@ -3,8 +3,8 @@
 import asyncio
 from types import SimpleNamespace
 
-from scheduler_service.output import RequestDelta
-from scheduler_service.sessions import Session
+from scheduler_service.api.sessions import Session
+from scheduler_service.core.output import RequestDelta
 
 
 def test_deltas_that_arrive_while_a_message_is_written_go_out_before_the_stream_ends():

@@ -5,7 +5,7 @@ from dataclasses import fields
 import pytest
 
 from gateway.settings import GatewaySettings
-from scheduler_service.config import SchedulerConfig
+from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.settings import SchedulerSettings
 from stepwire.contract.settings import load
 
@@ -54,7 +54,7 @@ def test_max_model_len_is_capped_by_what_the_executor_holds():
 
 def test_every_runner_config_knob_is_an_executor_setting():
     pytest.importorskip("torch")
-    from executor_service.runner_config import RunnerConfig
+    from executor_service.engine.runner_config import RunnerConfig
     from executor_service.settings import ExecutorSettings
 
     s = load(ExecutorSettings, ["--model", "/m", "--kv-cache-memory", "1000", "--dtype", "bfloat16"])

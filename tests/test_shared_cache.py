@@ -1,4 +1,4 @@
-"""The KV cache as a file of shared memory (executor_service/shared_cache.py), in process: created whole and
+"""The KV cache as a file of shared memory (executor_service/kv/shared_cache.py), in process: created whole and
 locked, removed at stop; a cache that does not fit is plain memory; the directory is everyone's, so what is in
 it is checked before it is opened, swept or mapped; the copy engine copies blocks from a peer's file and digests
 them as a gRPC read would, and a dead engine fails one copy and starts again."""
@@ -13,11 +13,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from executor_service import shared_cache  # noqa: E402
-from executor_service.copy_engine import CopyEngine, EngineDied  # noqa: E402
-from executor_service.kv_blocks import BlockBytes, digest  # noqa: E402
-from executor_service.kv_tensors import allocate_shared, layer_views  # noqa: E402
-from executor_service.shared_cache import Segment, as_rows, sweep  # noqa: E402
+from executor_service.kv import shared_cache  # noqa: E402
+from executor_service.kv.blocks import BlockBytes, digest  # noqa: E402
+from executor_service.kv.copy_engine import CopyEngine, EngineDied  # noqa: E402
+from executor_service.kv.shared_cache import Segment, as_rows, sweep  # noqa: E402
+from executor_service.kv.tensors import allocate_shared, layer_views  # noqa: E402
 
 CFG = SimpleNamespace(num_layers=3, head_dim=8)       # all a cache's shape takes of a model's config
 
@@ -192,7 +192,7 @@ def test_the_copy_engine_imports_neither_torch_nor_grpc():
     """It starts with its executor and must start fast and small; and a GIL of its own is its point."""
     import subprocess
     import sys
-    out = subprocess.run([sys.executable, "-c", "import sys, executor_service.copy_worker; "
+    out = subprocess.run([sys.executable, "-c", "import sys, executor_service.kv.copy_worker; "
                           "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'grpc'}))"],
                          capture_output=True, text=True, check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert out.stdout.strip() == "[]"
@@ -202,7 +202,7 @@ def test_the_event_loop_never_waits_on_a_lock_that_a_copy_under_way_holds(tmp_pa
     """The loop's copy holds the engine's lock until the loop reads its answer: a forget that waited on that lock
     from the loop, or on the mappings' lock while a thread held it waiting for the engine, would never end
     (checked from another thread, so that a regression fails instead of hanging)."""
-    from executor_service.mapped_block_source import Mappings
+    from executor_service.kv.mapped_block_source import Mappings
     from stepwire.internal import executor_pb2
     src_blocks, src_file = allocate_shared(CFG, 2, 4096, 4, "cpu", torch.float32, str(tmp_path))
     dst_blocks, dst_file = allocate_shared(CFG, 2, 4096, 4, "cpu", torch.float32, str(tmp_path))
@@ -239,7 +239,7 @@ def test_the_event_loop_never_waits_on_a_lock_that_a_copy_under_way_holds(tmp_pa
 def test_only_a_regular_file_of_ours_named_as_a_cache_is_copied_from_ahead(tmp_path, monkeypatch):
     """Any other name the scheduler passes on (another user's file, a FIFO, a path) goes the slow way: the
     source's answer names its file, and gRPC serves where that does not map."""
-    from executor_service.mapped_block_source import Mappings
+    from executor_service.kv.mapped_block_source import Mappings
     from stepwire.internal import executor_pb2
     ours = shared_cache.create(str(tmp_path), 4096)
     fifo = f"stepwire-kv-{'f' * 32}"

@@ -15,11 +15,11 @@ torch = pytest.importorskip("torch")
 from conftest import MODEL  # noqa: E402
 from shallow_model import BLOCK_BYTES  # noqa: E402
 
-from executor_service.input_batch import InputBatch, RequestState  # noqa: E402
-from executor_service.runner_config import RunnerConfig  # noqa: E402
-from executor_service.sample_rows import sample_rows  # noqa: E402
-from executor_service.sampler import Sampler  # noqa: E402
-from executor_service.speculation import SpecConfig, Speculator, accepted_length, ngram_propose  # noqa: E402
+from executor_service.batch.input_batch import InputBatch, RequestState  # noqa: E402
+from executor_service.batch.sample_rows import sample_rows  # noqa: E402
+from executor_service.batch.sampler import Sampler  # noqa: E402
+from executor_service.engine.runner_config import RunnerConfig  # noqa: E402
+from executor_service.spec.speculation import SpecConfig, Speculator, accepted_length, ngram_propose  # noqa: E402
 from launcher.engine import LLMEngine  # noqa: E402
 from stepwire.contract import SamplingParams  # noqa: E402
 from stepwire.internal import sampling_pb2  # noqa: E402
@@ -232,7 +232,7 @@ def test_the_draft_attends_under_the_targets_choice_of_attention_kernels(shallow
     ({"speculative_method": "draft"}, "needs --speculative-model"),
 ])
 def test_bad_speculation_settings_are_refused_at_start(bad, why):
-    from executor_service.runner import ModelRunner
+    from executor_service.engine.runner import ModelRunner
     with pytest.raises(ValueError, match=why):
         ModelRunner(RunnerConfig(str(MODEL), **bad))
 
@@ -263,7 +263,7 @@ def test_constrained_requests_verify_only_what_their_grammar_allows_and_keep_the
 def test_a_draft_model_of_another_vocabulary_is_refused_at_start(tmp_path):
     from tiny_model import write_tiny_llama
 
-    from executor_service.runner import ModelRunner
+    from executor_service.engine.runner import ModelRunner
     other = write_tiny_llama(tmp_path / "other")          # 97 tokens
     with pytest.raises(ValueError, match="share the target's tokenizer"):
         ModelRunner(RunnerConfig(str(MODEL), speculative_method="draft", speculative_model=str(other)))

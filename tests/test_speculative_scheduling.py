@@ -15,14 +15,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_async_scheduling import EOS, VOCAB, drive
 
-from executor_service.input_batch import InputBatch
-from executor_service.speculation import SpecConfig, Speculator
-from executor_service.step import BadStep, StepResult
-from executor_service.step_checks import Limits, check_step
-from executor_service.wire import decode_step, encode_result
+from executor_service.batch.input_batch import InputBatch
+from executor_service.batch.step import BadStep, StepResult
+from executor_service.batch.step_checks import Limits, check_step
+from executor_service.batch.wire import decode_step, encode_result
+from executor_service.spec.speculation import SpecConfig, Speculator
 from scheduler_service import Request, Scheduler, SchedulerConfig
-from scheduler_service.output import RunnerOutput
-from scheduler_service.wire import HandleTable, encode_step
+from scheduler_service.core.output import RunnerOutput
+from scheduler_service.fleet.wire import HandleTable, encode_step
 from stepwire.contract import SamplingParams
 
 K = 3
@@ -174,7 +174,7 @@ def test_a_request_verifies_about_as_many_proposals_as_it_has_been_keeping():
 
 
 def test_a_request_that_moves_verifies_only_what_its_new_executor_offers():
-    from scheduler_service import migration
+    from scheduler_service.fleet import migration
     cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, block_size=4)
     a, b = Scheduler(cfg, num_blocks=32), Scheduler(cfg, num_blocks=32)
     a.add_request(Request("r", [1, 2, 3, 4, 5], SamplingParams(max_tokens=20, ignore_eos=True)))

@@ -1,4 +1,4 @@
-"""Running one step ahead (executor_service/step_ahead.py): the in-process engine queues a step before the last
+"""Running one step ahead (executor_service/engine/run_ahead.py): the in-process engine queues a step before the last
 one's tokens reach the host, and every request still gets the tokens, logprobs and finish of lockstep running,
 through chunked prefill, preemption, aborts, prefix-cache hits and seeded sampling. On the CPU the device is the
 host, so what this checks is the bookkeeping: the holes, their filling from the step in flight, and the tokens
@@ -11,8 +11,8 @@ import pytest
 import torch
 from tiny_model import chunked_and_cached_prompts, kv_bytes, write_tiny_llama
 
-from executor_service import step_ahead
-from executor_service.runner_config import RunnerConfig
+from executor_service.engine import run_ahead
+from executor_service.engine.runner_config import RunnerConfig
 from launcher.engine import LLMEngine
 from scheduler_service import SchedulerConfig
 from stepwire.contract import SamplingParams
@@ -62,13 +62,13 @@ def test_running_ahead_gives_lockstep_s_tokens_logprobs_and_finishes(model):
     lock = engine(model, run_ahead=False)
     ahead = engine(model, run_ahead=True)
     launched = []
-    real = step_ahead.launch
-    step_ahead.launch = lambda *a: launched.append(1) or real(*a)
+    real = run_ahead.launch
+    run_ahead.launch = lambda *a: launched.append(1) or real(*a)
     try:
         assert run(ahead, prompts, params) == run(lock, prompts, params)
         assert logprobs_of(ahead, prompts, params) == logprobs_of(lock, prompts, params)
     finally:
-        step_ahead.launch = real
+        run_ahead.launch = real
     assert len(launched) > 20, "the engine did not run its steps ahead"
     assert not ahead.has_unfinished()
     assert ahead.scheduler.kv.num_free_blocks == lock.scheduler.kv.num_free_blocks   # every block came back
@@ -169,26 +169,26 @@ def small(model, run_ahead: bool) -> LLMEngine:
 
 
 def test_a_step_that_resumes_a_constrained_request_does_not_run_ahead(model):
-    from executor_service.input_batch import RequestState
-    from executor_service.step import Step
+    from executor_service.batch.input_batch import RequestState
+    from executor_service.batch.step import Step
 
     e = engine(model, True)
     parked = RequestState(7, None)
     e.runner.batch.parked[7] = parked
     resume = Step(handles=[7], num_tokens=[1], total_tokens=1, resumed=[(7, 4, [1])])
-    assert step_ahead.plain(e.runner, resume)
+    assert run_ahead.plain(e.runner, resume)
     parked.grammar = object()
-    assert not step_ahead.plain(e.runner, resume)
+    assert not run_ahead.plain(e.runner, resume)
 
 
 def test_a_step_naming_adapters_does_not_run_ahead_so_an_executor_without_them_refuses_it(model):
-    from executor_service.step import Step
+    from executor_service.batch.step import Step
 
     e = engine(model, True)
     assert e.runner.lora is None
-    assert step_ahead.plain(e.runner, Step(handles=[], num_tokens=[], total_tokens=0))
-    assert not step_ahead.plain(e.runner, Step(handles=[], num_tokens=[], total_tokens=0, lora_rows=[(0, 1)]))
-    assert not step_ahead.plain(e.runner, Step(handles=[], num_tokens=[], total_tokens=0,
+    assert run_ahead.plain(e.runner, Step(handles=[], num_tokens=[], total_tokens=0))
+    assert not run_ahead.plain(e.runner, Step(handles=[], num_tokens=[], total_tokens=0, lora_rows=[(0, 1)]))
+    assert not run_ahead.plain(e.runner, Step(handles=[], num_tokens=[], total_tokens=0,
                                                lora_loads=[(0, "a@1", "/x")]))
 
 

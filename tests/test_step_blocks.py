@@ -9,12 +9,12 @@ read by a row admitted in the very step that fills it) passes.
 import numpy as np
 import pytest
 
-from executor_service.input_batch import InputBatch
-from executor_service.step import BadStep, NewRow, Step
-from executor_service.step_checks import Limits, check_step
-from executor_service.wire import decode_step
+from executor_service.batch.input_batch import InputBatch
+from executor_service.batch.step import BadStep, NewRow, Step
+from executor_service.batch.step_checks import Limits, check_step
+from executor_service.batch.wire import decode_step
 from scheduler_service import Request, RunnerOutput, Scheduler, SchedulerConfig
-from scheduler_service.wire import HandleTable, encode_step
+from scheduler_service.fleet.wire import HandleTable, encode_step
 from stepwire.contract import SamplingParams
 from stepwire.internal import sampling_pb2
 

@@ -1,6 +1,6 @@
-"""How many steps a link keeps in flight (--max-steps-in-flight, scheduler_service/step_depth.py), and the executor's
-side of it (--run-ahead, --step-pipeline): the settings as parsed, and the choice each link makes from its own
-executor's Describe."""
+"""How many steps a link keeps in flight (--max-steps-in-flight, scheduler_service/fleet/step_depth.py), and the
+executor's side of it (--run-ahead, --step-pipeline): the settings as parsed, and the choice each link makes from its
+own executor's Describe."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import asyncio
 
 import pytest
 
+from scheduler_service.fleet.step_depth import steps_in_flight
 from scheduler_service.settings import SchedulerSettings
-from scheduler_service.step_depth import steps_in_flight
 from stepwire.contract.settings import load
 from stepwire.internal import executor_pb2
 
@@ -64,9 +64,9 @@ class _Stub:
 
 def _connected(settings: SchedulerSettings, *answers):
     """A link connected once per Describe answer (an executor restarted between them); its depth after each."""
-    from scheduler_service.executor_link import ExecutorLink
-    from scheduler_service.lifecycle import Lifecycles
-    from scheduler_service.metrics import SchedulerMetrics
+    from scheduler_service.fleet.executor_link import ExecutorLink
+    from scheduler_service.telemetry.lifecycle import Lifecycles
+    from scheduler_service.telemetry.metrics import SchedulerMetrics
 
     link = ExecutorLink("127.0.0.1:1", settings, lifecycles=Lifecycles(SchedulerMetrics(lambda: []), ""))
     depths = []

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from executor_service.service import ExecutorService
+from executor_service.api.servicer import ExecutorService
 from stepwire.internal import executor_pb2
 
 

@@ -1,10 +1,10 @@
-"""Where the Step stream is (executor_service/step_progress.py): a pull's write passes the gate, so a new epoch
+"""Where the Step stream is (executor_service/kv/step_progress.py): a pull's write passes the gate, so a new epoch
 waits for it; the steps that run meanwhile are recorded at once, so Step replies never wait for a copy; writes
 pass together, and none starts while a new epoch waits."""
 
 import asyncio
 
-from executor_service.step_progress import StepProgress
+from executor_service.kv.step_progress import StepProgress
 
 
 def test_steps_are_recorded_during_a_write_and_a_new_epoch_waits_for_it():

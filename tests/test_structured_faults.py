@@ -20,7 +20,7 @@ from gateway_stack import tiny_model_with_tokenizer  # noqa: E402
 from helpers import wait_until  # noqa: E402
 from test_scheduler_restart import Cluster, kill_and_restart  # noqa: E402
 
-from gateway.tokenizer import ModelTokenizer  # noqa: E402
+from gateway.text.tokenizer import ModelTokenizer  # noqa: E402
 from stepwire.internal import sampling_pb2  # noqa: E402
 from tools.schema_corpus import generated_schemas  # noqa: E402
 
@@ -49,7 +49,7 @@ def cluster(tmp_path_factory):
 def test_200_schemas_every_output_validates(tmp_path):
     """In the in-process engine (the executor's runner and the scheduler's core, as the services run them),
     32 rows at a time: the HTTP path is the same enforcement, tested on the embedded model."""
-    from executor_service.runner_config import RunnerConfig
+    from executor_service.engine.runner_config import RunnerConfig
     from launcher.engine import LLMEngine
     from scheduler_service import SchedulerConfig
     from stepwire.contract import SamplingParams

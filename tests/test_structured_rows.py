@@ -10,8 +10,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("llguidance")
 
-from executor_service.input_batch import RequestState  # noqa: E402
-from executor_service.structured_rows import StructuredRows  # noqa: E402
+from executor_service.batch.input_batch import RequestState  # noqa: E402
+from executor_service.batch.structured_rows import StructuredRows  # noqa: E402
 from stepwire.internal import sampling_pb2 as s  # noqa: E402
 
 MODEL = Path(__file__).resolve().parent.parent / "models" / "SmolLM2-135M-Instruct"

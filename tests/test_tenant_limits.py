@@ -14,8 +14,8 @@ httpx = pytest.importorskip("httpx")
 
 from helpers import free_port  # noqa: E402
 
-from gateway.openai_responses import rate_limit_headers  # noqa: E402
-from scheduler_service.tenant_limits import RateLimited, TenantLimits  # noqa: E402
+from gateway.http_api.responses import rate_limit_headers  # noqa: E402
+from scheduler_service.fleet.tenant_limits import RateLimited, TenantLimits  # noqa: E402
 from stepwire.internal import scheduler_pb2  # noqa: E402
 
 

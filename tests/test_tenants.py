@@ -14,9 +14,9 @@ httpx = pytest.importorskip("httpx")
 
 from helpers import wait_until  # noqa: E402
 
-from gateway import watched_file  # noqa: E402
-from gateway.auth import ApiKeys, AuthSetupError  # noqa: E402
-from gateway.tenants import DEFAULT, Tenant, TenantsError, parse_tenants  # noqa: E402
+from gateway.access import watched_file  # noqa: E402
+from gateway.access.auth import ApiKeys, AuthSetupError  # noqa: E402
+from gateway.access.tenants import DEFAULT, Tenant, TenantsError, parse_tenants  # noqa: E402
 
 SPEC = {"tenants": {"search": {"keys": ["sk-s1", "sk-s2"], "weight": 3}, "batch-jobs": {"keys": ["sk-b1"]}}}
 

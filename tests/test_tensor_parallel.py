@@ -23,11 +23,11 @@ from helpers import free_port, record_logits, skip_unless_torch_runs, wait_until
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from tiny_model import FAMILIES, kv_bytes, reference_greedy, write_family, write_tiny_llama  # noqa: E402
 
-from executor_service.collectives import RankFailure  # noqa: E402
-from executor_service.model_config import ModelConfig, ModelLoadError  # noqa: E402
-from executor_service.partition import Partition  # noqa: E402
-from executor_service.ranks import STEP, Ranks, frame, unframe  # noqa: E402
-from executor_service.runner_config import RunnerConfig  # noqa: E402
+from executor_service.engine.ranks import STEP, Ranks, frame, unframe  # noqa: E402
+from executor_service.engine.runner_config import RunnerConfig  # noqa: E402
+from executor_service.model.collectives import RankFailure  # noqa: E402
+from executor_service.model.config import ModelConfig, ModelLoadError  # noqa: E402
+from executor_service.model.partition import Partition  # noqa: E402
 from launcher.engine import LLMEngine  # noqa: E402
 from scheduler_service import SchedulerConfig  # noqa: E402
 from stepwire.contract import SamplingParams  # noqa: E402
@@ -184,7 +184,7 @@ def test_the_embedded_model_on_two_ranks_generates_what_one_rank_does(engines, s
 
 
 def rank_processes() -> list[int]:
-    return [p for p in children(os.getpid()) if "executor_service.rank_worker" in
+    return [p for p in children(os.getpid()) if "executor_service.engine.rank_worker" in
             Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")]
 
 

@@ -9,7 +9,7 @@ pytest.importorskip("torch")
 
 from gateway_stack import EMBEDDED, MAX_MODEL_LEN, VOCAB, tiny_stack  # noqa: E402
 
-from gateway.tokenizer import ModelTokenizer  # noqa: E402
+from gateway.text.tokenizer import ModelTokenizer  # noqa: E402
 from stepwire.v1 import generation_pb2 as g  # noqa: E402
 from stepwire.v1 import generation_pb2_grpc  # noqa: E402
 

@@ -14,12 +14,12 @@ openai = pytest.importorskip("openai")
 
 from conftest import MODEL  # noqa: E402
 
-from gateway.backend import Backend  # noqa: E402
-from gateway.generation import Chunk  # noqa: E402
-from gateway.grpc_api import GenerationService  # noqa: E402
-from gateway.http_api import build_app  # noqa: E402
-from gateway.telemetry import GatewayMetrics  # noqa: E402
-from gateway.tokenizer import ModelTokenizer  # noqa: E402
+from gateway.generation.backend import Backend  # noqa: E402
+from gateway.generation.params import Chunk  # noqa: E402
+from gateway.generation.telemetry import GatewayMetrics  # noqa: E402
+from gateway.grpc_api.servicer import GenerationService  # noqa: E402
+from gateway.http_api.routes import build_app  # noqa: E402
+from gateway.text.tokenizer import ModelTokenizer  # noqa: E402
 from stepwire.v1 import generation_pb2 as g  # noqa: E402
 from stepwire.v1 import generation_pb2_grpc  # noqa: E402
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from gateway.tool_calls import tool_plan
-from gateway.tool_parser import ToolCallParser, parse
+from gateway.tools.calls import tool_plan
+from gateway.tools.parser import ToolCallParser, parse
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}}
 TOOLS = [{"type": "function", "function": {"name": n, "parameters": SCHEMA}} for n in ("get_weather", "get_time")]

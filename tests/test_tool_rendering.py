@@ -8,9 +8,9 @@ import shutil
 import pytest
 from conftest import MODEL
 
-from gateway.tokenizer import ModelTokenizer
-from gateway.tool_calls import tool_plan
-from gateway.tool_rendering import chat_for_template
+from gateway.text.tokenizer import ModelTokenizer
+from gateway.tools.calls import tool_plan
+from gateway.tools.rendering import chat_for_template
 from stepwire.contract import InvalidRequestError
 
 if not (MODEL / "tokenizer.json").exists():

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from gateway.tool_calls import CALL_END, MAX_TOOLS, TRIGGER, call_begin, constraint, required_schema, tool_plan
-from gateway.tool_parser import parse
+from gateway.tools.calls import CALL_END, MAX_TOOLS, TRIGGER, call_begin, constraint, required_schema, tool_plan
+from gateway.tools.parser import parse
 from stepwire.contract import InvalidRequestError
 from stepwire.contract.sampling import MAX_STRUCTURED_BYTES
 

@@ -15,9 +15,9 @@ pytest.importorskip("torch")
 import grpc  # noqa: E402
 from gateway_stack import ROOT, tiny_stack  # noqa: E402
 
-from gateway.tokenizer import ModelTokenizer  # noqa: E402
-from gateway.tool_calls import tool_plan  # noqa: E402
-from gateway.tool_rendering import chat_for_template  # noqa: E402
+from gateway.text.tokenizer import ModelTokenizer  # noqa: E402
+from gateway.tools.calls import tool_plan  # noqa: E402
+from gateway.tools.rendering import chat_for_template  # noqa: E402
 from stepwire.v1 import generation_pb2 as g  # noqa: E402
 from stepwire.v1 import generation_pb2_grpc  # noqa: E402
 

@@ -12,9 +12,9 @@ import torch
 # conftest.py sets TRITON_INTERPRET=1 without a GPU, before anything can import triton.
 pytest.importorskip("triton", reason="triton is not installed (the test extra installs it)")
 
-from executor_service.attention import PagedAttention, build_attention_metadata  # noqa: E402
-from executor_service.input_batch import StepInputs  # noqa: E402
-from executor_service.triton_attention import paged_metadata  # noqa: E402
+from executor_service.batch.input_batch import StepInputs  # noqa: E402
+from executor_service.kernels.attention import PagedAttention, build_attention_metadata  # noqa: E402
+from executor_service.kernels.triton_attention import paged_metadata  # noqa: E402
 
 pytestmark = pytest.mark.interpreted   # without a GPU: not in `make test-fast`
 
@@ -92,7 +92,7 @@ def test_paged_kernel_in_bfloat16_stays_within_bfloat16_rounding():
 def test_the_model_with_the_triton_backend_gives_the_torch_backends_greedy_tokens(tmp_path):
     from tiny_model import kv_bytes, write_tiny_llama
 
-    from executor_service.runner_config import RunnerConfig
+    from executor_service.engine.runner_config import RunnerConfig
     from launcher.engine import LLMEngine
     from scheduler_service import SchedulerConfig
     from stepwire.contract import SamplingParams
@@ -118,7 +118,7 @@ def test_the_model_with_the_triton_backend_gives_the_torch_backends_greedy_token
 
 
 def test_auto_picks_triton_only_on_cuda_and_an_explicit_triton_on_cpu_is_refused(monkeypatch):
-    from executor_service.runner_config import attention_backend
+    from executor_service.engine.runner_config import attention_backend
     assert attention_backend("auto", torch.device("cpu")) == "torch"
     assert attention_backend("torch", torch.device("cpu")) == "torch"
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -130,7 +130,7 @@ def test_auto_picks_triton_only_on_cuda_and_an_explicit_triton_on_cpu_is_refused
 
 def test_the_interpreted_kernel_is_refused_in_bfloat16_whose_products_the_interpreter_takes_on_raw_bits(
         monkeypatch):
-    from executor_service.runner_config import attention_backend
+    from executor_service.engine.runner_config import attention_backend
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     cpu = torch.device("cpu")
     assert attention_backend("triton", cpu, dtype=torch.float32) == "triton"

@@ -6,11 +6,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from executor_service.input_batch import InputBatch
-from executor_service.step import StepResult
-from executor_service.wire import decode_step, encode_result
+from executor_service.batch.input_batch import InputBatch
+from executor_service.batch.step import StepResult
+from executor_service.batch.wire import decode_step, encode_result
 from scheduler_service import Request, RunnerOutput, Scheduler, SchedulerConfig
-from scheduler_service.wire import HandleTable, decode_result, encode_step
+from scheduler_service.fleet.wire import HandleTable, decode_result, encode_step
 from stepwire.contract import SamplingParams
 from stepwire.internal import executor_pb2
 

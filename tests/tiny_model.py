@@ -44,13 +44,13 @@ def executor_dtype(device: str = "cpu") -> str:
     (conftest's float32, or a run's forced bfloat16), else the executor's default on `device`."""
     import os
 
-    from executor_service.runner_config import default_dtype
+    from executor_service.engine.runner_config import default_dtype
     return os.environ.get("STEPWIRE_EXECUTOR_DTYPE") or default_dtype(device)
 
 
 def kv_bytes(num_blocks: int, block_size: int = 4, dtype: str = "float32") -> int:
     """KV-cache memory that holds `num_blocks` blocks of the tiny model in `dtype` (K and V, every layer)."""
-    from executor_service.runner_config import DTYPES
+    from executor_service.engine.runner_config import DTYPES
 
     head_dim = TINY["hidden_size"] // TINY["num_attention_heads"]
     return (num_blocks * 2 * TINY["num_hidden_layers"] * block_size * TINY["num_key_value_heads"] * head_dim
@@ -79,7 +79,7 @@ def reference_greedy(model: Path, prompts: list[list[int]], max_tokens: int = 10
     threads' small parallel regions took the mode's start-up check from under a second to 10-40 s here)."""
     import torch
 
-    from executor_service.runner_config import RunnerConfig
+    from executor_service.engine.runner_config import RunnerConfig
     from launcher.engine import LLMEngine
     from scheduler_service import SchedulerConfig
     from stepwire.contract import SamplingParams

@@ -46,7 +46,7 @@ def write_weights(tensors: list[ReaderTensor], shape: ModelShape, path: Path) ->
     path.chmod(0o644)
 
 
-# The block formats the executor's quantized GEMM takes as they are (executor_service/quantized.py).
+# The block formats the executor's quantized GEMM takes as they are (executor_service/model/quantized.py).
 KEPT_QUANTIZED = ("Q4_0", "Q4_1", "Q8_0")
 
 

@@ -1,0 +1,277 @@
+"""What both client APIs share: validation, tokenization, the call to the scheduler, detokenization,
+stop strings, n completions, usage. The gRPC and HTTP front ends only translate shapes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+import grpc
+
+from gateway.generation.adapter_names import AdapterNames, ModelNotFound
+from gateway.generation.journal import Entry, Journal
+from gateway.generation.params import Chunk, GenerationParams, Usage
+from gateway.generation.request_checks import check_params, check_request
+from gateway.generation.session import SchedulerError, SchedulerSession, SessionLost, output_error
+from gateway.generation.telemetry import GatewayMetrics, Observation
+from gateway.text.detokenizer import IncrementalDetokenizer
+from gateway.text.stops import StopMatcher
+from gateway.text.tokenizer import ChatTemplateError, ModelTokenizer
+from stepwire.contract import (
+    InvalidRequestError,
+    check_chat,
+    check_prompt,
+)
+from stepwire.contract.limits import UINT64_MAX
+from stepwire.internal import scheduler_pb2, scheduler_pb2_grpc
+
+# Tokenizing and rendering chat templates run here, off the event loop: one large prompt must not stall
+# every other stream's deltas. Few threads: the work is CPU-bound and the body size limit bounds each job.
+TOKENIZER_THREADS = 2
+# What a client whose request outlived --scheduler-wait-seconds without a scheduler gets (HTTP 503, or an SSE
+# error event once the stream has started; gRPC UNAVAILABLE).
+SCHEDULER_GONE = "the scheduler did not come back within {:g}s; retry"
+
+
+class Backend:
+    """The gateway's view of the scheduler: validated, tokenized requests in, text deltas out."""
+
+    def __init__(self, channel: grpc.aio.Channel, tokenizer: ModelTokenizer, model_name: str,
+                 metrics: GatewayMetrics | None = None, scheduler_wait_seconds: float = 60.0):
+        self.use_channel(channel)
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = 0   # learned from the scheduler once it is connected
+        self._serving = asyncio.Event()   # set while the scheduler serves (see `ready`)
+        self.pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
+        self.journal = Journal()
+        self.metrics = metrics
+        if metrics is not None:
+            metrics.journal.set_function(lambda: len(self.journal))
+        self.scheduler_wait_seconds = scheduler_wait_seconds
+        self.adapters = AdapterNames()
+
+    @property
+    def ready(self) -> bool:
+        """The scheduler is serving (kept by gateway.server.follow_scheduler); held requests wait for it."""
+        return self._serving.is_set()
+
+    @ready.setter
+    def ready(self, ok: bool) -> None:
+        if ok:
+            self._serving.set()
+        else:
+            self._serving.clear()
+
+    def use_channel(self, channel: grpc.aio.Channel) -> grpc.aio.Channel | None:
+        """Talk to the scheduler over `channel` from now on (mTLS or plaintext); returns the one it replaces."""
+        old = getattr(self, "channel", None)
+        self.channel = channel
+        self.stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        self.session = SchedulerSession(self.stub)
+        return old
+
+    async def refresh(self) -> bool:
+        """True when the scheduler answers and has an executor; learns max_model_len from it."""
+        try:
+            limits = await self.stub.Limits(scheduler_pb2.LimitsRequest(), timeout=2)
+        except grpc.RpcError:
+            return False
+        if limits.max_model_len:
+            self.max_model_len = limits.max_model_len
+        return bool(limits.max_model_len)
+
+    def check_model(self, name: str) -> None:
+        """For routes where only the tokenizer matters: the served model or an adapter (they share it)."""
+        if name and name != self.model_name and name not in self.adapters.known:
+            raise ModelNotFound(name, self.model_name)
+
+    async def resolve_model(self, name: str) -> str:
+        """The LoRA adapter a request's `model` picks ("" for the served model); ModelNotFound otherwise."""
+        return await self.adapters.resolve(self, name)
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a text prompt; one that cannot fit the context is refused before it is tokenized."""
+        return await self._off_loop(self._encode, text, add_special_tokens, await self._text_limit())
+
+    async def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                          add_special_tokens: bool = False, tools: list[dict] | None = None) -> list[int]:
+        check_chat(messages)   # `tools`: the template's variable (gateway.tools.rendering)
+        return await self._off_loop(self._encode_chat, messages, add_generation_prompt, add_special_tokens,
+                                    await self._text_limit(), tools)
+
+    async def decode(self, token_ids: list[int]) -> str:
+        """The text of token ids the model knows, special tokens included (as vLLM's /detokenize gives it)."""
+        if token_ids:   # no tokens: no text
+            check_prompt(token_ids, self.tokenizer.vocab_size, "tokens")
+        return await self._off_loop(self.tokenizer.decode, token_ids, False)
+
+    def _encode(self, text: str, add_special_tokens: bool, limit: int) -> list[int]:
+        self.tokenizer.refuse_oversize(text, limit, "prompt", self.max_model_len)
+        return self.tokenizer.encode(text, add_special_tokens)
+
+    def _encode_chat(self, messages: list[dict], add_generation_prompt: bool, add_special_tokens: bool,
+                     limit: int, tools: list[dict] | None = None) -> list[int]:
+        try:
+            text = self.tokenizer.render_chat(messages, add_generation_prompt, tools)
+        except ChatTemplateError as e:
+            raise InvalidRequestError("messages", str(e)) from None
+        self.tokenizer.refuse_oversize(text, limit, "messages", self.max_model_len)
+        # The rendered template already holds its special tokens, unless it is asked for more.
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    async def _text_limit(self) -> int:
+        """The most bytes a prompt that can still fit may have; 0 while the context length is unknown (no
+        executor seen yet: then only the body size limit bounds a prompt)."""
+        if not self.max_model_len:
+            await self.refresh()
+        # A prompt must leave room for one output token, so it has at most max_model_len - 1 tokens.
+        return max(self.max_model_len - 1, 0) * self.tokenizer.max_token_bytes
+
+    async def _off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    def check(self, prompt_ids: list[int], p: GenerationParams) -> None:
+        """Validate before anything reaches the scheduler (request_checks.py); resolves max_tokens."""
+        check_request(prompt_ids, p, self.max_model_len, self.tokenizer.vocab_size)
+
+    def check_params(self, p: GenerationParams) -> None:
+        """What can be checked without the prompt: the front ends call it before tokenizing."""
+        check_params(p)
+
+    async def generate(self, prompt_ids: list[int], p: GenerationParams, usage: Usage,
+                       obs: Observation | None = None) -> AsyncIterator[Chunk]:
+        """Text deltas of all n completions of a request check() accepted, interleaved as they come.
+        Leaving early aborts them all. `obs` times the first token and names the parent span."""
+        usage.prompt_tokens = len(prompt_ids)
+        traceparent = ""
+        if obs is not None:
+            obs.requested(p, len(prompt_ids))
+            traceparent = obs.traceparent()
+        queue: asyncio.Queue = asyncio.Queue()
+        base = uuid.uuid4().hex[:16]
+        tasks = [asyncio.create_task(self._one(f"{base}-{i}", i, prompt_ids, p, queue, usage, traceparent))
+                 for i in range(p.n)]
+        try:
+            done = 0
+            held = None
+            while done < p.n:
+                item, held = (held, None) if held is not None else (await queue.get(), None)
+                if isinstance(item, BaseException):
+                    raise item
+                # When the client side falls behind the scheduler (a busy gateway), what has piled up for a
+                # completion goes out as one delta: one event and one write instead of one per token, so a
+                # loaded gateway spends less per token instead of falling further behind. Unloaded, the queue
+                # holds one delta at a time and nothing changes.
+                while item.finish_reason is None and not queue.empty():
+                    later = queue.get_nowait()
+                    if not isinstance(later, Chunk) or later.index != item.index:
+                        held = later
+                        break
+                    item = item.then(later)
+                if obs is not None and item.token_ids:
+                    obs.token()
+                yield item
+                if item.finish_reason is not None:
+                    done += 1
+        finally:
+            for t in tasks:
+                t.cancel()   # a cancelled completion aborts its request at the scheduler
+
+    async def _one(self, rid, index, prompt_ids, p: GenerationParams, queue, usage, traceparent: str) -> None:
+        # Whatever goes wrong in here reaches the client through the queue: an exception that escaped this
+        # task would leave generate() waiting for ever.
+        try:
+            await self._stream(rid, index, prompt_ids, p, queue, usage, traceparent)
+        except Exception as e:   # noqa: BLE001 -- handed on, not swallowed
+            queue.put_nowait(e)
+
+    async def _stream(self, rid, index, prompt_ids, p: GenerationParams, queue, usage, traceparent: str) -> None:
+        sp = p.sampling
+        if sp.seed is not None:
+            # n seeded completions must still differ from each other, and stay inside the uint64 field.
+            sp = replace(sp, seed=(sp.seed + index) % (UINT64_MAX + 1))
+        entry = self.journal.add(Entry(rid, prompt_ids, sp, p.priority, p.cache_salt or "", traceparent,
+                                       IncrementalDetokenizer(self.tokenizer), StopMatcher(p.stop),
+                                       adapter=p.adapter, tenant=p.tenant))
+        lost_at: float | None = None      # when the scheduler was lost with this request unfinished
+        try:
+            while True:
+                if lost_at is not None:
+                    await self._wait_for_scheduler(lost_at)
+                got_output, done = await self._submission(entry, index, queue, usage, lost_at)
+                if done:
+                    return
+                if got_output or lost_at is None:
+                    lost_at = time.monotonic()
+                else:
+                    await asyncio.sleep(0.2)   # lost again before a word: the scheduler is not really back yet
+        finally:
+            self.journal.remove(entry)
+
+    async def _submission(self, entry: Entry, index: int, queue, usage, lost_at: float | None) -> tuple[bool, bool]:
+        """Submit the journal entry once and stream what comes back. Returns (any output came, the request is
+        over): it is over when it finished, stopped on a stop string, or failed; not over when the scheduler
+        was lost under it."""
+        session = self.session
+        submit = entry.submit_request()
+        if entry.submissions > 1 and self.metrics is not None:
+            self.metrics.resumed.inc()
+        outputs = session.submit(submit)
+        finished = got_output = False
+        try:
+            while True:
+                out = await outputs.get()
+                if isinstance(out, SessionLost):
+                    finished = True          # nothing to abort on a stream that is gone
+                    return got_output, False
+                error = out if isinstance(out, SchedulerError) else output_error(out)
+                if error is not None:
+                    finished = True   # refused or cut off: nothing left to abort
+                    queue.put_nowait(error)
+                    return got_output, True
+                if not got_output and lost_at is not None and self.metrics is not None:
+                    self.metrics.resume_wait.observe(time.monotonic() - lost_at)
+                got_output = True
+                usage.completion_tokens += len(out.token_ids)
+                if index == 0 and entry.submissions == 1:
+                    usage.cached_prompt_tokens = out.num_cached_tokens
+                entry.delivered.extend(out.token_ids)
+                stops = entry.stops
+                text = stops.push(entry.detokenizer.push(list(out.token_ids)))
+                finish = out.finish_reason or None
+                if stops.matched is not None:
+                    # Stop string: release the text before it and end the request at the scheduler (finally).
+                    queue.put_nowait(Chunk(index, text, list(out.token_ids), "stop", stops.matched, _lp(out)))
+                    return got_output, True
+                if finish is not None:
+                    finished = True
+                    text += stops.push(entry.detokenizer.flush()) + stops.flush()
+                    stop = None
+                    if finish == "stop" and out.token_ids and out.token_ids[-1] in entry.sampling.stop_token_ids:
+                        stop = str(out.token_ids[-1])
+                    queue.put_nowait(Chunk(index, text, list(out.token_ids), finish, stop, _lp(out)))
+                    return got_output, True
+                queue.put_nowait(Chunk(index, text, list(out.token_ids), None, None, _lp(out)))
+        finally:
+            # Also on cancellation (client gone, or another of the n completions failed): abort at the scheduler.
+            session.done(submit.request_id, abort=not finished)
+
+    async def _wait_for_scheduler(self, lost_at: float) -> None:
+        """Hold the request until the scheduler serves again; past --scheduler-wait-seconds, fail it."""
+        left = lost_at + self.scheduler_wait_seconds - time.monotonic()
+        try:
+            await asyncio.wait_for(self._serving.wait(), max(left, 0))
+        except TimeoutError:
+            raise SchedulerError(grpc.StatusCode.UNAVAILABLE,
+                                 SCHEDULER_GONE.format(self.scheduler_wait_seconds)) from None
+
+
+def _lp(out) -> list | None:
+    if not out.logprobs:
+        return None
+    return [list(zip(lp.token_ids, lp.logprobs, strict=True)) for lp in out.logprobs]

@@ -1,0 +1,3 @@
+"""OpenAI-compatible HTTP: routes, request bodies, response shapes, /tokenize, LoRA routes.
+Imports generation/ and below.
+"""

@@ -1,0 +1,183 @@
+"""OpenAI-compatible HTTP: /v1/completions, /v1/chat/completions (SSE or not), /v1/models, vLLM's /tokenize and
+/detokenize, /health."""
+
+from __future__ import annotations
+
+import inspect
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
+from starlette.middleware.authentication import AuthenticationMiddleware
+
+from gateway.access.auth import ApiKeys, HttpKeys, KeyRefused
+from gateway.access.body_limit import BodyLimit
+from gateway.generation.adapter_names import ModelNotFound
+from gateway.generation.backend import Backend
+from gateway.generation.params import GenerationParams
+from gateway.generation.structured_requests import one_constraint, requested
+from gateway.generation.telemetry import GatewayMetrics, Observation
+from gateway.http_api.bodies import ChatRequest, CompletionRequest, Sampling, message_dicts, tool_fields
+from gateway.http_api.lora_routes import add_lora_routes, model_cards
+from gateway.http_api.responses import error, respond
+from gateway.http_api.tokenize_routes import add_tokenize_routes
+from gateway.tools.calls import constraint, tool_plan
+from gateway.tools.rendering import chat_for_template
+from stepwire.contract import InvalidRequestError, SamplingParams
+
+OPEN_PATHS = frozenset({"/health", "/metrics"})   # probes and Prometheus carry no API key
+# After a 413 the server hangs up rather than read (and discard) the rest of an oversized body.
+CLOSE = {"Connection": "close"}
+
+
+def _short(text: str, limit: int = 200) -> str:
+    # Error messages may quote what the client sent (a field's name); never a megabyte of it.
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _add_health_routes(app: FastAPI, backend: Backend, metrics: GatewayMetrics) -> None:
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/health")
+    async def health():
+        # The same readiness as the gRPC health service: the scheduler reachable and serving.
+        ok = backend.ready
+        return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
+
+
+def build_health_app(backend: Backend, metrics: GatewayMetrics) -> FastAPI:
+    """/health and /metrics alone, for a port of their own (--health-port) that needs no API key."""
+    app = FastAPI(title="stepwire health", docs_url=None, redoc_url=None, openapi_url=None, **_native_off())
+    _add_health_routes(app, backend, metrics)
+    return app
+
+
+def _native_off() -> dict:
+    # Newer FastAPI releases trace every request themselves once a tracer provider is installed. The
+    # gateway makes its own SERVER span (the same on HTTP and gRPC, with gen_ai attributes, ending when a
+    # stream ends), so theirs would only duplicate it; metrics are Prometheus, at /metrics.
+    return {"telemetry": {"tracing": False, "metrics": False, "logs": False, "operation_spans": False}} \
+        if "telemetry" in inspect.signature(FastAPI).parameters else {}
+
+
+def _too_large(max_body_bytes: int | None) -> str:
+    return f"the request body is larger than this server's limit of {max_body_bytes} bytes"
+
+
+def _http_error_message(request: Request, exc: HTTPException, max_body_bytes: int | None) -> str:
+    if exc.status_code == 413:
+        return _too_large(max_body_bytes)
+    if exc.status_code == 404:
+        return f"Invalid URL ({request.method} {_short(request.url.path)})"
+    if exc.status_code == 405:
+        return f"Method {request.method} is not allowed on {_short(request.url.path)}"
+    if exc.status_code == 400:
+        # FastAPI's answer to a body it could not parse (invalid UTF-8, JSON nested past the parser's depth).
+        return "the request body could not be parsed as JSON"
+    return str(exc.detail)
+
+
+def build_app(backend: Backend, metrics: GatewayMetrics, api_keys: ApiKeys | None = None,
+              max_body_bytes: int | None = None) -> FastAPI:
+    """The OpenAI-compatible API. With `api_keys` enabled every path but /health and /metrics needs a key;
+    a body over `max_body_bytes` (Content-Length or not, chunked too) is refused once that many bytes are
+    in, without reading on. Every refusal has OpenAI's {"error": {...}} shape, FastAPI's own ones included."""
+    app = FastAPI(title="stepwire", docs_url=None, redoc_url=None, **_native_off())
+    # The middleware added last runs first: the key is checked before any of the body is read.
+    if max_body_bytes is not None:
+        app.add_middleware(BodyLimit, max_bytes=max_body_bytes,
+                           too_large=lambda: error(413, _too_large(max_body_bytes), headers=CLOSE))
+    if api_keys is not None and api_keys.enabled:
+        app.add_middleware(AuthenticationMiddleware, backend=HttpKeys(api_keys, OPEN_PATHS), on_error=_refused)
+    _add_health_routes(app, backend, metrics)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        metrics.requests.labels("http", request.url.path, "400").inc()
+        if first.get("type") == "json_invalid":
+            return error(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}")
+        loc = _short(".".join(str(x) for x in first.get("loc", ()) if x != "body"))
+        return error(400, f"{loc or 'body'}: {first.get('msg', 'invalid request')}", loc or None)
+
+    @app.exception_handler(InvalidRequestError)
+    async def _bad(request, exc: InvalidRequestError):
+        return error(400, str(exc), exc.field)
+
+    @app.exception_handler(HTTPException)
+    async def _http(request, exc: HTTPException):
+        # FastAPI's 404, 405, 413 and unparseable bodies, in OpenAI's shape instead of {"detail": ...}.
+        headers = CLOSE if exc.status_code == 413 else exc.headers
+        return error(exc.status_code, _http_error_message(request, exc, max_body_bytes), headers=headers)
+
+    @app.exception_handler(Exception)
+    async def _crash(request, exc: Exception):
+        # A bug, not the client's doing; Starlette re-raises it after this answer, so the server logs it.
+        return error(500, "the server had an error while processing the request", kind="server_error")
+
+    add_tokenize_routes(app, backend)
+    add_lora_routes(app, backend)
+
+    @app.get("/v1/models")
+    async def models():
+        await backend.refresh()
+        return {"object": "list", "data": await model_cards(backend)}
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, raw: Request):
+        obs = Observation(metrics, "http", "/v1/completions", "text_completion", raw.headers, backend.model_name)
+        try:
+            p = _params(backend, req, req.max_tokens, req.logprobs)
+            p.adapter = await backend.resolve_model(req.model)
+            p.sampling.structured_output = await one_constraint(requested(req), None, backend.tokenizer)
+            if req.echo:
+                raise InvalidRequestError("echo", "echo is not supported")
+            prompt = req.prompt if isinstance(req.prompt, list) else await backend.encode(req.prompt)
+            return await respond(backend, raw, req, prompt, p, False, obs)
+        except InvalidRequestError as e:
+            obs.end(404 if isinstance(e, ModelNotFound) else 400, error=str(e))
+            raise
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatRequest, raw: Request):
+        obs = Observation(metrics, "http", "/v1/chat/completions", "chat", raw.headers, backend.model_name)
+        try:
+            n_lp = (req.top_logprobs or 0) if req.logprobs else None
+            if req.top_logprobs is not None and not req.logprobs:
+                raise InvalidRequestError("top_logprobs", "top_logprobs needs logprobs: true")
+            p = _params(backend, req, req.max_completion_tokens or req.max_tokens, n_lp)
+            p.adapter = await backend.resolve_model(req.model)
+            tools = tool_plan(*tool_fields(req))
+            p.sampling.structured_output = await one_constraint(requested(req), constraint(tools),
+                                                                 backend.tokenizer)
+            messages, template_tools = chat_for_template(message_dicts(req.messages), tools,
+                                                         backend.tokenizer.knows_tools)
+            prompt = await backend.encode_chat(messages, tools=template_tools)
+            return await respond(backend, raw, req, prompt, p, True, obs, tools)
+        except InvalidRequestError as e:
+            obs.end(404 if isinstance(e, ModelNotFound) else 400, error=str(e))
+            raise
+
+    return app
+
+
+def _refused(conn, exc: KeyRefused) -> JSONResponse:
+    return error(401, str(exc), code=exc.code, headers={"WWW-Authenticate": "Bearer"})
+
+
+def _params(backend: Backend, req: Sampling, max_tokens: int | None, logprobs: int | None) -> GenerationParams:
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name):
+            raise InvalidRequestError(name, f"{name} is not supported yet")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+                              seed=req.seed, stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos,
+                              min_tokens=req.min_tokens, logprobs=logprobs)
+    p = GenerationParams(sampling, max_tokens=max_tokens, stop=stop, n=req.n, priority=req.priority,
+                         cache_salt=req.cache_salt)
+    backend.check_params(p)
+    return p

@@ -1,0 +1,297 @@
+"""Tool calling, the response side: model text, as it streams, turned into content and tool calls.
+
+One incremental parser serves streams and whole responses, for the three formats of gateway.tools.calls. A call
+is announced (id, name) once its name is read, and its arguments go out piece by piece as generated: only JSON
+nesting and strings are tracked, to see where they end. Text that might start "<tool_call>" is held back until
+it is clear. A whole response is checked at the end: if any call is malformed, all of the text is content (as
+vLLM answers); a stream cannot take back what it sent (with the constraint on, no call is malformed)."""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+
+from gateway.tools.calls import END, TRIGGER, ToolPlan
+
+# {"name": "<name>", "arguments": ; "parameters" is read too (Llama 3.1 templates ask for that key).
+HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"([a-zA-Z0-9_-]{1,64})"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+# A call's header that has not matched after this many characters never will.
+MAX_HEADER = 256
+CLOSE = re.compile(r"\s*\}\s*" + re.escape(END))
+
+
+@dataclass
+class CallDelta:
+    """A piece of one call: `id` and `name` on its first piece only, then arguments text."""
+
+    index: int
+    arguments: str = ""
+    id: str | None = None
+    name: str | None = None
+
+
+@dataclass
+class Delta:
+    content: str = ""
+    calls: list[CallDelta] = field(default_factory=list)
+
+    def merge(self, other: Delta) -> Delta:
+        self.content += other.content
+        for c in other.calls:
+            mine = self.call(c.index)
+            mine.arguments += c.arguments
+            if c.id is not None:
+                mine.id, mine.name = c.id, c.name
+        return self
+
+    def call(self, index: int) -> CallDelta:
+        if not self.calls or self.calls[-1].index != index:
+            self.calls.append(CallDelta(index))
+        return self.calls[-1]
+
+
+@dataclass
+class Call:
+    id: str
+    name: str
+    arguments: str = ""
+    complete: bool = False
+
+
+class JsonObjectEnd:
+    """Where a JSON object ends, fed piece by piece: nesting depth and whether inside a string."""
+
+    def __init__(self):
+        self.depth = 0
+        self.in_string = self.escaped = False
+
+    def feed(self, text: str) -> tuple[str, int]:
+        """("more", len(text)), ("done", chars up to and including the closing brace) or ("bad", 0)."""
+        for i, ch in enumerate(text):
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+            elif self.depth == 0 and ch != "{":
+                if not ch.isspace():
+                    return "bad", 0
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    return "done", i + 1
+        return "more", len(text)
+
+
+class ToolCallParser:
+    """Fed the text of one completion as it comes; each feed answers what may be passed on to the client.
+    States: "auto" text -> header -> args -> close -> text; "required" opening -> header -> args -> close_item
+    -> separator -> header ... -> rest; named: named -> args -> rest."""
+
+    def __init__(self, plan: ToolPlan):
+        self.plan = plan
+        self.calls: list[Call] = []
+        self.broken = False     # some text did not follow the format
+        self.buf = ""           # text received and not yet passed on
+        self.raw = ""           # what was consumed of a call not yet announced: content if it is not one
+        self.space = ""         # whitespace held until more content comes (none between calls, or after them)
+        self.array = False
+        self.muted = False      # a call past the first one when parallel calls are off: read, never sent
+        self.scanner: JsonObjectEnd | None = None
+        self.state = {"auto": "text", "required": "opening", "named": "named"}[plan.choice]
+
+    def merge_finish(self, out: Delta) -> bool:
+        """finish() merged into `out` (the last feed's delta); whether any call was made."""
+        out.merge(self.finish())
+        return bool(self.calls)
+
+    def feed(self, text: str) -> Delta:
+        out = Delta()
+        self.buf += text
+        while getattr(self, "_" + self.state)(out):
+            pass
+        return out
+
+    def finish(self) -> Delta:
+        """The end of the text: what was held back, and which calls were cut off."""
+        out = Delta()
+        self.broken |= self.state not in ("text", "rest")   # cut off (max_tokens, a stop string) mid-format
+        if self.state in ("header", "named", "opening") and (self.raw or self.buf.strip()):
+            self._give_back(out)
+        if self.state in ("text", "rest"):
+            self._content(out, self.buf)
+        self.buf = ""
+        self.broken |= any(not c.complete for c in self.calls)
+        self._content(out, "", final=True)
+        return out
+
+    # ---- the states: each reads from self.buf, and returns True to be called again --------------------------
+
+    def _text(self, out: Delta) -> bool:
+        at = self.buf.find(TRIGGER)
+        if at >= 0:
+            self._content(out, self.buf[:at])
+            self.raw, self.buf, self.state = TRIGGER, self.buf[at + len(TRIGGER):], "header"
+            return True
+        keep = next((n for n in range(min(len(TRIGGER) - 1, len(self.buf)), 0, -1)
+                     if TRIGGER.startswith(self.buf[-n:])), 0)
+        self._content(out, self.buf[:len(self.buf) - keep])
+        self.buf = self.buf[len(self.buf) - keep:]
+        return False
+
+    def _header(self, out: Delta) -> bool:
+        m = HEADER.match(self.buf)
+        if m is None or m.group(1) not in self.plan.names:
+            lead = self.buf.lstrip()[:1]
+            if m is not None or lead not in ("", "{") or END in self.buf or len(self.buf) > MAX_HEADER:
+                self._give_back(out)
+                return True
+            return False   # not decided yet
+        self.buf = self.buf[m.end():]
+        self._start(out, m.group(1))
+        return True
+
+    def _named(self, out: Delta) -> bool:
+        rest = self.buf.lstrip()
+        if not rest:
+            return False
+        if rest[0] != "{":
+            self._give_back(out)
+            return True
+        self.buf = rest
+        self._start(out, self.plan.function)
+        return True
+
+    def _opening(self, out: Delta) -> bool:
+        rest = self.buf.lstrip()
+        if not rest:
+            return False
+        self.array = rest[0] == "["
+        self.buf = rest[1:] if self.array else rest
+        self.raw, self.state = ("[" if self.array else ""), "header"
+        return True
+
+    def _args(self, out: Delta) -> bool:
+        status, n = self.scanner.feed(self.buf)
+        if status == "bad":   # announced already: the call stays, cut short, and the rest is text
+            self.broken = True
+            self._end_call(complete=False)
+            return True
+        call = self.calls[-1]
+        piece, self.buf = (self.buf[:n] if call.arguments else self.buf[:n].lstrip()), self.buf[n:]
+        call.arguments += piece
+        if piece and not self.muted:
+            out.call(len(self.calls) - 1).arguments += piece
+        if status == "more":
+            return False
+        self.scanner = None
+        if self.plan.choice == "named":
+            self._end_call(complete=True)
+        else:
+            self.state = "close" if self.plan.choice == "auto" else "close_item"
+        return True
+
+    def _close(self, out: Delta) -> bool:
+        m = CLOSE.match(self.buf)
+        if m is not None:
+            self.buf = self.buf[m.end():]
+            self._end_call(complete=True)
+            return True
+        rest = self.buf.lstrip()
+        if rest[:1] in ("", "}") and END.startswith(rest[1:].lstrip()):
+            return False   # the closing may still come
+        self.broken = True
+        self._end_call(complete=False)
+        return True
+
+    def _close_item(self, out: Delta) -> bool:
+        rest = self.buf.lstrip()
+        if not rest:
+            return False
+        self.buf = rest[1:] if rest[0] == "}" else rest
+        self.broken |= rest[0] != "}"
+        self._end_call(complete=rest[0] == "}")
+        if self.array and rest[0] == "}":
+            self.state = "separator"
+        return True
+
+    def _separator(self, out: Delta) -> bool:
+        rest = self.buf.lstrip()
+        if not rest:
+            return False
+        self.buf = rest[1:] if rest[0] in ",]" else rest
+        self.state = "header" if rest[0] == "," else "rest"
+        self.broken |= rest[0] not in ",]"
+        return True
+
+    def _rest(self, out: Delta) -> bool:
+        # After the JSON of "required" or of a named call, or after a malformed one: plain text.
+        self._content(out, self.buf)
+        self.buf = ""
+        return False
+
+    # ---- helpers ----------------------------------------------------------------------------------------------
+
+    def _start(self, out: Delta, name: str) -> None:
+        self.muted = not self.plan.parallel and bool(self.calls)
+        self.calls.append(Call(f"call_{uuid.uuid4().hex[:24]}", name))
+        if not self.muted:
+            first = out.call(len(self.calls) - 1)
+            first.id, first.name = self.calls[-1].id, name
+        self.raw, self.scanner, self.state = "", JsonObjectEnd(), "args"
+
+    def _end_call(self, complete: bool) -> None:
+        self.calls[-1].complete = complete
+        if self.muted:
+            self.calls.pop()   # read and dropped: parallel calls are off
+            self.muted = False
+        self.scanner = None
+        self.state = "text" if self.plan.choice == "auto" else "rest"
+
+    def _give_back(self, out: Delta) -> None:
+        """What was read as the start of a call is not one: that text is content after all."""
+        if self.plan.choice == "auto" and END in self.buf:
+            end = self.buf.index(END) + len(END)
+            text, self.buf = self.raw + self.buf[:end], self.buf[end:]
+        else:
+            text, self.buf = self.raw + self.buf, ""
+        self.broken = True
+        self._content(out, text)
+        self.raw, self.state = "", "text" if self.plan.choice == "auto" else "rest"
+
+    def _content(self, out: Delta, text: str, final: bool = False) -> None:
+        # Whitespace waits for the next words: between calls or after the last one it is no content at all.
+        text = self.space + text
+        body = text if final else text.rstrip()
+        self.space = text[len(body):]
+        if body.strip() or (final and not self.calls):
+            out.content += body
+
+
+def parse(text: str, plan: ToolPlan) -> tuple[str | None, list[Call]]:
+    """A whole response: its content (None when there is only calls) and its calls; all of the text as
+    content, and no calls, when a call is malformed."""
+    parser = ToolCallParser(plan)
+    a, b = parser.feed(text), parser.finish()
+    content = a.content + b.content
+    calls = parser.calls
+    if parser.broken or any(not _is_object(c.arguments) for c in calls):
+        return text, []
+    if not calls:
+        return text, []
+    return (content.strip() or None), calls
+
+
+def _is_object(arguments: str) -> bool:
+    try:
+        return isinstance(json.loads(arguments), dict)
+    except ValueError:
+        return False

@@ -1,0 +1,3 @@
+"""The Scheduler gRPC servicer: Submit, Session, Limits, Stats, admission over the fleet.
+Imports fleet/, core/, telemetry/ and settings.
+"""

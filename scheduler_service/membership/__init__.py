@@ -1,0 +1,3 @@
+"""Which executors the scheduler drives: a static list, DNS, or Kubernetes EndpointSlices.
+Imports settings only.
+"""
