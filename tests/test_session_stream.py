@@ -3,7 +3,7 @@
 import asyncio
 from types import SimpleNamespace
 
-from scheduler_service.api.sessions import Session
+from scheduler_service.api.gateway_sessions import Session
 from scheduler_service.core.output import RequestDelta
 
 

@@ -16,7 +16,7 @@ from gateway.generation.adapter_names import AdapterNames, ModelNotFound
 from gateway.generation.journal import Entry, Journal
 from gateway.generation.params import Chunk, GenerationParams, Usage
 from gateway.generation.request_checks import check_params, check_request
-from gateway.generation.session import SchedulerError, SchedulerSession, SessionLost, output_error
+from gateway.generation.scheduler_session import SchedulerError, SchedulerSession, SessionLost, output_error
 from gateway.generation.telemetry import GatewayMetrics, Observation
 from gateway.text.detokenizer import IncrementalDetokenizer
 from gateway.text.stops import StopMatcher

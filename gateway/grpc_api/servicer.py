@@ -11,7 +11,7 @@ from gateway.access.auth import ApiKeys, grpc_tenant
 from gateway.generation.adapter_names import ModelNotFound
 from gateway.generation.backend import Backend
 from gateway.generation.params import GenerationParams, Usage
-from gateway.generation.session import SchedulerError
+from gateway.generation.scheduler_session import SchedulerError
 from gateway.generation.structured_requests import from_v1, one_constraint
 from gateway.generation.telemetry import GatewayMetrics, Observation
 from gateway.http_api.responses import rate_limit_headers

@@ -12,7 +12,7 @@ from gateway.generation.structured_requests import StructuredFields
 from gateway.tools.calls import MAX_TOOLS
 from stepwire.contract import InvalidRequestError
 from stepwire.contract.limits import FLOAT32_MAX, INT32_MAX, INT32_MIN, UINT32_MAX, UINT64_MAX
-from stepwire.contract.requests import CHAT_ROLES
+from stepwire.contract.request_fields import CHAT_ROLES
 from stepwire.contract.sampling import MAX_LOGPROBS, MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS
 
 

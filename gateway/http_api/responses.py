@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from gateway.access.auth import tenant_of
 from gateway.generation.backend import Backend
 from gateway.generation.params import GenerationParams, Usage
-from gateway.generation.session import SchedulerError
+from gateway.generation.scheduler_session import SchedulerError
 from gateway.generation.telemetry import Observation
 from gateway.tools.calls import ToolPlan
 from gateway.tools.output import chat_message, delta_dict, finish_reason, parsers
@@ -222,8 +222,8 @@ def rate_limit_headers(r) -> dict[str, str]:
 
 
 def rpc_error(e: SchedulerError) -> JSONResponse:
-    # The details are the scheduler's own words for one request, or gateway.generation.session's fixed message when
-    # the link broke: never grpc's transport details.
+    # The details are the scheduler's own words for one request, or scheduler_session.py's fixed message when the
+    # link broke: never grpc's transport details.
     if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
         return error(400, e.details())
     if e.code() == grpc.StatusCode.NOT_FOUND:     # its adapter was unloaded since this gateway last looked

@@ -11,7 +11,7 @@ import asyncio
 import grpc
 
 from scheduler_service.api.admission import Refused, admit
-from scheduler_service.api.sessions import Session, to_output
+from scheduler_service.api.gateway_sessions import Session, to_output
 from scheduler_service.core.output import RequestDelta
 from scheduler_service.fleet.adapter_registry import AdapterRefused
 from scheduler_service.fleet.fleet import Failure, Fleet

@@ -8,7 +8,7 @@ it too, so nothing here may pull torch or a service.
 """
 
 from stepwire.contract.errors import InvalidRequestError
-from stepwire.contract.requests import CHAT_ROLES, check_chat, check_priority, check_prompt
+from stepwire.contract.request_fields import CHAT_ROLES, check_chat, check_priority, check_prompt
 from stepwire.contract.sampling import SamplingParams, as_proto, check_sampling, check_stop
 
 __all__ = ["CHAT_ROLES", "InvalidRequestError", "SamplingParams", "as_proto", "check_chat",
