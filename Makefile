@@ -57,7 +57,7 @@ test: lint model kernels $(CHECKOV)
 # The quick loop while editing: unit and property tests, no process started, no model loaded and no GPU kernel
 # run through Triton's interpreter.
 test-fast: lint
-	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q -m "not processes and not model and not interpreted"
+	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q -n auto -m "not processes and not model and not interpreted"
 
 bench: $(DEV_STAMP)
 	$(PY) bench/scheduler_step.py

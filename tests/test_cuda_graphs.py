@@ -10,6 +10,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton", reason="triton is not installed (the test extra installs it)")
+pytestmark = pytest.mark.interpreted   # Triton attention in its interpreter on the CPU: not in `make test-fast`
 
 from tiny_model import kv_bytes, write_tiny_llama  # noqa: E402
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton", reason="triton is not installed (the test extra installs it)")
+pytestmark = pytest.mark.interpreted   # Triton attention in its interpreter on the CPU: not in `make test-fast`
 if importlib.util.find_spec("peft") is None:   # found, not imported: 2 s in every worker collecting this file
     pytest.skip("peft is not installed", allow_module_level=True)
 
