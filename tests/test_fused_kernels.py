@@ -132,8 +132,15 @@ def test_a_model_with_the_fused_kernels_gives_the_tokens_and_logits_of_the_unfus
 
 
 def test_deterministic_mode_keeps_its_own_kernels(tmp_path):
-    model = write_tiny_llama(tmp_path / "llama")
-    assert not engine(model, True, deterministic=True).runner.model.fused
+    # The runner's choice itself: an engine in deterministic mode on Triton's interpreter takes 45 s to check its
+    # kernels at start.
+    from executor_service.engine.runner_config import uses_fused_kernels
+
+    model = str(write_tiny_llama(tmp_path / "llama"))
+    assert uses_fused_kernels(RunnerConfig(model), "triton")
+    assert not uses_fused_kernels(RunnerConfig(model, deterministic=True), "triton")
+    assert not uses_fused_kernels(RunnerConfig(model, fused_kernels=False), "triton")
+    assert not uses_fused_kernels(RunnerConfig(model), "torch")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

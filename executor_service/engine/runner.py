@@ -31,6 +31,7 @@ from executor_service.engine.runner_config import (
     default_dtype,
     rank_device,
     resolve_quantization,
+    uses_fused_kernels,
     uses_packed_gemm,
 )
 from executor_service.kernels import fixed_order
@@ -116,8 +117,7 @@ class ModelRunner:
                                 self.quantization)
         if self.device.type == "cpu" and uses_packed_gemm(cfg, self.dtype):
             self.model.pack_linears()
-        # Deterministic mode's kernels are its own (invariant_triton.py); the fused ones are not batch-invariant.
-        self.model.fused = cfg.fused_kernels and self.attention == "triton" and not cfg.deterministic
+        self.model.fused = uses_fused_kernels(cfg, self.attention)
         if cfg.deterministic:
             log.info("deterministic mode: kernel plans %s", self.model.make_deterministic(
                 cfg.block_size, cfg.max_num_seqs, self.attention == "triton", self.max_num_batched_tokens))

@@ -143,6 +143,12 @@ def uses_packed_gemm(cfg: RunnerConfig, dtype: torch.dtype) -> bool:
     return cpu_kernels(dtype)
 
 
+def uses_fused_kernels(cfg: RunnerConfig, attention: str) -> bool:
+    """The fused kernels (kernels/fused_kernels.py) run with the triton attention backend, outside deterministic
+    mode: its kernels are its own (kernels/invariant_triton.py), and the fused ones are not batch-invariant."""
+    return cfg.fused_kernels and attention == "triton" and not cfg.deterministic
+
+
 def resolve_quantization(cfg: RunnerConfig, device: torch.device, dtype: torch.dtype, draft: bool = False) -> str:
     """`auto`: the GGUF's own quantized weights where they are the fastest way that gives the same tokens, a CPU
     executor in float32 on the project's GEMM whose directory holds them (quantized.safetensors; measured 1.7x
