@@ -170,6 +170,18 @@ def _up(url: str) -> bool:
         return False
 
 
+def listeners(port: int) -> int:
+    """Listening sockets on loopback `port`: each gateway worker has its own (SO_REUSEPORT)."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        count += sum(1 for r in rows if r.split()[3] == "0A" and int(r.split()[1].rsplit(":", 1)[1], 16) == port)
+    return count
+
+
 def _gateways(serve: subprocess.Popen) -> list[int]:
     return [p for p in descendants(serve.pid) if alive(p) and runs_service(p, "gateway")]
 
@@ -182,8 +194,13 @@ def test_gateway_workers_share_the_port_and_one_killed_leaves_it_answering_every
         first = _complete(url, key)
         # Each request on a new connection: the kernel spreads them over both workers.
         assert [_complete(url, key) for _ in range(6)] == [first] * 6
+        port = int(url.rsplit(":", 1)[1])
+        assert listeners(port) == 2
         os.kill(gateways[0], signal.SIGKILL)
-        wait_until(lambda: not alive(gateways[0]), 10, "the gateway worker to die")
+        # Its socket, and the connections the kernel queued on it, go only when its last thread has exited, which
+        # can be after its main thread already shows as a zombie: a request sent in between is reset.
+        wait_until(lambda: not alive(gateways[0]) and listeners(port) == 1, 10,
+                   "the gateway worker and its socket to go")
         # The other worker takes every new connection, and the one serve starts again joins the port only
         # once it is ready: no request meets a refused connection or a "not ready".
         log = tmp_path / "serve.log"
