@@ -91,6 +91,9 @@ class SchedulerSettings(RoleSettings):
 
     async_scheduling: bool = Field(True, description="schedule and send each executor's next step while it runs "
                                    "the current one (a request that stops costs one wasted token)")
+    resume_grace_seconds: float = Field(30.0, ge=0, le=3600, description="how long a resumable request "
+                                        "is kept, running, after its gateway or client went away, for a client "
+                                        "to resume it through any gateway; then it is aborted")
     max_steps_in_flight: Literal["auto"] | Annotated[int, Field(ge=1, le=MOST_STEPS_IN_FLIGHT)] = Field(
         "auto", description="steps sent to an executor and not yet answered (1-4), each executor's own; auto: 2, or "
         "3 for an executor that runs ahead (its --run-ahead, as its Describe says), 1 with --no-async-scheduling. "

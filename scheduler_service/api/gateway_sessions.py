@@ -6,6 +6,7 @@ import asyncio
 
 import grpc
 
+from scheduler_service.api.resumed_streams import Resumable
 from scheduler_service.core.output import RequestDelta
 from scheduler_service.fleet.fleet import Failure, Fleet
 from stepwire.internal import scheduler_pb2
@@ -29,6 +30,7 @@ class Session:
         self.pending: list[scheduler_pb2.RequestOutput] = []
         self.ready = asyncio.Event()
         self.live: set[str] = set()               # this session's requests not finished yet
+        self.resumable: dict[str, Resumable] = {}   # those of them a client may resume, with their tokens
         self.closed = False                       # the gateway half-closed: end once live is empty
         self.shutting_down = False                # the scheduler is stopping: say so and end the stream
 
@@ -40,10 +42,15 @@ class Session:
         if isinstance(d, Failure):
             self.refuse(d.req_id, d.code, d.message)
             self.live.discard(d.req_id)
+            self.resumable.pop(d.req_id, None)
             return
         self.pending.append(to_output(d, d.req_id))
+        r = self.resumable.get(d.req_id)
+        if r is not None:
+            r.tokens.extend(d.new_token_ids)
         if d.finish_reason is not None:
             self.live.discard(d.req_id)
+            self.resumable.pop(d.req_id, None)
             self.fleet.streams.pop(d.req_id, None)
         self.ready.set()
 

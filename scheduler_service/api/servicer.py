@@ -12,11 +12,14 @@ import grpc
 
 from scheduler_service.api.admission import Refused, admit
 from scheduler_service.api.gateway_sessions import Session, to_output
+from scheduler_service.api.resumed_streams import Resumable, ResumedStreams, not_found
 from scheduler_service.core.output import RequestDelta
 from scheduler_service.fleet.adapter_registry import AdapterRefused
 from scheduler_service.fleet.fleet import Failure, Fleet
 from scheduler_service.settings import SchedulerSettings
 from stepwire.internal import scheduler_pb2, scheduler_pb2_grpc
+
+MAX_RESUME_CONTEXT = 64 << 10
 
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
@@ -25,6 +28,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.settings = settings
         self.sessions: set[Session] = set()
         self.shutting_down = False
+        self.resumed = ResumedStreams(fleet, settings.resume_grace_seconds)
 
     async def shut_down(self, seconds: float = 2.0) -> None:
         """SIGTERM: admit nothing more, tell every gateway on its session and end the session (its requests
@@ -80,10 +84,18 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         finally:
             self.sessions.discard(session)
             reader.cancel()
-            # The gateway went away: nobody is left to read these requests, so free their blocks now.
+            # The gateway went away: nobody is left to read these requests, so free their blocks now, except
+            # those a client may resume through another gateway (unless this scheduler is stopping: the
+            # gateways resubmit to its successor).
+            gone = []
             for rid in session.live:
-                self.fleet.streams.pop(rid, None)
-            self.fleet.abort(list(session.live))
+                r = session.resumable.pop(rid, None)
+                if r is not None and not self.shutting_down:
+                    self.resumed.keep(rid, r)
+                else:
+                    self.fleet.streams.pop(rid, None)
+                    gone.append(rid)
+            self.fleet.abort(gone)
             session.live.clear()
 
     async def _read_session(self, request_iterator, session: Session) -> None:
@@ -97,6 +109,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                         session.refuse(rid, grpc.StatusCode.INVALID_ARGUMENT,
                                        "request_id: a unique, non-empty id is required on a session")
                         continue
+                    if len(msg.submit.resume_context) > MAX_RESUME_CONTEXT:
+                        session.refuse(rid, grpc.StatusCode.INVALID_ARGUMENT,
+                                       f"resume_context: at most {MAX_RESUME_CONTEXT} bytes")
+                        continue
                     try:
                         rid = self._admit(msg.submit)
                     except Refused as e:
@@ -104,11 +120,44 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                         continue
                     self.fleet.streams[rid] = session
                     session.live.add(rid)
+                    if msg.submit.resumable:
+                        session.resumable[rid] = Resumable(msg.submit.tenant, bytes(msg.submit.resume_context))
                 elif msg.HasField("abort"):
                     self._abort([r for r in msg.abort.request_ids if r in session.live])
+                elif msg.HasField("detach"):
+                    self._detach(session, msg.detach.request_ids)
+                elif msg.HasField("resume"):
+                    self._resume(session, msg.resume.request_id, msg.resume.tenant)
         finally:
             session.closed = True
             session.ready.set()
+
+    def _detach(self, session: Session, request_ids) -> None:
+        """The gateway's client went away: resumable requests are kept for the grace period, others aborted."""
+        others = []
+        for rid in request_ids:
+            if rid not in session.live:
+                continue
+            r = session.resumable.pop(rid, None)
+            if r is None:
+                others.append(rid)
+                continue
+            session.live.discard(rid)
+            self.resumed.keep(rid, r)
+        self._abort(others)
+
+    def _resume(self, session: Session, rid: str, tenant: str) -> None:
+        """Carry a kept request on this session: every output token so far first, then the rest."""
+        kept = None if rid in session.live else self.resumed.take(rid, tenant)
+        if kept is None:
+            session.refuse(rid, *not_found())
+            return
+        session.pending.append(self.resumed.replay(kept))
+        if kept.finish_reason is None:
+            self.fleet.streams[rid] = session
+            session.live.add(rid)
+            session.resumable[rid] = kept.resumable
+        session.ready.set()
 
     def _abort(self, request_ids) -> list[str]:
         aborted = []

@@ -44,7 +44,7 @@ class UnloadAdapterRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "priority", "cache_salt", "traceparent", "adapter", "tenant", "tenant_weight", "tenant_limits", "resumed")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "priority", "cache_salt", "traceparent", "adapter", "tenant", "tenant_weight", "tenant_limits", "resumed", "resumable", "resume_context")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,8 @@ class SubmitRequest(_message.Message):
     TENANT_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     TENANT_LIMITS_FIELD_NUMBER: _ClassVar[int]
     RESUMED_FIELD_NUMBER: _ClassVar[int]
+    RESUMABLE_FIELD_NUMBER: _ClassVar[int]
+    RESUME_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _sampling_pb2.SamplingParams
@@ -67,7 +69,9 @@ class SubmitRequest(_message.Message):
     tenant_weight: float
     tenant_limits: TenantLimits
     resumed: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., traceparent: _Optional[str] = ..., adapter: _Optional[str] = ..., tenant: _Optional[str] = ..., tenant_weight: _Optional[float] = ..., tenant_limits: _Optional[_Union[TenantLimits, _Mapping]] = ..., resumed: _Optional[bool] = ...) -> None: ...
+    resumable: bool
+    resume_context: bytes
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., traceparent: _Optional[str] = ..., adapter: _Optional[str] = ..., tenant: _Optional[str] = ..., tenant_weight: _Optional[float] = ..., tenant_limits: _Optional[_Union[TenantLimits, _Mapping]] = ..., resumed: _Optional[bool] = ..., resumable: _Optional[bool] = ..., resume_context: _Optional[bytes] = ...) -> None: ...
 
 class TenantLimits(_message.Message):
     __slots__ = ("requests_per_minute", "tokens_per_minute", "max_concurrent")
@@ -88,20 +92,24 @@ class TokenLogprobs(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class RequestOutput(_message.Message):
-    __slots__ = ("token_ids", "finish_reason", "num_cached_tokens", "logprobs", "request_id", "error")
+    __slots__ = ("token_ids", "finish_reason", "num_cached_tokens", "logprobs", "request_id", "error", "replay", "resume_context")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_FIELD_NUMBER: _ClassVar[int]
+    RESUME_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
     num_cached_tokens: int
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
     request_id: str
     error: RequestError
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., request_id: _Optional[str] = ..., error: _Optional[_Union[RequestError, _Mapping]] = ...) -> None: ...
+    replay: bool
+    resume_context: bytes
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., request_id: _Optional[str] = ..., error: _Optional[_Union[RequestError, _Mapping]] = ..., replay: _Optional[bool] = ..., resume_context: _Optional[bytes] = ...) -> None: ...
 
 class RequestError(_message.Message):
     __slots__ = ("code", "message", "rate_limited")
@@ -138,12 +146,24 @@ class RateLimited(_message.Message):
     def __init__(self, limit: _Optional[str] = ..., limit_value: _Optional[int] = ..., remaining: _Optional[int] = ..., retry_after_seconds: _Optional[float] = ..., requests_limit: _Optional[int] = ..., requests_remaining: _Optional[int] = ..., requests_reset_seconds: _Optional[float] = ..., tokens_limit: _Optional[int] = ..., tokens_remaining: _Optional[int] = ..., tokens_reset_seconds: _Optional[float] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
-    __slots__ = ("submit", "abort")
+    __slots__ = ("submit", "abort", "detach", "resume")
     SUBMIT_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
+    DETACH_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
     submit: SubmitRequest
     abort: AbortRequest
-    def __init__(self, submit: _Optional[_Union[SubmitRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequest, _Mapping]] = ...) -> None: ...
+    detach: AbortRequest
+    resume: ResumeRequest
+    def __init__(self, submit: _Optional[_Union[SubmitRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequest, _Mapping]] = ..., detach: _Optional[_Union[AbortRequest, _Mapping]] = ..., resume: _Optional[_Union[ResumeRequest, _Mapping]] = ...) -> None: ...
+
+class ResumeRequest(_message.Message):
+    __slots__ = ("request_id", "tenant")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    tenant: str
+    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class SessionOutput(_message.Message):
     __slots__ = ("outputs", "shutting_down")

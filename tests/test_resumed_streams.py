@@ -1,0 +1,157 @@
+"""Requests a client may resume, at the scheduler (resumed_streams.py), on real processes: a resumable request
+outlives the Session that carried it (its gateway died) or a detach (its client's connection broke), and another
+Session that names it with the same tenant gets every output token so far and then the rest, the same tokens
+as a run that was never cut. Another tenant, an unknown id and an expired one get NOT_FOUND alike; an expired
+request is aborted and its blocks freed."""
+
+import queue
+import time
+import uuid
+
+import pytest
+
+grpc = pytest.importorskip("grpc")
+pytest.importorskip("torch")
+
+from tiny_model import kv_bytes, write_tiny_llama  # noqa: E402
+
+from launcher.processes import Service, Stack  # noqa: E402
+from stepwire.internal import sampling_pb2, scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
+
+pytestmark = pytest.mark.processes
+
+PROMPT = [5, 17, 33, 8, 91, 4]
+TOKENS = 120
+NOT_FOUND = grpc.StatusCode.NOT_FOUND.value[0]
+
+
+class SessionCall:
+    """One Session stream, as a gateway holds it: requests go up a queue, outputs are read on demand."""
+
+    def __init__(self, stub):
+        self.up: queue.Queue = queue.Queue()
+        self.call = stub.Session(iter(self.up.get, None))
+        self.outputs = (o for message in self.call for o in message.outputs)
+
+    def submit(self, rid: str, tenant: str = "", resumable: bool = True, context: bytes = b"") -> None:
+        params = sampling_pb2.SamplingParams(max_tokens=TOKENS, temperature=0.0, top_p=1.0, ignore_eos=True)
+        self.up.put(scheduler_pb2.SessionRequest(submit=scheduler_pb2.SubmitRequest(
+            request_id=rid, prompt_token_ids=PROMPT, params=params, tenant=tenant, resumable=resumable,
+            resume_context=context)))
+
+    def resume(self, rid: str, tenant: str = "") -> None:
+        self.up.put(scheduler_pb2.SessionRequest(resume=scheduler_pb2.ResumeRequest(request_id=rid, tenant=tenant)))
+
+    def detach(self, rid: str) -> None:
+        self.up.put(scheduler_pb2.SessionRequest(detach=scheduler_pb2.AbortRequest(request_ids=[rid])))
+
+    def read(self, rid: str, until_tokens: int | None = None) -> tuple[list, list[int], str]:
+        """`rid`'s outputs until it finishes (or has `until_tokens` tokens): (outputs, tokens, finish)."""
+        outs, tokens = [], []
+        for o in self.outputs:
+            if o.request_id != rid:
+                continue
+            outs.append(o)
+            if o.HasField("error"):
+                return outs, tokens, "error"
+            tokens += o.token_ids
+            if o.finish_reason or (until_tokens is not None and len(tokens) >= until_tokens):
+                return outs, tokens, o.finish_reason
+        raise AssertionError("the session ended")
+
+    def close(self) -> None:
+        self.call.cancel()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("resume")
+    model = write_tiny_llama(tmp / "llama")
+    executor = Service("executor", flags={"--model": model, "--block-size": 4, "--kv-cache-memory": kv_bytes(256),
+                                          "--max-num-seqs": 8, "--max-model-len": 256, "--metrics-address": "",
+                                          "--threads": 1})
+    with Stack([executor, Service("scheduler", flags={"--metrics-address": "", "--resume-grace-seconds": 2})],
+               tmp) as s:
+        channel = grpc.insecure_channel(s["scheduler"].address)
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        ref = SessionCall(stub)
+        ref.submit("reference", resumable=False)
+        _, tokens, finish = ref.read("reference")
+        ref.close()
+        assert finish == "length" and len(tokens) == TOKENS
+        yield stub, tokens
+        channel.close()
+
+
+def requests_held(stub) -> int:
+    return stub.Stats(scheduler_pb2.StatsRequest()).num_requests
+
+
+def test_a_request_whose_session_died_is_resumed_by_another_session_with_every_token_once(stack):
+    stub, want = stack
+    rid = f"r-{uuid.uuid4().hex}"
+    first = SessionCall(stub)
+    first.submit(rid, tenant="team-a", context=b'{"how": "chat"}')
+    _, seen, _ = first.read(rid, until_tokens=3)
+    first.close()                                     # the gateway died mid-stream
+    second = SessionCall(stub)
+    second.resume(rid, tenant="team-b")               # another tenant's key: as if there were no such request
+    outs, _, end = second.read(rid)
+    assert end == "error" and outs[0].error.code == NOT_FOUND
+    second.resume(rid, tenant="team-a")
+    outs, tokens, finish = second.read(rid)
+    assert outs[0].replay and outs[0].resume_context == b'{"how": "chat"}'
+    assert tokens[:len(seen)] == seen and tokens == want and finish == "length"
+    assert not any(o.replay for o in outs[1:])
+    second.resume(rid, tenant="team-a")               # taken, and ended: not there any more
+    outs, _, end = second.read(rid)
+    assert end == "error" and outs[0].error.code == NOT_FOUND
+    second.close()
+
+
+def test_a_detached_request_keeps_running_and_is_resumed_while_its_session_lives_on(stack):
+    stub, want = stack
+    rid = f"r-{uuid.uuid4().hex}"
+    gateway = SessionCall(stub)
+    gateway.submit(rid, tenant="team-a")
+    _, seen, _ = gateway.read(rid, until_tokens=2)
+    gateway.detach(rid)                               # the client's connection broke; the gateway is fine
+    gateway.resume(rid, tenant="team-a")              # the client came back, to the same gateway
+    outs, tokens, finish = gateway.read(rid)
+    replay = next(i for i, o in enumerate(outs) if o.replay)
+    resumed = [t for o in outs[replay:] for t in o.token_ids]
+    assert resumed == want and finish == "length" and resumed[:len(seen)] == seen
+    gateway.close()
+
+
+def test_a_request_nobody_resumes_in_the_grace_period_is_aborted_and_its_id_then_unknown(stack):
+    stub, _ = stack
+    rid = f"r-{uuid.uuid4().hex}"
+    first = SessionCall(stub)
+    first.submit(rid, tenant="team-a")
+    first.read(rid, until_tokens=1)
+    first.close()
+    time.sleep(3)                                     # --resume-grace-seconds 2
+    deadline = time.monotonic() + 10
+    while requests_held(stub) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert requests_held(stub) == 0
+    late = SessionCall(stub)
+    late.resume(rid, tenant="team-a")
+    outs, _, end = late.read(rid)
+    assert end == "error" and outs[0].error.code == NOT_FOUND and "no resumable request" in outs[0].error.message
+    late.close()
+
+
+def test_a_request_not_submitted_as_resumable_ends_with_its_session(stack):
+    stub, _ = stack
+    rid = f"r-{uuid.uuid4().hex}"
+    first = SessionCall(stub)
+    first.submit(rid, resumable=False)
+    first.read(rid, until_tokens=1)
+    first.close()
+    late = SessionCall(stub)
+    late.resume(rid)
+    outs, _, end = late.read(rid)
+    assert end == "error" and outs[0].error.code == NOT_FOUND
+    late.close()
