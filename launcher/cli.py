@@ -7,12 +7,13 @@ their code, so each service stays importable on its own.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import sys
 
 import httpx
+
+from launcher.resuming_stream import stream_chat
 
 USAGE = """stepwire serve [--model DIR] [--executors N]  start executors, scheduler and gateway on localhost
 stepwire executor|scheduler|gateway [...]      start one service (--help for its flags)
@@ -30,13 +31,13 @@ def generate(argv: list[str]) -> None:
     model = httpx.get(a.url + "/v1/models").json()["data"][0]["id"]
     body = {"model": model, "messages": [{"role": "user", "content": a.prompt}], "stream": True,
             "max_tokens": a.max_tokens, "temperature": a.temperature}
-    with httpx.stream("POST", a.url + "/v1/chat/completions", json=body, timeout=None) as r:
-        if r.status_code != 200:
-            sys.exit(f"stepwire: {r.status_code} {r.read().decode()}")
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                for choice in json.loads(line[6:]).get("choices", []):
-                    print(choice.get("delta", {}).get("content", ""), end="", flush=True)
+    key = os.environ.get("STEPWIRE_API_KEY")
+    try:
+        # A break mid-stream is resumed through the gateway URL, from the last event seen.
+        for text in stream_chat(a.url, body, {"Authorization": f"Bearer {key}"} if key else None):
+            print(text, end="", flush=True)
+    except RuntimeError as e:
+        sys.exit(f"stepwire: {e}")
     print()
 
 

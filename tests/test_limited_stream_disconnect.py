@@ -19,21 +19,26 @@ class QueuedForever:
     """A backend whose one request never gets its first token; it records whether the request was ended."""
 
     max_model_len = 256
+    model_name = "m"
 
     def __init__(self):
         self.started = asyncio.Event()
         self.ended = False
+        self.unannounced: set[str] = set()
+        self.asked_to_abort = False
 
     def check(self, prompt, p):
         pass
 
-    async def generate(self, prompt, p, usage, obs=None):
+    async def generate(self, prompt, p, usage, obs=None, request_id=None, resume_context=None):
         self.started.set()
         try:
             await asyncio.Event().wait()
             yield None
         finally:
             self.ended = True      # the real backend cancels its completions here: an abort at the scheduler
+            # ... and not a detach, which would keep a request its client never had the id of
+            self.asked_to_abort = request_id in self.unannounced
 
 
 class Raw:
@@ -59,7 +64,7 @@ def run(tenant: Tenant) -> tuple[int | None, bool]:
         await backend.started.wait()
         raw.gone = True
         response = await asyncio.wait_for(answer, 5)
-        return response.status_code, backend.ended
+        return response.status_code, backend.ended and backend.asked_to_abort
 
     return asyncio.run(go())
 

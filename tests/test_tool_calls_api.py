@@ -42,7 +42,7 @@ class Scripted(Backend):
     script: list[str] = []
     finish = "stop"
 
-    async def generate(self, prompt_ids, p, usage, obs=None):
+    async def generate(self, prompt_ids, p, usage, obs=None, request_id=None, resume_context=None):
         self.calls.append((prompt_ids, p))
         for i in range(p.n):
             for j, piece in enumerate(self.script):

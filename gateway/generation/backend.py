@@ -54,6 +54,9 @@ class Backend:
             metrics.journal.set_function(lambda: len(self.journal))
         self.scheduler_wait_seconds = scheduler_wait_seconds
         self.adapters = AdapterNames()
+        # Resumable streams whose client has not had their first event, so cannot resume them: one ended now is
+        # aborted at the scheduler, not kept for a resume that cannot come.
+        self.unannounced: set[str] = set()
 
     @property
     def ready(self) -> bool:
@@ -144,9 +147,12 @@ class Backend:
         check_params(p)
 
     async def generate(self, prompt_ids: list[int], p: GenerationParams, usage: Usage,
-                       obs: Observation | None = None) -> AsyncIterator[Chunk]:
+                       obs: Observation | None = None, request_id: str | None = None,
+                       resume_context: bytes | None = None) -> AsyncIterator[Chunk]:
         """Text deltas of all n completions of a request check() accepted, interleaved as they come.
-        Leaving early aborts them all. `obs` times the first token and names the parent span."""
+        Leaving early aborts them all, except a resumable one (one completion, under `request_id`, with the
+        `resume_context` a resume answers it from: resumed.py), which the scheduler keeps for its client.
+        `obs` times the first token and names the parent span."""
         usage.prompt_tokens = len(prompt_ids)
         traceparent = ""
         if obs is not None:
@@ -154,8 +160,9 @@ class Backend:
             traceparent = obs.traceparent()
         queue: asyncio.Queue = asyncio.Queue()
         base = uuid.uuid4().hex[:16]
-        tasks = [asyncio.create_task(self._one(f"{base}-{i}", i, prompt_ids, p, queue, usage, traceparent))
-                 for i in range(p.n)]
+        ids = [request_id] if resume_context is not None else [f"{base}-{i}" for i in range(p.n)]
+        tasks = [asyncio.create_task(self._one(rid, i, prompt_ids, p, queue, usage, traceparent, resume_context))
+                 for i, rid in enumerate(ids)]
         try:
             done = 0
             held = None
@@ -182,22 +189,24 @@ class Backend:
             for t in tasks:
                 t.cancel()   # a cancelled completion aborts its request at the scheduler
 
-    async def _one(self, rid, index, prompt_ids, p: GenerationParams, queue, usage, traceparent: str) -> None:
+    async def _one(self, rid, index, prompt_ids, p: GenerationParams, queue, usage, traceparent: str,
+                   resume_context: bytes | None = None) -> None:
         # Whatever goes wrong in here reaches the client through the queue: an exception that escaped this
         # task would leave generate() waiting for ever.
         try:
-            await self._stream(rid, index, prompt_ids, p, queue, usage, traceparent)
+            await self._stream(rid, index, prompt_ids, p, queue, usage, traceparent, resume_context)
         except Exception as e:   # noqa: BLE001 -- handed on, not swallowed
             queue.put_nowait(e)
 
-    async def _stream(self, rid, index, prompt_ids, p: GenerationParams, queue, usage, traceparent: str) -> None:
+    async def _stream(self, rid, index, prompt_ids, p: GenerationParams, queue, usage, traceparent: str,
+                      resume_context: bytes | None = None) -> None:
         sp = p.sampling
         if sp.seed is not None:
             # n seeded completions must still differ from each other, and stay inside the uint64 field.
             sp = replace(sp, seed=(sp.seed + index) % (UINT64_MAX + 1))
         entry = self.journal.add(Entry(rid, prompt_ids, sp, p.priority, p.cache_salt or "", traceparent,
                                        IncrementalDetokenizer(self.tokenizer), StopMatcher(p.stop),
-                                       adapter=p.adapter, tenant=p.tenant))
+                                       adapter=p.adapter, tenant=p.tenant, resume_context=resume_context))
         lost_at: float | None = None      # when the scheduler was lost with this request unfinished
         try:
             while True:
@@ -222,7 +231,7 @@ class Backend:
         if entry.submissions > 1 and self.metrics is not None:
             self.metrics.resumed.inc()
         outputs = session.submit(submit)
-        finished = got_output = False
+        finished = got_output = stopped = False
         try:
             while True:
                 out = await outputs.get()
@@ -241,25 +250,17 @@ class Backend:
                 if index == 0 and entry.submissions == 1:
                     usage.cached_prompt_tokens = out.num_cached_tokens
                 entry.delivered.extend(out.token_ids)
-                stops = entry.stops
-                text = stops.push(entry.detokenizer.push(list(out.token_ids)))
-                finish = out.finish_reason or None
-                if stops.matched is not None:
-                    # Stop string: release the text before it and end the request at the scheduler (finally).
-                    queue.put_nowait(Chunk(index, text, list(out.token_ids), "stop", stops.matched, _lp(out)))
+                chunk = relay(entry, index, list(out.token_ids), out.finish_reason or None, _lp(out))
+                queue.put_nowait(chunk)
+                if chunk.finish_reason is not None:
+                    # A stop string ended it here: the scheduler is still to be told (finally), with an abort.
+                    finished, stopped = out.finish_reason != "", out.finish_reason == ""
                     return got_output, True
-                if finish is not None:
-                    finished = True
-                    text += stops.push(entry.detokenizer.flush()) + stops.flush()
-                    stop = None
-                    if finish == "stop" and out.token_ids and out.token_ids[-1] in entry.sampling.stop_token_ids:
-                        stop = str(out.token_ids[-1])
-                    queue.put_nowait(Chunk(index, text, list(out.token_ids), finish, stop, _lp(out)))
-                    return got_output, True
-                queue.put_nowait(Chunk(index, text, list(out.token_ids), None, None, _lp(out)))
         finally:
-            # Also on cancellation (client gone, or another of the n completions failed): abort at the scheduler.
-            session.done(submit.request_id, abort=not finished)
+            # Also on cancellation (client gone, or another of the n completions failed): abort at the scheduler,
+            # or have it keep a resumable request for its client.
+            session.done(submit.request_id, abort=not finished, detach=entry.resumable and entry.submissions == 1
+                         and not stopped and entry.request_id not in self.unannounced)
 
     async def _wait_for_scheduler(self, lost_at: float) -> None:
         """Hold the request until the scheduler serves again; past --scheduler-wait-seconds, fail it."""
@@ -269,6 +270,22 @@ class Backend:
         except TimeoutError:
             raise SchedulerError(grpc.StatusCode.UNAVAILABLE,
                                  SCHEDULER_GONE.format(self.scheduler_wait_seconds)) from None
+
+
+def relay(entry: Entry, index: int, token_ids: list[int], finish: str | None, logprobs) -> Chunk:
+    """The chunk a client gets for `token_ids` of `entry`: its text through the detokenizer and the stop
+    strings, and its end (a stop string's match ends it as "stop")."""
+    stops = entry.stops
+    text = stops.push(entry.detokenizer.push(token_ids))
+    if stops.matched is not None:
+        return Chunk(index, text, token_ids, "stop", stops.matched, logprobs)
+    if finish is not None:
+        text += stops.push(entry.detokenizer.flush()) + stops.flush()
+        stop = None
+        if finish == "stop" and token_ids and token_ids[-1] in entry.sampling.stop_token_ids:
+            stop = str(token_ids[-1])
+        return Chunk(index, text, token_ids, finish, stop, logprobs)
+    return Chunk(index, text, token_ids, None, None, logprobs)
 
 
 def _lp(out) -> list | None:

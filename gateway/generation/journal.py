@@ -37,6 +37,7 @@ class Entry:
     submissions: int = 0
     adapter: str = ""                # its LoRA adapter, by name ("": the base model)
     tenant: Tenant = DEFAULT         # whose it is: its weight in fair sharing and its limits
+    resume_context: bytes | None = None   # a stream its client may resume: how to answer it (resumed.py)
 
     def submit_request(self) -> scheduler_pb2.SubmitRequest:
         """The request as the scheduler must see it now: prompt plus delivered tokens, the rest of max_tokens
@@ -56,7 +57,16 @@ class Entry:
         return scheduler_pb2.SubmitRequest(request_id=rid, prompt_token_ids=self.prompt_ids + self.delivered,
                                            params=sp.to_proto(), priority=self.priority, cache_salt=self.cache_salt,
                                            traceparent=self.traceparent, adapter=self.adapter, tenant=t.name,
-                                           tenant_weight=t.weight, tenant_limits=limits, resumed=resumed)
+                                           tenant_weight=t.weight, tenant_limits=limits, resumed=resumed,
+                                           # Resumable as first submitted only: a resubmission after a
+                                           # scheduler loss has another id and starts from its delivered tokens.
+                                           resumable=self.resumable and not resumed,
+                                           resume_context=self.resume_context if self.resumable and not resumed
+                                           else b"")
+
+    @property
+    def resumable(self) -> bool:
+        return self.resume_context is not None
 
 
 class Journal:

@@ -107,15 +107,29 @@ class SchedulerSession:
         s.outgoing.put_nowait(scheduler_pb2.SessionRequest(submit=request))
         return q
 
-    def done(self, request_id: str, abort: bool) -> None:
-        """Stop routing the request's outputs; abort it at the scheduler if it has not finished. Synchronous,
-        so it is safe in a `finally` of a cancelled task."""
+    def resume(self, request_id: str, tenant: str) -> asyncio.Queue:
+        """Take over a request the scheduler keeps for its client (submitted resumable, its client or gateway
+        gone): the queue's first output is every output token so far; NOT_FOUND if there is none for `tenant`."""
+        s = self._stream
+        if s is None or s.dead:
+            s = self._stream = _Stream(self.stub)
+        q: asyncio.Queue = asyncio.Queue()
+        s.queues[request_id] = q
+        s.outgoing.put_nowait(scheduler_pb2.SessionRequest(
+            resume=scheduler_pb2.ResumeRequest(request_id=request_id, tenant=tenant)))
+        return q
+
+    def done(self, request_id: str, abort: bool, detach: bool = False) -> None:
+        """Stop routing the request's outputs; if it has not finished, abort it at the scheduler, or (`detach`,
+        a resumable request whose client went away) have the scheduler keep it for the client to resume.
+        Synchronous, so it is safe in a `finally` of a cancelled task."""
         s = self._stream
         if s is None or s.queues.pop(request_id, None) is None:
             return
         if abort and not s.dead:
-            s.outgoing.put_nowait(scheduler_pb2.SessionRequest(
-                abort=scheduler_pb2.AbortRequest(request_ids=[request_id])))
+            ids = scheduler_pb2.AbortRequest(request_ids=[request_id])
+            s.outgoing.put_nowait(scheduler_pb2.SessionRequest(detach=ids) if detach else
+                                  scheduler_pb2.SessionRequest(abort=ids))
 
     async def close(self) -> None:
         s, self._stream = self._stream, None

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from gateway.access.auth import tenant_of
 from gateway.generation.backend import Backend
 from gateway.generation.params import GenerationParams, Usage
+from gateway.generation.resumed import context_of, resume
 from gateway.generation.scheduler_session import SchedulerError
 from gateway.generation.telemetry import Observation
 from gateway.tools.calls import ToolPlan
@@ -40,15 +41,23 @@ async def respond(backend: Backend, raw: Request, req, prompt: list[int], p: Gen
     usage = Usage()
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        deltas = backend.generate(prompt, p, usage, obs)
+        # One completion without logprobs or tools: a stream its client may resume (GET /v1/streams/{id}).
+        resumable = p.n == 1 and p.sampling.logprobs is None and tools is None
+        context = context_of(chat, rid, created, p.adapter or backend.model_name, p.stop, p.sampling.stop_token_ids,
+                             include_usage, len(prompt)) if resumable else None
+        deltas = backend.generate(prompt, p, usage, obs, request_id=rid, resume_context=context)
         if p.tenant.limited:
             # A tenant's limit refuses at the scheduler: that must be a 429 the client's SDK can act on, not an
             # event inside a 200 stream, so the response starts only once the first delta (or refusal) is in.
             # A client that hangs up before it (say, while its request waits in the queue) ends the request.
             first = asyncio.ensure_future(anext(deltas))
-            if not await _kept(first, raw):
-                obs.end(499, usage, error="client disconnected")
-                return JSONResponse({}, status_code=499)
+            backend.unannounced.add(rid)          # hung up before its stream started: nothing to resume
+            try:
+                if not await _kept(first, raw):
+                    obs.end(499, usage, error="client disconnected")
+                    return JSONResponse({}, status_code=499)
+            finally:
+                backend.unannounced.discard(rid)
             try:
                 deltas = _then(first.result(), deltas)
             except SchedulerError as e:
@@ -118,28 +127,37 @@ async def _then(first, rest):
         yield c
 
 
-async def _sse(backend, deltas, p, usage, rid, created, chat, include_usage, obs: Observation, tools=None):
+async def _sse(backend, deltas, p, usage, rid, created, chat, include_usage, obs: Observation, tools=None,
+               seen: int | None = None):
+    """The stream's events. Each has an SSE id: twice the output tokens it covers, plus one on the event that
+    ends the completion, so that a client resuming from its Last-Event-ID (`seen`) gets what follows it and
+    nothing twice (resumed.py)."""
     obj = "chat.completion.chunk" if chat else "text_completion"
+    sent = 0 if seen is None else seen // 2        # tokens whose text the client has
 
-    def event(choices, **extra):
+    def event(choices, ends: bool = False, **extra):
         body = {"id": rid, "object": obj, "created": created, "model": p.adapter or backend.model_name,
                 "choices": choices}
         body.update(extra)
-        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+        return f"id: {2 * sent + ends}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
 
     want_lp = p.sampling.logprobs is not None
     # A choice's role chunk goes out with its first output, as vLLM's does: sent at once, it would read as a
     # first token to every client that times TTFT by the first chunk (vLLM's own benchmark client does).
-    announced = [not chat] * p.n
+    # A resumed stream's client had it with its first event.
+    announced = [not chat or seen is not None] * p.n
     finish: list[str | None] = [None] * p.n
     calls = parsers(tools, p.n) if chat else None
     error = None
     try:
+        if seen is not None and seen % 2:              # the client saw the end: what is left is the usage
+            deltas = _none()
         async for c in deltas:
             if not announced[c.index]:
                 announced[c.index] = True
                 yield event([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                               "finish_reason": None}])
+            sent += len(c.token_ids)
             if c.finish_reason is not None:
                 finish[c.index] = c.finish_reason
             if chat:
@@ -157,9 +175,9 @@ async def _sse(backend, deltas, p, usage, rid, created, chat, include_usage, obs
                 choice = {"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
                           "logprobs": _completion_lp(backend, c.logprobs or []) if want_lp else None}
             if (choice["delta"] if chat else c.text) or c.finish_reason is not None or c.logprobs:
-                yield event([choice])
+                yield event([choice], ends=c.finish_reason is not None and p.n == 1)
         if include_usage:
-            yield event([], usage=_usage(usage))
+            yield event([], ends=p.n == 1, usage=_usage(usage))
         yield "data: [DONE]\n\n"
     except SchedulerError as e:
         error = e.details()
@@ -168,6 +186,37 @@ async def _sse(backend, deltas, p, usage, rid, created, chat, include_usage, obs
         # Also when the client hangs up mid-stream (the generator is closed): the span still ends.
         obs.end(200, usage, finish, error=error if error is not None else
                 (None if all(f is not None for f in finish) else "client disconnected"))
+
+
+async def _none():
+    return
+    yield
+
+
+async def resume_stream(backend: Backend, raw: Request, stream_id: str, last: str | None, obs: Observation):
+    """GET /v1/streams/{id}: the rest of a resumable stream, after the event its Last-Event-ID (`last`) names."""
+    try:
+        seen = None if last is None else int(last)
+        if seen is not None and seen < 0:
+            raise ValueError
+    except ValueError:
+        obs.end(400, error="bad Last-Event-ID")
+        return error(400, "Last-Event-ID: the id of an event this stream sent", "Last-Event-ID")
+    try:
+        r = await resume(backend, stream_id, tenant_of(raw), 0 if seen is None else seen // 2)
+    except SchedulerError as e:
+        if e.code() == grpc.StatusCode.NOT_FOUND:
+            obs.end(404, error=e.details())
+            return error(404, e.details(), "id", code="stream_not_found")
+        response = rpc_error(e)
+        obs.end(response.status_code, error=e.details())
+        return response
+    ctx = r.context
+    if seen is not None and seen % 2:          # the client saw the end: nothing of the request is left to send
+        backend.session.done(stream_id, abort=True)
+    p = GenerationParams(adapter=ctx["model"])
+    return StreamingResponse(_sse(backend, r.chunks, p, r.usage, ctx["id"], ctx["created"], ctx["chat"],
+                                  ctx["include_usage"], obs, seen=seen), media_type="text/event-stream")
 
 
 def _usage(u: Usage) -> dict:

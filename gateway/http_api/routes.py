@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import inspect
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -21,7 +21,7 @@ from gateway.generation.structured_requests import one_constraint, requested
 from gateway.generation.telemetry import GatewayMetrics, Observation
 from gateway.http_api.bodies import ChatRequest, CompletionRequest, Sampling, message_dicts, tool_fields
 from gateway.http_api.lora_routes import add_lora_routes, model_cards
-from gateway.http_api.responses import error, respond
+from gateway.http_api.responses import error, respond, resume_stream
 from gateway.http_api.tokenize_routes import add_tokenize_routes
 from gateway.tools.calls import constraint, tool_plan
 from gateway.tools.rendering import chat_for_template
@@ -161,6 +161,13 @@ def build_app(backend: Backend, metrics: GatewayMetrics, api_keys: ApiKeys | Non
         except InvalidRequestError as e:
             obs.end(404 if isinstance(e, ModelNotFound) else 400, error=str(e))
             raise
+
+    @app.get("/v1/streams/{stream_id}")
+    async def resumed_stream(stream_id: str, raw: Request,
+                             last_event_id: str | None = Header(None, alias="Last-Event-ID", max_length=24)):
+        """The rest of a resumable stream after the event `Last-Event-ID` names (docs/resumable_streams.md)."""
+        obs = Observation(metrics, "http", "/v1/streams", "resume", raw.headers, backend.model_name)
+        return await resume_stream(backend, raw, stream_id, last_event_id, obs)
 
     return app
 

@@ -1,0 +1,152 @@
+"""Streams that survive their client's connection and their gateway, through real processes: an executor, a
+scheduler and two gateways. A chat stream read part-way on one gateway and cut (by the client, or by a kill -9 of
+that gateway) is resumed on the other with GET /v1/streams/{id} and the last SSE id seen: the text before the cut
+and the text after it are the uncut stream's text, no character lost or repeated. Another tenant's key gets a
+404, and so does a stream nobody resumed within the scheduler's grace period."""
+
+import json
+import time
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("torch")
+
+from gateway_stack import tiny_model_with_tokenizer  # noqa: E402
+from tiny_model import kv_bytes  # noqa: E402
+
+from launcher.processes import Service, Stack  # noqa: E402
+
+pytestmark = pytest.mark.processes
+
+TENANTS = {"tenants": {"team-a": {"keys": ["sk-a"]}, "team-b": {"keys": ["sk-b"]}}}
+BODY = {"model": "model", "messages": [{"role": "user", "content": "Count to twenty."}], "max_tokens": 96,
+        "temperature": 0.0, "ignore_eos": True, "stream": True, "stop": ["zz"]}
+
+
+def events(response, limit: int | None = None):
+    """(id, data) of each SSE event, `limit` at most."""
+    got, current = [], None
+    for line in response.iter_lines():
+        if line.startswith("id: "):
+            current = line[4:]
+        elif line.startswith("data: "):
+            got.append((current, line[6:]))
+            if limit is not None and len(got) >= limit:
+                break
+    return got
+
+
+def text_of(evs) -> str:
+    out = ""
+    for _, data in evs:
+        if data != "[DONE]":
+            out += "".join(c["delta"].get("content", "") for c in json.loads(data)["choices"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("resumable")
+    model = tiny_model_with_tokenizer(tmp / "model")
+    (tmp / "tenants.json").write_text(json.dumps(TENANTS))
+    gateway = {"--model": model, "--tenants-file": tmp / "tenants.json"}
+    services = [Service("executor", flags={"--model": model, "--block-size": 4, "--kv-cache-memory": kv_bytes(256),
+                                           "--max-num-seqs": 8, "--max-model-len": 256, "--threads": 1}),
+                Service("scheduler", flags={"--resume-grace-seconds": 3}),
+                Service("gateway", "a", flags=dict(gateway)), Service("gateway", "b", flags=dict(gateway))]
+    with Stack(services, tmp) as s:
+        with httpx.stream("POST", s["a"].url + "/v1/chat/completions", json=BODY,
+                          headers={"Authorization": "Bearer sk-a"}, timeout=60) as r:
+            whole = events(r)
+        assert whole[-1][1] == "[DONE]" and all(i is not None for i, d in whole[:-1])
+        yield s, text_of(whole)
+
+
+def start(s, gateway: str, n: int):
+    """A stream on `gateway`, cut by its client after `n` events: (stream id, last event id, text so far)."""
+    with httpx.stream("POST", s[gateway].url + "/v1/chat/completions", json=BODY,
+                      headers={"Authorization": "Bearer sk-a"}, timeout=60) as r:
+        evs = events(r, n)
+    return json.loads(evs[0][1])["id"], evs[-1][0], text_of(evs)
+
+
+def resume(s, gateway: str, stream_id: str, last: str | None, key: str = "sk-a"):
+    headers = {"Authorization": f"Bearer {key}"} | ({"Last-Event-ID": last} if last is not None else {})
+    return httpx.get(s[gateway].url + f"/v1/streams/{stream_id}", headers=headers, timeout=60)
+
+
+def test_a_stream_its_client_cut_is_resumed_on_another_gateway_with_nothing_lost_or_repeated(stack):
+    s, whole = stack
+    sid, last, before = start(s, "a", 4)
+    r = resume(s, "b", sid, last)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    after = [(i, d) for i, d in events_of_text(r.text)]
+    assert after[-1][1] == "[DONE]"
+    assert before + text_of(after) == whole and before and text_of(after)
+    assert all(json.loads(d)["id"] == sid for _, d in after[:-1])
+
+
+def test_a_stream_whose_gateway_was_killed_is_resumed_on_the_other(stack):
+    s, whole = stack
+    with httpx.stream("POST", s["a"].url + "/v1/chat/completions", json=BODY,
+                      headers={"Authorization": "Bearer sk-a"}, timeout=60) as r:
+        it = r.iter_lines()
+        seen, last, sid = [], None, None
+        for line in it:
+            if line.startswith("id: "):
+                last = line[4:]
+            elif line.startswith("data: "):
+                seen.append((last, line[6:]))
+                sid = sid or json.loads(line[6:])["id"]
+                if len(seen) == 3:
+                    s.kill("a")                 # the gateway dies mid-stream
+                    break
+    r = resume(s, "b", sid, last)
+    assert r.status_code == 200
+    assert text_of(seen) + text_of(events_of_text(r.text)) == whole
+    s.start("a")
+    s.wait_ready("a")
+
+
+def test_another_tenants_key_and_an_unknown_id_get_a_404_and_a_late_resume_too(stack):
+    s, whole = stack
+    sid, last, before = start(s, "a", 2)
+    assert resume(s, "b", sid, last, key="sk-b").status_code == 404
+    assert resume(s, "b", "chatcmpl-" + "0" * 32, None).status_code == 404
+    time.sleep(4)                                       # --resume-grace-seconds 3
+    late = resume(s, "b", sid, last)
+    assert late.status_code == 404 and late.json()["error"]["code"] == "stream_not_found"
+
+
+def test_a_resume_from_the_start_replays_the_whole_stream(stack):
+    s, whole = stack
+    sid, _, _ = start(s, "a", 1)
+    r = resume(s, "b", sid, None)
+    evs = events_of_text(r.text)
+    assert text_of(evs) == whole
+    assert json.loads(evs[0][1])["choices"][0]["delta"].get("role") == "assistant"
+
+
+def events_of_text(text: str):
+    got, current = [], None
+    for line in text.splitlines():
+        if line.startswith("id: "):
+            current = line[4:]
+        elif line.startswith("data: "):
+            got.append((current, line[6:]))
+    return got
+
+
+def test_the_projects_client_resumes_on_its_own_when_its_gateway_is_killed_and_comes_back(stack):
+    from launcher.resuming_stream import stream_chat
+
+    s, whole = stack
+    parts = []
+    for i, text in enumerate(stream_chat(s["a"].url, BODY, {"Authorization": "Bearer sk-a"}, attempts=8)):
+        parts.append(text)
+        if i == 3:
+            s.kill("a")                 # the gateway dies mid-stream, and comes back on its port
+            s.start("a")
+    s.wait_ready("a")
+    assert "".join(parts) == whole
