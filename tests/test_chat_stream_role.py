@@ -23,7 +23,7 @@ class Gated:
     def check(self, prompt, p):
         pass
 
-    async def generate(self, prompt, p, usage, obs=None):
+    async def generate(self, prompt, p, usage, obs=None, request_id=None, resume_context=None):
         await self.go.wait()
         for i in range(2):
             yield Chunk(i, f"tok{i}", [7 + i])
@@ -56,7 +56,8 @@ def test_a_chat_streams_role_chunk_comes_with_its_choices_first_token_not_before
         early = first.done()
         backend.go.set()
         events = [await first] + [e async for e in body]
-        return early, [json.loads(e[len("data: "):]) for e in events if e.strip() != "data: [DONE]"]
+        data = [e.split("data: ", 1)[1] for e in events]      # each event also has its SSE id: line first
+        return early, [json.loads(d) for d in data if d.strip() != "[DONE]"]
 
     early, events = asyncio.run(go())
     assert not early

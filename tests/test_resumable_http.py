@@ -24,10 +24,10 @@ BODY = {"model": "model", "messages": [{"role": "user", "content": "Count to twe
         "temperature": 0.0, "ignore_eos": True, "stream": True, "stop": ["zz"]}
 
 
-def events(response, limit: int | None = None):
-    """(id, data) of each SSE event, `limit` at most."""
+def events(lines, limit: int | None = None):
+    """(id, data) of each SSE event in `lines`, `limit` at most."""
     got, current = [], None
-    for line in response.iter_lines():
+    for line in lines:
         if line.startswith("id: "):
             current = line[4:]
         elif line.startswith("data: "):
@@ -58,7 +58,7 @@ def stack(tmp_path_factory):
     with Stack(services, tmp) as s:
         with httpx.stream("POST", s["a"].url + "/v1/chat/completions", json=BODY,
                           headers={"Authorization": "Bearer sk-a"}, timeout=60) as r:
-            whole = events(r)
+            whole = events(r.iter_lines())
         assert whole[-1][1] == "[DONE]" and all(i is not None for i, d in whole[:-1])
         yield s, text_of(whole)
 
@@ -67,7 +67,7 @@ def start(s, gateway: str, n: int):
     """A stream on `gateway`, cut by its client after `n` events: (stream id, last event id, text so far)."""
     with httpx.stream("POST", s[gateway].url + "/v1/chat/completions", json=BODY,
                       headers={"Authorization": "Bearer sk-a"}, timeout=60) as r:
-        evs = events(r, n)
+        evs = events(r.iter_lines(), n)
     return json.loads(evs[0][1])["id"], evs[-1][0], text_of(evs)
 
 
@@ -81,7 +81,7 @@ def test_a_stream_its_client_cut_is_resumed_on_another_gateway_with_nothing_lost
     sid, last, before = start(s, "a", 4)
     r = resume(s, "b", sid, last)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-    after = [(i, d) for i, d in events_of_text(r.text)]
+    after = [(i, d) for i, d in events(r.text.splitlines())]
     assert after[-1][1] == "[DONE]"
     assert before + text_of(after) == whole and before and text_of(after)
     assert all(json.loads(d)["id"] == sid for _, d in after[:-1])
@@ -104,7 +104,7 @@ def test_a_stream_whose_gateway_was_killed_is_resumed_on_the_other(stack):
                     break
     r = resume(s, "b", sid, last)
     assert r.status_code == 200
-    assert text_of(seen) + text_of(events_of_text(r.text)) == whole
+    assert text_of(seen) + text_of(events(r.text.splitlines())) == whole
     s.start("a")
     s.wait_ready("a")
 
@@ -123,19 +123,9 @@ def test_a_resume_from_the_start_replays_the_whole_stream(stack):
     s, whole = stack
     sid, _, _ = start(s, "a", 1)
     r = resume(s, "b", sid, None)
-    evs = events_of_text(r.text)
+    evs = events(r.text.splitlines())
     assert text_of(evs) == whole
     assert json.loads(evs[0][1])["choices"][0]["delta"].get("role") == "assistant"
-
-
-def events_of_text(text: str):
-    got, current = [], None
-    for line in text.splitlines():
-        if line.startswith("id: "):
-            current = line[4:]
-        elif line.startswith("data: "):
-            got.append((current, line[6:]))
-    return got
 
 
 def test_the_projects_client_resumes_on_its_own_when_its_gateway_is_killed_and_comes_back(stack):
