@@ -42,6 +42,7 @@ import httpx  # noqa: E402
 from determinism import cpu_model  # noqa: E402
 
 TOKENS = 48
+MODEL = {"name": ""}     # the served model's name, asked of a gateway at start
 BROKEN = (httpx.TransportError, httpx.RemoteProtocolError)
 
 
@@ -53,6 +54,7 @@ class Stream:
     duplicated: int = 0
     usage: int | None = None            # completion tokens, from the usage chunk
     resumed: int = 0
+    resent: int = 0                     # sent again: its gateway died before the request reached the scheduler
     gaps: list[float] = field(default_factory=list)
     done: bool = False
     error: str = ""
@@ -60,7 +62,8 @@ class Stream:
 
 def body(key) -> dict:
     prompt, seed = key
-    b = {"model": "m", "messages": [{"role": "user", "content": f"Request {prompt}: tell me about {prompt * 7}."}],
+    text = f"Request {prompt}: tell me about {prompt * 7}."
+    b = {"model": MODEL["name"], "messages": [{"role": "user", "content": text}],
          "max_tokens": TOKENS, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     return b | ({"temperature": 0.0} if seed is None else {"temperature": 0.8, "seed": seed})
 
@@ -68,6 +71,8 @@ def body(key) -> dict:
 def read(r, s: Stream, cut_after: int | None, on_first=None) -> bool:
     """Events of one connection into `s`; True once the stream ended ([DONE]), False if it was cut here.
     `on_first()` is called at this connection's first event."""
+    if getattr(r, "status_code", 200) != 200:
+        raise RuntimeError(f"{r.status_code}: {r.read()[:300]!r}")
     last, n = None, 0
     for line in r.iter_lines():
         if line.startswith("id: "):
@@ -98,15 +103,19 @@ def read(r, s: Stream, cut_after: int | None, on_first=None) -> bool:
 def one(urls: list[str], s: Stream, rng: random.Random, cut: float, deadline: float) -> None:
     s.last, s.id = None, None
     cut_after = rng.randint(1, 5) if rng.random() < cut else None
-    try:
-        with httpx.stream("POST", rng.choice(urls) + "/v1/chat/completions", json=body(s.key), timeout=60) as r:
-            if read(r, s, cut_after):
-                return
-    except BROKEN:
-        pass
-    if s.id is None:
-        s.error = "broke before its first event"
-        return
+    while s.id is None:
+        try:
+            with httpx.stream("POST", rng.choice(urls) + "/v1/chat/completions", json=body(s.key), timeout=60) as r:
+                s.id = r.headers.get("x-stepwire-stream-id")      # before any event: the stream's id
+                if read(r, s, cut_after):
+                    return
+        except BROKEN:
+            if s.id is None:          # the gateway died before it answered: the request is sent again
+                s.resent += 1
+                time.sleep(0.05)
+                if time.monotonic() > deadline:
+                    s.error = "no gateway answered"
+                    return
     broke = [time.monotonic()]        # when the stream last broke: a resume's gap runs from there
 
     def resumed_first_event():
@@ -116,6 +125,12 @@ def one(urls: list[str], s: Stream, rng: random.Random, cut: float, deadline: fl
         headers = {"Last-Event-ID": str(s.last)} if s.last is not None else {}
         try:
             with httpx.stream("GET", f"{rng.choice(urls)}/v1/streams/{s.id}", headers=headers, timeout=60) as r:
+                if r.status_code == 404 and s.last is None:
+                    # Killed before it submitted the request: nothing of it exists, and nothing was seen.
+                    s.id = None
+                    s.resent += 1
+                    one(urls, s, rng, 0.0, deadline)
+                    return
                 if r.status_code != 200:
                     s.error = f"resume: {r.status_code} {r.read()[:200]!r}"
                     return
@@ -198,21 +213,22 @@ def main() -> None:
                     *(Service("gateway", g, flags={"--model": model}) for g in gateways)]
         with Stack(services, tmp) as stack:
             urls = [stack[g].url for g in gateways]
+            MODEL["name"] = httpx.get(urls[0] + "/v1/models").json()["data"][0]["id"]
             rng = random.Random(a.seed)
-            stop = threading.Event()
+            streams: list[Stream] = []
+            load = threading.Thread(target=lambda: streams.extend(clients(urls, a.clients, a.seconds, a.cut,
+                                                                          a.seed)), daemon=True)
+            load.start()
             kills = []
-
-            def killer():
-                while not stop.wait(a.kill_every):
-                    g = rng.choice(gateways)
-                    stack.kill(g)
-                    stack.start(g)
-                    kills.append(g)
-            t = threading.Thread(target=killer, daemon=True)
-            t.start()
-            streams = clients(urls, a.clients, a.seconds, a.cut, a.seed)
-            stop.set()
-            t.join()
+            # Kills and restarts from this thread: a member dies with the thread that started it (tethered.py).
+            while True:
+                load.join(a.kill_every)
+                if not load.is_alive():
+                    break
+                g = rng.choice(gateways)
+                stack.kill(g)
+                stack.start(g)
+                kills.append(g)
             for g in gateways:
                 stack.wait_ready(g)
             ref = reference(urls, {s.key for s in streams}, a.clients)
@@ -224,11 +240,11 @@ def main() -> None:
     p99 = gaps[min(len(gaps) - 1, int(len(gaps) * 0.99))] * 1000 if gaps else 0.0
     print(f"cpu: {cpu_model()}  model: tiny random (embedded tokenizer), deterministic  gateways: {a.gateways}  "
           f"clients: {a.clients}  seconds: {a.seconds:g}  kills: {len(kills)}  cut: {a.cut:.0%}")
-    print(f"{'streams':>8} {'completed':>10} {'resumed':>8} {'lost':>6} {'dup':>6} {'gap p50 ms':>11} "
+    print(f"{'streams':>8} {'completed':>10} {'resumed':>8} {'resent':>7} {'lost':>6} {'dup':>6} {'gap p50 ms':>11} "
           f"{'gap p99 ms':>11}")
     p50 = statistics.median(gaps) * 1000 if gaps else 0.0
-    print(f"{len(streams):8d} {len(completed):10d} {sum(s.resumed for s in streams):8d} {lost:6d} {dup:6d} "
-          f"{p50:11.1f} {p99:11.1f}")
+    print(f"{len(streams):8d} {len(completed):10d} {sum(s.resumed for s in streams):8d} "
+          f"{sum(s.resent for s in streams):7d} {lost:6d} {dup:6d} {p50:11.1f} {p99:11.1f}")
     for s in [s for s in streams if s.error][:5]:
         print(f"failed: {s.key}: {s.error}")
     print(f"RESULT gateway_chaos completed={len(completed) / max(len(streams), 1):.4f} "

@@ -26,8 +26,12 @@ def stream_chat(url: str, body: dict, headers: dict | None = None, attempts: int
                 call = httpx.stream("GET", f"{url}/v1/streams/{stream_id}", timeout=None,
                                     headers=headers | ({"Last-Event-ID": last} if last is not None else {}))
             with call as r:
+                if r.status_code == 404 and stream_id is not None and last is None:
+                    stream_id = None     # its gateway died before the request reached the scheduler: send it again
+                    continue
                 if r.status_code != 200:
                     raise RuntimeError(f"{r.status_code} {r.read().decode()}")
+                stream_id = stream_id or r.headers.get("x-stepwire-stream-id")   # known before any event
                 for line in r.iter_lines():
                     if line.startswith("id: "):
                         last = line[4:]
@@ -41,6 +45,6 @@ def stream_chat(url: str, body: dict, headers: dict | None = None, attempts: int
                 raise httpx.RemoteProtocolError("the stream ended without [DONE]")
         except BROKEN:
             tries += 1
-            if stream_id is None or tries > attempts:
+            if tries > attempts:
                 raise
-            time.sleep(pause * tries)
+            time.sleep(pause * tries)     # then the rest, or (nothing known of it yet) the request again

@@ -68,6 +68,8 @@ def start(s, gateway: str, n: int):
     with httpx.stream("POST", s[gateway].url + "/v1/chat/completions", json=BODY,
                       headers={"Authorization": "Bearer sk-a"}, timeout=60) as r:
         evs = events(r.iter_lines(), n)
+        # Known from the headers, before any event: a client whose gateway dies before the first one resumes too.
+        assert r.headers["x-stepwire-stream-id"] == json.loads(evs[0][1])["id"]
     return json.loads(evs[0][1])["id"], evs[-1][0], text_of(evs)
 
 

@@ -64,8 +64,10 @@ async def respond(backend: Backend, raw: Request, req, prompt: list[int], p: Gen
                 response = rpc_error(e)
                 obs.end(response.status_code, error=e.details())
                 return response
+        # The stream's id before its first event: a client whose gateway dies before that can still resume it.
         return StreamingResponse(_sse(backend, deltas, p, usage, rid, created, chat, include_usage, obs, tools),
-                                 media_type="text/event-stream")
+                                 media_type="text/event-stream",
+                                 headers={"X-Stepwire-Stream-Id": rid} if resumable else None)
     texts = [""] * p.n
     finish: list[str | None] = [None] * p.n
     lps: list[list] = [[] for _ in range(p.n)]
