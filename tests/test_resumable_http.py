@@ -142,3 +142,30 @@ def test_the_projects_client_resumes_on_its_own_when_its_gateway_is_killed_and_c
             s.start("a")
     s.wait_ready("a")
     assert "".join(parts) == whole
+
+
+def test_a_grpc_stream_is_resumed_on_another_gateway_from_its_last_sequence(stack):
+    grpc = pytest.importorskip("grpc")
+    from stepwire.v1 import generation_pb2 as g
+    from stepwire.v1 import generation_pb2_grpc
+
+    s, _ = stack
+    key = (("authorization", "Bearer sk-a"),)
+    request = g.GenerateRequest(chat=g.Chat(messages=[g.ChatMessage(role="user", content="Count to twenty.")]),
+                                params=g.SamplingParameters(max_tokens=96, temperature=0.0, ignore_eos=True,
+                                                            stop=["zz"]))
+    with grpc.insecure_channel(s["a"].address) as a, grpc.insecure_channel(s["b"].address) as b:
+        whole = "".join(m.text for m in generation_pb2_grpc.GenerationStub(a).GenerateStream(request, metadata=key))
+        call = generation_pb2_grpc.GenerationStub(a).GenerateStream(request, metadata=key)
+        stream_id = dict(call.initial_metadata())["x-stepwire-stream-id"]
+        seen = [next(call) for _ in range(3)]
+        call.cancel()                                   # the client's connection broke
+        assert all(m.id == stream_id for m in seen)
+        rest = list(generation_pb2_grpc.GenerationStub(b).Resume(
+            g.ResumeRequest(id=stream_id, after=seen[-1].sequence), metadata=key))
+        assert "".join(m.text for m in seen + rest) == whole
+        assert rest[-1].finish_reason and rest[-1].usage.completion_tokens == 96
+        with pytest.raises(grpc.RpcError) as refused:
+            list(generation_pb2_grpc.GenerationStub(b).Resume(g.ResumeRequest(id=stream_id),
+                                                              metadata=(("authorization", "Bearer sk-b"),)))
+        assert refused.value.code() == grpc.StatusCode.NOT_FOUND

@@ -11,6 +11,7 @@ from gateway.access.auth import ApiKeys, grpc_tenant
 from gateway.generation.adapter_names import ModelNotFound
 from gateway.generation.backend import Backend
 from gateway.generation.params import GenerationParams, Usage
+from gateway.generation.resumed import context_of, resume
 from gateway.generation.scheduler_session import SchedulerError
 from gateway.generation.structured_requests import from_v1, one_constraint
 from gateway.generation.telemetry import GatewayMetrics, Observation
@@ -115,15 +116,47 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         prompt, params, tools = await self._prepare(request, context, obs)
         usage = Usage()
         rid = f"gen-{uuid.uuid4().hex}"
-        calls = parsers(tools, params.n)
-        last = None
-        finish: list[str | None] = [None] * params.n
+        # One completion without logprobs or tools: a stream its client may resume (Resume), by this id.
+        resumable = params.n == 1 and params.sampling.logprobs is None and tools is None
+        context_bytes = context_of(False, rid, 0, params.adapter or self.backend.model_name, params.stop,
+                                   params.sampling.stop_token_ids, True, len(prompt)) if resumable else None
+        if resumable:
+            await context.send_initial_metadata((("x-stepwire-stream-id", rid),))
+        deltas = self.backend.generate(prompt, params, usage, obs, request_id=rid, resume_context=context_bytes)
+        async for message in self._stream(deltas, rid, params.n, usage, obs, context, tools):
+            yield message
+
+    async def Resume(self, request, context):
+        obs = Observation(self.metrics, "grpc", f"{SERVICE}/Resume", "resume",
+                          dict(context.invocation_metadata() or ()), self.backend.model_name)
+        seen = request.after if request.HasField("after") else None
         try:
-            async for c in self.backend.generate(prompt, params, usage, obs):
+            r = await resume(self.backend, request.id, grpc_tenant(self.keys, context),
+                             0 if seen is None else seen // 2)
+        except SchedulerError as e:
+            obs.end(e.code().name, error=e.details())
+            await context.abort(e.code(), e.details())
+        if seen is not None and seen % 2:          # the client saw the end
+            self.backend.session.done(request.id, abort=True)
+            obs.end("OK", r.usage)
+            return
+        async for message in self._stream(r.chunks, request.id, 1, r.usage, obs, context, None,
+                                          sent=0 if seen is None else seen // 2):
+            yield message
+
+    async def _stream(self, deltas, rid: str, n: int, usage: Usage, obs, context, tools, sent: int = 0):
+        """The stream's messages; each one held back until the next is known, so that usage rides on the last.
+        `sent`: output tokens the client already has (a resumed stream)."""
+        calls = parsers(tools, n)
+        last = None
+        finish: list[str | None] = [None] * n
+        try:
+            async for c in deltas:
                 if c.finish_reason is not None:
                     finish[c.index] = c.finish_reason
                 if last is not None:
                     yield last
+                sent += len(c.token_ids)
                 got, reason = Delta(c.text), c.finish_reason
                 if calls is not None:   # tool calls out of the text, and text held back in case it is one
                     got = calls[c.index].feed(c.text)
@@ -131,7 +164,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                         reason = finish_reason(reason, calls[c.index].merge_finish(got))
                 last = generation_pb2.GenerateStreamResponse(
                     id=rid, index=c.index, text=got.content, token_ids=c.token_ids, finish_reason=FINISH[reason],
-                    stop=c.stop or "", logprobs=self._logprobs(c.logprobs), tool_calls=_pieces(got))
+                    stop=c.stop or "", logprobs=self._logprobs(c.logprobs), tool_calls=_pieces(got),
+                    sequence=2 * sent + (n == 1 and c.finish_reason is not None))
             if last is not None:
                 last.usage.CopyFrom(_usage(usage))   # usage rides on the very last message
                 yield last

@@ -54,6 +54,11 @@ class GenerationStub:
                 request_serializer=stepwire_dot_v1_dot_generation__pb2.ModelInfoRequest.SerializeToString,
                 response_deserializer=stepwire_dot_v1_dot_generation__pb2.ModelInfoResponse.FromString,
                 _registered_method=True)
+        self.Resume = channel.unary_stream(
+                '/stepwire.v1.Generation/Resume',
+                request_serializer=stepwire_dot_v1_dot_generation__pb2.ResumeRequest.SerializeToString,
+                response_deserializer=stepwire_dot_v1_dot_generation__pb2.GenerateStreamResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -87,6 +92,15 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Resume(self, request, context):
+        """The rest of a resumable stream (one completion, without logprobs or tools: its id comes in the initial
+        metadata `x-stepwire-stream-id`) after the message whose `sequence` is `after`, on any gateway, for the key's
+        tenant, within the scheduler's --resume-grace-seconds of a break. NOT_FOUND: unknown, expired or another's.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -109,6 +123,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.ModelInfo,
                     request_deserializer=stepwire_dot_v1_dot_generation__pb2.ModelInfoRequest.FromString,
                     response_serializer=stepwire_dot_v1_dot_generation__pb2.ModelInfoResponse.SerializeToString,
+            ),
+            'Resume': grpc.unary_stream_rpc_method_handler(
+                    servicer.Resume,
+                    request_deserializer=stepwire_dot_v1_dot_generation__pb2.ResumeRequest.FromString,
+                    response_serializer=stepwire_dot_v1_dot_generation__pb2.GenerateStreamResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -219,6 +238,33 @@ class Generation:
             '/stepwire.v1.Generation/ModelInfo',
             stepwire_dot_v1_dot_generation__pb2.ModelInfoRequest.SerializeToString,
             stepwire_dot_v1_dot_generation__pb2.ModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/stepwire.v1.Generation/Resume',
+            stepwire_dot_v1_dot_generation__pb2.ResumeRequest.SerializeToString,
+            stepwire_dot_v1_dot_generation__pb2.GenerateStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,
