@@ -25,7 +25,7 @@ def test_the_contract_has_the_services_the_design_names():
     def methods(mod, service):
         return set(mod.DESCRIPTOR.services_by_name[service].methods_by_name)
 
-    assert methods(generation_pb2, "Generation") == {"Generate", "GenerateStream", "Tokenize", "ModelInfo"}
+    assert methods(generation_pb2, "Generation") == {"Generate", "GenerateStream", "Tokenize", "ModelInfo", "Resume"}
     # No Abort by id: only the call that submitted a request may end it.
     # Limits for gateways, Stats for the operator: a gateway's certificate cannot read the fleet.
     # Adapters, LoadAdapter and UnloadAdapter for gateways (behind their API keys) and the operator.

@@ -169,3 +169,33 @@ def test_a_grpc_stream_is_resumed_on_another_gateway_from_its_last_sequence(stac
             list(generation_pb2_grpc.GenerationStub(b).Resume(g.ResumeRequest(id=stream_id),
                                                               metadata=(("authorization", "Bearer sk-b"),)))
         assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_the_documented_openai_sdk_snippet_resumes_a_stream(stack):
+    """docs/resumable_streams.md's snippet, as written there."""
+    openai = pytest.importorskip("openai")
+    s, whole = stack
+    client = openai.OpenAI(base_url=s["a"].url + "/v1", api_key="sk-a")
+    messages = BODY["messages"]
+    extra = {"ignore_eos": True}
+    # --- the snippet ---
+    text, stream_id, last = "", None, None
+    with client.chat.completions.with_streaming_response.create(
+            model="model", messages=messages, max_tokens=96, temperature=0.0, stop=["zz"], stream=True,
+            extra_body=extra) as response:
+        stream_id = response.headers["x-stepwire-stream-id"]
+        for n, line in enumerate(response.iter_lines()):
+            if line.startswith("id: "):
+                last = line[4:]
+            elif line.startswith("data: ") and line != "data: [DONE]":
+                text += json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+            if n == 8:
+                break                                  # say the connection broke here
+    # ... and on any gateway, the rest:
+    with httpx.stream("GET", f"{s['b'].url}/v1/streams/{stream_id}", timeout=60,
+                      headers={"Authorization": "Bearer sk-a", "Last-Event-ID": last}) as rest:
+        for line in rest.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                text += json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+    # --- end of the snippet ---
+    assert text == whole

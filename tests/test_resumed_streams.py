@@ -155,3 +155,23 @@ def test_a_request_not_submitted_as_resumable_ends_with_its_session(stack):
     outs, _, end = late.read(rid)
     assert end == "error" and outs[0].error.code == NOT_FOUND
     late.close()
+
+
+def test_a_resume_that_outruns_the_first_gateways_detach_takes_the_request_from_its_session(stack):
+    """The client came back through another gateway before the first one told the scheduler it had gone."""
+    stub, want = stack
+    rid = f"r-{uuid.uuid4().hex}"
+    first = SessionCall(stub)
+    first.submit(rid, tenant="team-a")
+    first.read(rid, until_tokens=2)
+    second = SessionCall(stub)
+    second.resume(rid, tenant="team-b")              # not another tenant's, even while it is live
+    outs, _, end = second.read(rid)
+    assert end == "error" and outs[0].error.code == NOT_FOUND
+    second.resume(rid, tenant="team-a")
+    first.detach(rid)                                 # late: the request is the second session's now
+    first.up.put(scheduler_pb2.SessionRequest(abort=scheduler_pb2.AbortRequest(request_ids=[rid])))
+    outs, tokens, finish = second.read(rid)
+    assert outs[0].replay and tokens == want and finish == "length"
+    first.close()
+    second.close()

@@ -147,7 +147,16 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._abort(others)
 
     def _resume(self, session: Session, rid: str, tenant: str) -> None:
-        """Carry a kept request on this session: every output token so far first, then the rest."""
+        """Carry a kept request on this session: every output token so far first, then the rest. One still on
+        another session is taken from it: its client came back before its gateway had told the scheduler that
+        it left (the detach and the resume race through two gateways)."""
+        holder = self.fleet.streams.get(rid)
+        if isinstance(holder, Session) and holder is not session:
+            r = holder.resumable.get(rid)
+            if r is not None and r.tenant == tenant:
+                del holder.resumable[rid]
+                holder.live.discard(rid)          # its gateway's later detach or abort names nothing of its own
+                self.resumed.keep(rid, r)
         kept = None if rid in session.live else self.resumed.take(rid, tenant)
         if kept is None:
             session.refuse(rid, *not_found())
