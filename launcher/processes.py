@@ -118,7 +118,7 @@ def free_port_runs(count: int, length: int) -> list[int]:
     gives executor i the port and metrics port base + i), all held while they are picked. They are picked below
     the kernel's ephemeral range where it has one: a port bound to 0 and released is the kernel's to give to
     any process's next outgoing connection before the service binds it (that cost one CI run 17 tests), a port
-    below the range only to another picker that draws the same number."""
+    below the range only to another drawer, and each drawing process has a slice of its own (_below_ephemeral)."""
     quiet = _below_ephemeral(length)
     draw = random.SystemRandom()
     with contextlib.ExitStack() as held:
@@ -139,12 +139,20 @@ def free_port_runs(count: int, length: int) -> list[int]:
 
 
 def _below_ephemeral(length: int) -> tuple[int, int] | None:
-    """The ports from 10000 up to the kernel's ephemeral range (Linux), where a run of `length` fits; else None."""
+    """This process's share of the ports from 10000 up to the kernel's ephemeral range (Linux): one of 8 slices,
+    by its pytest-xdist worker number where it has one, else by its pid, so that processes drawing at once (the
+    test workers) draw from different ports: a port drawn and released is free only until its service binds
+    it, seconds later, and another drawer must not pick it in between. None where no such range exists."""
     try:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         return None
-    return (10_000, low - length) if low - length - 10_000 >= 1000 else None
+    if low - 10_000 < 8 * 1000:
+        return None
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "").removeprefix("gw")
+    share = (low - 10_000) // 8
+    start = 10_000 + (int(worker) if worker.isdigit() else os.getpid()) % 8 * share
+    return start, start + share - length
 
 
 def place(services: list[Service]) -> None:
