@@ -2,14 +2,13 @@
 """Gateway chaos: streams that resume (docs/resumable_streams.md) while gateways are killed and clients cut
 their own connections.
 
-An executor (deterministic mode, so that a request's tokens do not depend on its batch), a scheduler and
-`--gateways` gateways (2) run as processes on loopback, with the tiny random model and the embedded model's
-tokenizer. `--clients` threads (32) stream chat completions for `--seconds` (60), one after another, greedy and
-seeded in turn, each through a gateway picked at random. Every `--kill-every` seconds (10) a random gateway is
-killed with SIGKILL and started again on its port; and a client cuts its own connection after a few events in
-`--cut` of its requests (10%). A broken stream is resumed with GET /v1/streams/{id} and its last SSE id, on a
-gateway picked at random (the next one if that one does not answer), until it ends. Then every distinct request
-is run again with no fault, and each answer's text is compared with that run's.
+`stepwire serve` runs an executor (deterministic mode, so that a request's tokens do not depend on its batch), a
+scheduler and `--gateways` gateway workers (2) sharing one port, with the tiny random model and the embedded
+model's tokenizer. `--clients` threads (32) stream chat completions for `--seconds` (60), one after another,
+greedy and seeded in turn. Every `--kill-every` seconds (10) a random gateway worker is killed with SIGKILL (serve
+starts it again); and a client cuts its own connection after a few events in `--cut` of its requests (10%). A
+broken stream is resumed with GET /v1/streams/{id} and its last SSE id, through the same port, until it ends.
+Then every distinct request is run again with no fault, and each answer's text is compared with that run's.
 
 The SSE ids count the tokens each event covers (twice, plus one on the last), so the client knows what it got:
 `lost` is the tokens the final usage says were generated that no event covered, `duplicated` the tokens covered
@@ -84,6 +83,9 @@ def read(r, s: Stream, cut_after: int | None, on_first=None) -> bool:
             if n == 0 and on_first is not None:
                 on_first()
             event = json.loads(line[6:])
+            if "error" in event:      # a server error (its gateway lost the scheduler): resumed like a break
+                kind = httpx.RemoteProtocolError if event["error"].get("type") == "server_error" else RuntimeError
+                raise kind(f"error event: {event['error']}")
             s.id = event["id"]
             covered = last // 2
             if covered < s.covered:
@@ -154,7 +156,10 @@ def clients(urls, n: int, seconds: float, cut: float, seed: int) -> list[Stream]
         while time.monotonic() < end:
             key = (c * 1000 + i, None if i % 2 == 0 else c * 1000 + i)
             s = Stream(key)
-            one(urls, s, rng, cut, time.monotonic() + 120)
+            try:
+                one(urls, s, rng, cut, time.monotonic() + 120)
+            except RuntimeError as e:             # refused, or an error event: counted, not fatal to the client
+                s.error = str(e)
             with lock:
                 done.append(s)
             i += 1
@@ -176,9 +181,14 @@ def reference(urls, keys, n: int) -> dict:
                 if not todo:
                     return
                 key = todo.pop()
-            s = Stream(key)
-            with httpx.stream("POST", urls[0] + "/v1/chat/completions", json=body(key), timeout=120) as r:
-                read(r, s, None)
+            for _ in range(5):            # a worker serve is still starting again may refuse the first try
+                s = Stream(key)
+                try:
+                    with httpx.stream("POST", urls[0] + "/v1/chat/completions", json=body(key), timeout=120) as r:
+                        read(r, s, None)
+                    break
+                except (RuntimeError, *BROKEN):
+                    time.sleep(1)
             with lock:
                 out[key] = s.text
     threads = [threading.Thread(target=loop, daemon=True) for _ in range(n)]
@@ -198,40 +208,41 @@ def main() -> None:
     ap.add_argument("--cut", type=float, default=0.1)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
+    import psutil
     from gateway_stack import tiny_model_with_tokenizer
-    from tiny_model import kv_bytes
+    from serving import start_stack
 
-    from launcher.processes import Service, Stack
 
     with tempfile.TemporaryDirectory() as tmp:
         model = tiny_model_with_tokenizer(Path(tmp) / "model")
-        gateways = [f"g{i}" for i in range(a.gateways)]
-        services = [Service("executor", flags={"--model": model, "--block-size": 4, "--deterministic": True,
-                                               "--kv-cache-memory": kv_bytes(8192), "--max-num-seqs": a.clients,
-                                               "--max-model-len": 256, "--metrics-address": ""}),
-                    Service("scheduler", flags={"--metrics-address": "", "--resume-grace-seconds": 30}),
-                    *(Service("gateway", g, flags={"--model": model}) for g in gateways)]
-        with Stack(services, tmp) as stack:
-            urls = [stack[g].url for g in gateways]
-            MODEL["name"] = httpx.get(urls[0] + "/v1/models").json()["data"][0]["id"]
+        # `stepwire serve`: the gateway workers share one port (SO_REUSEPORT), as behind a Service, and one started
+        # again joins it only once it is ready; serve starts a killed worker again on its own.
+        proc, url, _ = start_stack(tls=False, model=model, extra=("--gateway-workers", str(a.gateways),
+                                                                   "--deterministic"))
+        try:
+            urls = [url]
+            MODEL["name"] = httpx.get(url + "/v1/models").json()["data"][0]["id"]
             rng = random.Random(a.seed)
             streams: list[Stream] = []
             load = threading.Thread(target=lambda: streams.extend(clients(urls, a.clients, a.seconds, a.cut,
                                                                           a.seed)), daemon=True)
             load.start()
             kills = []
-            # Kills and restarts from this thread: a member dies with the thread that started it (tethered.py).
             while True:
                 load.join(a.kill_every)
                 if not load.is_alive():
                     break
-                g = rng.choice(gateways)
-                stack.kill(g)
-                stack.start(g)
-                kills.append(g)
-            for g in gateways:
-                stack.wait_ready(g)
+                workers = [c for c in psutil.Process(proc.pid).children(recursive=True)
+                           if c.status() != psutil.STATUS_ZOMBIE and "gateway" in " ".join(c.cmdline())]
+                if workers:
+                    victim = rng.choice(workers)
+                    victim.kill()
+                    kills.append(victim.pid)
+            time.sleep(2)
             ref = reference(urls, {s.key for s in streams}, a.clients)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
     completed = [s for s in streams if s.done and not s.error]
     lost = sum(max((s.usage or 0) - s.covered, 0) for s in completed) + sum(TOKENS for s in streams if s.error)
     dup = sum(s.duplicated for s in streams)

@@ -39,6 +39,10 @@ def stream_chat(url: str, body: dict, headers: dict | None = None, attempts: int
                         return
                     elif line.startswith("data: "):
                         event = json.loads(line[6:])
+                        if "error" in event:   # a server error (the gateway lost the scheduler): resumed like a break
+                            if event["error"].get("type") == "server_error":
+                                raise httpx.RemoteProtocolError(event["error"].get("message", ""))
+                            raise RuntimeError(event["error"].get("message", ""))
                         stream_id = stream_id or event.get("id")
                         for choice in event.get("choices", []):
                             yield choice.get("delta", {}).get("content", "")

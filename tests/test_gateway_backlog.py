@@ -33,7 +33,7 @@ class FakeSession:
         self.queues.append(asyncio.Queue())
         return self.queues[-1]
 
-    def done(self, request_id: str, abort: bool, detach: bool = False) -> None:
+    def done(self, request_id: str, abort: bool, detach: bool = False, queue=None) -> None:
         self.ended.append((request_id, abort))
 
 

@@ -260,7 +260,7 @@ class Backend:
             # Also on cancellation (client gone, or another of the n completions failed): abort at the scheduler,
             # or have it keep a resumable request for its client.
             session.done(submit.request_id, abort=not finished, detach=entry.resumable and entry.submissions == 1
-                         and not stopped and entry.request_id not in self.unannounced)
+                         and not stopped and entry.request_id not in self.unannounced, queue=outputs)
 
     async def _wait_for_scheduler(self, lost_at: float) -> None:
         """Hold the request until the scheduler serves again; past --scheduler-wait-seconds, fail it."""

@@ -69,6 +69,7 @@ async def resume(backend: Backend, stream_id: str, tenant: Tenant, after: int) -
                                          usage))
 
 
+
 class LostError(SchedulerError):
     def __init__(self):
         super().__init__(grpc.StatusCode.UNAVAILABLE, LOST)
@@ -97,4 +98,4 @@ async def _rest(backend: Backend, entry: Entry, outputs, unseen: list[int], fini
             finished, stopped = out.finish_reason != "", chunk.finish_reason is not None and out.finish_reason == ""
     finally:
         # The client went away again: the scheduler keeps it for the next resume. A stop string: it ends here.
-        backend.session.done(entry.request_id, abort=not finished, detach=not stopped)
+        backend.session.done(entry.request_id, abort=not finished, detach=not stopped, queue=outputs)

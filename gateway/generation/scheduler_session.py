@@ -119,12 +119,15 @@ class SchedulerSession:
             resume=scheduler_pb2.ResumeRequest(request_id=request_id, tenant=tenant)))
         return q
 
-    def done(self, request_id: str, abort: bool, detach: bool = False) -> None:
+    def done(self, request_id: str, abort: bool, detach: bool = False, queue: asyncio.Queue | None = None) -> None:
         """Stop routing the request's outputs; if it has not finished, abort it at the scheduler, or (`detach`,
         a resumable request whose client went away) have the scheduler keep it for the client to resume.
+        `queue`: the caller's, so that a call a resume has taken the request from ends nothing of the resume's.
         Synchronous, so it is safe in a `finally` of a cancelled task."""
         s = self._stream
-        if s is None or s.queues.pop(request_id, None) is None:
+        if s is None or (queue is not None and s.queues.get(request_id) is not queue):
+            return     # another call (a resume of the same request) carries it now: this one has nothing to end
+        if s.queues.pop(request_id, None) is None:
             return
         if abort and not s.dead:
             ids = scheduler_pb2.AbortRequest(request_ids=[request_id])

@@ -25,8 +25,11 @@ class Session:
     """One gateway's Session stream. The fleet's links put deltas here as they do into a Submit queue; they
     pile up until the stream's writer wakes, which is after the link has delivered the whole step."""
 
-    def __init__(self, fleet: Fleet):
+    def __init__(self, fleet: Fleet, on_ended=lambda rid, r, finish_reason: None):
         self.fleet = fleet
+        # A resumable request that ended here: its end may not reach its client (the gateway may die with the last
+        # deltas unsent), so the record is kept for a resume all the same (resumed_streams.py).
+        self.on_ended = on_ended
         self.pending: list[scheduler_pb2.RequestOutput] = []
         self.ready = asyncio.Event()
         self.live: set[str] = set()               # this session's requests not finished yet
@@ -50,7 +53,8 @@ class Session:
             r.tokens.extend(d.new_token_ids)
         if d.finish_reason is not None:
             self.live.discard(d.req_id)
-            self.resumable.pop(d.req_id, None)
+            if r is not None:
+                self.on_ended(d.req_id, self.resumable.pop(d.req_id), d.finish_reason)
             self.fleet.streams.pop(d.req_id, None)
         self.ready.set()
 

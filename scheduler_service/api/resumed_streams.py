@@ -7,7 +7,8 @@ and its tenant. The taker first gets every output token so far, with the context
 with, so that it can detokenize the text exactly as the first gateway did and send its client only what came
 after the last event it saw; then the rest, as any other request's. A record that nobody resumes in time is
 aborted (its KV freed) and forgotten. The record holds the request's output tokens, which its max_tokens
-bounds, and its finish: a request that ends while kept can still be resumed until the grace period is over.
+bounds, and its finish: a request that ends while kept can still be resumed until the grace period is over, and
+so can one that ended on its session, whose last deltas may have died with its gateway.
 
 Another tenant's id, an unknown one and an expired one get the same answer, NOT_FOUND: an id says nothing
 about whether it exists. Ids are the gateway's, random, and the tenant is the one its API key maps to.
@@ -73,6 +74,16 @@ class ResumedStreams:
         kept.expiry = asyncio.get_running_loop().call_later(self.grace, self._expire, rid)
         self.kept[rid] = kept
 
+    def keep_ended(self, rid: str, r: Resumable, finish_reason: str) -> None:
+        """`rid` ended on its session: its last deltas may not have reached its client, so a resume within the
+        grace period still gets every token and the end."""
+        kept = Kept(rid, r, self.fleet.streams, finish_reason=finish_reason)
+        kept.expiry = asyncio.get_running_loop().call_later(self.grace, self._expire, rid)
+        old = self.kept.pop(rid, None)
+        if old is not None:
+            old.expiry.cancel()
+        self.kept[rid] = kept
+
     def _expire(self, rid: str) -> None:
         kept = self.kept.pop(rid, None)
         if kept is not None and self.fleet.streams.get(rid) is kept:
@@ -93,6 +104,10 @@ class ResumedStreams:
         return scheduler_pb2.RequestOutput(
             request_id=kept.rid, token_ids=kept.resumable.tokens, finish_reason=kept.finish_reason or "",
             num_cached_tokens=kept.num_cached_tokens, replay=True, resume_context=kept.resumable.context)
+
+    def replay_live(self, rid: str, r: Resumable) -> scheduler_pb2.RequestOutput:
+        """The replay of a request its session still carries (its tokens so far, no end yet)."""
+        return scheduler_pb2.RequestOutput(request_id=rid, token_ids=r.tokens, replay=True, resume_context=r.context)
 
     def close(self) -> None:
         for rid in list(self.kept):

@@ -71,7 +71,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 self.fleet.abort([rid])
 
     async def Session(self, request_iterator, context):
-        session = Session(self.fleet)
+        session = Session(self.fleet, on_ended=self.resumed.keep_ended)
         if self.shutting_down:
             session.shut_down()
         self.sessions.add(session)
@@ -157,6 +157,13 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 del holder.resumable[rid]
                 holder.live.discard(rid)          # its gateway's later detach or abort names nothing of its own
                 self.resumed.keep(rid, r)
+        mine = session.resumable.get(rid) if rid in session.live else None
+        if mine is not None and mine.tenant == tenant:
+            # Its client came back through the same gateway before that gateway had let go of it: the same
+            # replay, and the session goes on carrying it.
+            session.pending.append(self.resumed.replay_live(rid, mine))
+            session.ready.set()
+            return
         kept = None if rid in session.live else self.resumed.take(rid, tenant)
         if kept is None:
             session.refuse(rid, *not_found())
