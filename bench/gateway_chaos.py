@@ -48,6 +48,8 @@ BROKEN = (httpx.TransportError, httpx.RemoteProtocolError)
 @dataclass
 class Stream:
     key: tuple[int, int | None]         # (prompt, seed): the no-fault run's answer to compare with
+    id: str | None = None               # the stream's, once known (header or first event)
+    last: int | None = None             # the last SSE id received
     text: str = ""
     covered: int = 0                    # tokens the events received so far cover
     duplicated: int = 0
@@ -103,7 +105,6 @@ def read(r, s: Stream, cut_after: int | None, on_first=None) -> bool:
 
 
 def one(urls: list[str], s: Stream, rng: random.Random, cut: float, deadline: float) -> None:
-    s.last, s.id = None, None
     cut_after = rng.randint(1, 5) if rng.random() < cut else None
     while s.id is None:
         try:

@@ -69,7 +69,6 @@ async def resume(backend: Backend, stream_id: str, tenant: Tenant, after: int) -
                                          usage))
 
 
-
 class LostError(SchedulerError):
     def __init__(self):
         super().__init__(grpc.StatusCode.UNAVAILABLE, LOST)

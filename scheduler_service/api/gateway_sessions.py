@@ -58,6 +58,13 @@ class Session:
             self.fleet.streams.pop(d.req_id, None)
         self.ready.set()
 
+    def let_go(self, rid: str) -> Resumable | None:
+        """Stop carrying `rid`; its record if it is resumable (None: it is not, and it is still carried)."""
+        r = self.resumable.pop(rid, None)
+        if r is not None:
+            self.live.discard(rid)
+        return r
+
     def refuse(self, rid: str, code: grpc.StatusCode, message: str, rate_limited=None) -> None:
         self.pending.append(scheduler_pb2.RequestOutput(
             request_id=rid, error=scheduler_pb2.RequestError(code=code.value[0], message=message,

@@ -64,24 +64,20 @@ class ResumedStreams:
         self.fleet, self.grace = fleet, grace_seconds
         self.kept: dict[str, Kept] = {}
 
-    def keep(self, rid: str, r: Resumable) -> None:
-        """`rid`'s session or client went away: keep it running, and for the grace period only."""
-        kept = Kept(rid, r, self.fleet.streams)
-        if self.fleet.streams.get(rid) is not None:
-            self.fleet.streams[rid] = kept
-        else:
-            kept.finish_reason = "abort"      # it had ended unseen: keep the end, for the resume to tell
-        kept.expiry = asyncio.get_running_loop().call_later(self.grace, self._expire, rid)
-        self.kept[rid] = kept
-
-    def keep_ended(self, rid: str, r: Resumable, finish_reason: str) -> None:
-        """`rid` ended on its session: its last deltas may not have reached its client, so a resume within the
-        grace period still gets every token and the end."""
+    def keep(self, rid: str, r: Resumable, finish_reason: str | None = None) -> None:
+        """`rid`'s session or client went away: keep it running, and for the grace period only. With
+        `finish_reason`: it ended on its session, whose last deltas may not have reached its client, so a resume
+        within the grace period still gets every token and the end."""
         kept = Kept(rid, r, self.fleet.streams, finish_reason=finish_reason)
-        kept.expiry = asyncio.get_running_loop().call_later(self.grace, self._expire, rid)
+        if finish_reason is None:
+            if self.fleet.streams.get(rid) is not None:
+                self.fleet.streams[rid] = kept
+            else:
+                kept.finish_reason = "abort"      # it had ended unseen: keep the end, for the resume to tell
         old = self.kept.pop(rid, None)
         if old is not None:
             old.expiry.cancel()
+        kept.expiry = asyncio.get_running_loop().call_later(self.grace, self._expire, rid)
         self.kept[rid] = kept
 
     def _expire(self, rid: str) -> None:
@@ -99,19 +95,12 @@ class ResumedStreams:
         kept.expiry.cancel()
         return kept
 
-    def replay(self, kept: Kept) -> scheduler_pb2.RequestOutput:
-        """The first output a resuming session gets: every output token so far, the context, any finish."""
-        return scheduler_pb2.RequestOutput(
-            request_id=kept.rid, token_ids=kept.resumable.tokens, finish_reason=kept.finish_reason or "",
-            num_cached_tokens=kept.num_cached_tokens, replay=True, resume_context=kept.resumable.context)
 
-    def replay_live(self, rid: str, r: Resumable) -> scheduler_pb2.RequestOutput:
-        """The replay of a request its session still carries (its tokens so far, no end yet)."""
-        return scheduler_pb2.RequestOutput(request_id=rid, token_ids=r.tokens, replay=True, resume_context=r.context)
-
-    def close(self) -> None:
-        for rid in list(self.kept):
-            self._expire(rid)
+def replay(rid: str, r: Resumable, finish_reason: str | None = None, num_cached_tokens: int = 0
+           ) -> scheduler_pb2.RequestOutput:
+    """The first output a resuming session gets: every output token so far, the context, any finish."""
+    return scheduler_pb2.RequestOutput(request_id=rid, token_ids=r.tokens, finish_reason=finish_reason or "",
+                                       num_cached_tokens=num_cached_tokens, replay=True, resume_context=r.context)
 
 
 def not_found() -> tuple[grpc.StatusCode, str]:

@@ -12,7 +12,7 @@ import grpc
 
 from scheduler_service.api.admission import Refused, admit
 from scheduler_service.api.gateway_sessions import Session, to_output
-from scheduler_service.api.resumed_streams import Resumable, ResumedStreams, not_found
+from scheduler_service.api.resumed_streams import Resumable, ResumedStreams, not_found, replay
 from scheduler_service.core.output import RequestDelta
 from scheduler_service.fleet.adapter_registry import AdapterRefused
 from scheduler_service.fleet.fleet import Failure, Fleet
@@ -71,7 +71,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 self.fleet.abort([rid])
 
     async def Session(self, request_iterator, context):
-        session = Session(self.fleet, on_ended=self.resumed.keep_ended)
+        session = Session(self.fleet, on_ended=self.resumed.keep)
         if self.shutting_down:
             session.shut_down()
         self.sessions.add(session)
@@ -138,12 +138,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         for rid in request_ids:
             if rid not in session.live:
                 continue
-            r = session.resumable.pop(rid, None)
+            r = session.let_go(rid)
             if r is None:
                 others.append(rid)
-                continue
-            session.live.discard(rid)
-            self.resumed.keep(rid, r)
+            else:
+                self.resumed.keep(rid, r)
         self._abort(others)
 
     def _resume(self, session: Session, rid: str, tenant: str) -> None:
@@ -154,21 +153,20 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         if isinstance(holder, Session) and holder is not session:
             r = holder.resumable.get(rid)
             if r is not None and r.tenant == tenant:
-                del holder.resumable[rid]
-                holder.live.discard(rid)          # its gateway's later detach or abort names nothing of its own
+                holder.let_go(rid)                # its gateway's later detach or abort names nothing of its own
                 self.resumed.keep(rid, r)
         mine = session.resumable.get(rid) if rid in session.live else None
         if mine is not None and mine.tenant == tenant:
             # Its client came back through the same gateway before that gateway had let go of it: the same
             # replay, and the session goes on carrying it.
-            session.pending.append(self.resumed.replay_live(rid, mine))
+            session.pending.append(replay(rid, mine))
             session.ready.set()
             return
         kept = None if rid in session.live else self.resumed.take(rid, tenant)
         if kept is None:
             session.refuse(rid, *not_found())
             return
-        session.pending.append(self.resumed.replay(kept))
+        session.pending.append(replay(rid, kept.resumable, kept.finish_reason, kept.num_cached_tokens))
         if kept.finish_reason is None:
             self.fleet.streams[rid] = session
             session.live.add(rid)
