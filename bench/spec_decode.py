@@ -35,7 +35,7 @@ import httpx  # noqa: E402
 from serving import start_llama, start_stack  # noqa: E402
 
 DOC = (ROOT / "docs" / "architecture.md").read_text()
-CODE = (ROOT / "scheduler_service" / "stopping.py").read_text()
+CODE = (ROOT / "scheduler_service" / "core" / "stopping.py").read_text()
 
 
 def _paragraphs(text: str, n: int, size: int) -> list[str]:
