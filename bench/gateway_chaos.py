@@ -134,8 +134,11 @@ def one(urls: list[str], s: Stream, rng: random.Random, cut: float, deadline: fl
                     s.resent += 1
                     one(urls, s, rng, 0.0, deadline)
                     return
+                if r.status_code == 503:      # that gateway lost the scheduler under the resume: try again
+                    raise httpx.RemoteProtocolError("503 on resume")
                 if r.status_code != 200:
-                    s.error = f"resume: {r.status_code} {r.read()[:200]!r}"
+                    s.error = (f"resume of {s.id} after event {s.last}, {time.time():.3f}: {r.status_code} "
+                               f"{r.read()[:200]!r}")
                     return
                 s.resumed += 1
                 if read(r, s, None, resumed_first_event):
@@ -208,6 +211,7 @@ def main() -> None:
     ap.add_argument("--kill-every", type=float, default=10)
     ap.add_argument("--cut", type=float, default=0.1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--log", type=Path, help="where `stepwire serve`'s output goes (default: nowhere)")
     a = ap.parse_args()
     import psutil
     from gateway_stack import tiny_model_with_tokenizer
@@ -219,7 +223,7 @@ def main() -> None:
         # `stepwire serve`: the gateway workers share one port (SO_REUSEPORT), as behind a Service, and one started
         # again joins it only once it is ready; serve starts a killed worker again on its own.
         proc, url, _ = start_stack(tls=False, model=model, extra=("--gateway-workers", str(a.gateways),
-                                                                   "--deterministic"))
+                                                                   "--deterministic"), log=a.log)
         try:
             urls = [url]
             MODEL["name"] = httpx.get(url + "/v1/models").json()["data"][0]["id"]
@@ -233,12 +237,16 @@ def main() -> None:
                 load.join(a.kill_every)
                 if not load.is_alive():
                     break
+                # A gateway worker's title is its command line (launcher/forked.py). Not the fork server's, whose
+                # preload list names the gateway's module too: its death takes every service with it.
                 workers = [c for c in psutil.Process(proc.pid).children(recursive=True)
-                           if c.status() != psutil.STATUS_ZOMBIE and "gateway" in " ".join(c.cmdline())]
+                           if c.status() != psutil.STATUS_ZOMBIE
+                           and " ".join(c.cmdline()).split()[1:3] == ["-m", "gateway.server"]]
                 if workers:
                     victim = rng.choice(workers)
                     victim.kill()
                     kills.append(victim.pid)
+                    print(f"{time.time():.3f} killed gateway worker {victim.pid}", flush=True)
             time.sleep(2)
             ref = reference(urls, {s.key for s in streams}, a.clients)
         finally:

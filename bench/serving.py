@@ -152,16 +152,18 @@ CERTS = ROOT / ".peers" / "bench-certs"     # `stepwire serve` makes them on fir
 
 
 def start_stack(env: dict | None = None, tls: bool = True, model: Path = MODEL, extra: tuple[str, ...] = (),
-                executor_metrics_port: int | None = None):
-    """`stepwire serve` on free ports (mTLS inside unless `tls` is off): (process, URL, scheduler port)."""
+                executor_metrics_port: int | None = None, log: Path | None = None):
+    """`stepwire serve` on free ports (mTLS inside unless `tls` is off): (process, URL, scheduler port). Its
+    output goes to `log` where one is named, else nowhere."""
     port, grpc_port, sc, ex = free_port(), free_port(), free_port(), free_port()
+    out = subprocess.DEVNULL if log is None else open(log, "ab")
     proc = subprocess.Popen([sys.executable, "-m", "launcher.cli", "serve", "--model", str(model), *extra,
                              "--port", str(port),
                              "--grpc-port", str(grpc_port), "--scheduler-port", str(sc), "--executor-port", str(ex),
                              "--scheduler-metrics-port", str(free_port()),
                              "--executor-metrics-port", str(executor_metrics_port or free_port()),
                              *(["--certs-dir", str(CERTS)] if tls else ["--no-tls"])],
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+                            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     wait_ready(proc, url + "/health", "stepwire serve", seconds=600)
     return proc, url, sc

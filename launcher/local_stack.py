@@ -324,7 +324,10 @@ def keep_up(c: Child, group: ProcessGroup) -> None:
         return
     if c.died_at is None:
         c.died_at = time.monotonic()
-        c.pause = min(c.pause * 2, 30) if c.died_at - c.started_at < 10 else 1.0
+        # A crash loop backs off; a SIGKILL from outside (an operator, the OOM killer, a chaos test) is no loop of
+        # its own, and a growing pause there left every gateway worker down for longer than a stream's grace.
+        young = c.died_at - c.started_at < 10 and code != -signal.SIGKILL
+        c.pause = min(c.pause * 2, 30) if young else 1.0
         log.warning("%s exited with %s; starting it again in %.0fs", c.name, code, c.pause)
     if time.monotonic() - c.died_at >= c.pause:
         c.died_at = None

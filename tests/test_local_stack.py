@@ -95,6 +95,17 @@ def test_an_executor_that_exits_is_started_again_and_one_that_keeps_dying_waits_
     c.proc.wait()
 
 
+def test_a_service_killed_from_outside_is_started_again_after_a_second_however_young_it_died():
+    # A SIGKILL is an operator's, the OOM killer's or a chaos test's, not a crash loop of its own: a growing pause
+    # there once left both gateway workers down for longer than a stream's resume grace period.
+    c, group = Child("gateway-0", [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"],
+                     pause=4.0), ProcessGroup()
+    c.start(group)
+    c.proc.wait()
+    keep_up(c, group)
+    assert c.died_at is not None and c.pause == 1.0
+
+
 def _pid_of(*words: str) -> int:
     """The process whose command line holds every one of `words`."""
     from pathlib import Path
