@@ -94,6 +94,9 @@ class SchedulerSettings(RoleSettings):
     resume_grace_seconds: float = Field(30.0, ge=0, le=3600, description="how long a resumable request "
                                         "is kept, running, after its gateway or client went away, for a client "
                                         "to resume it through any gateway; then it is aborted")
+    resume_buffer_tokens: int = Field(512, ge=0, le=1 << 20, description="tokens a kept request may make that no "
+                                      "client has read; then it is parked (off the batch, its KV freed) until a "
+                                      "resume; 0: it runs to its end")
     max_steps_in_flight: Literal["auto"] | Annotated[int, Field(ge=1, le=MOST_STEPS_IN_FLIGHT)] = Field(
         "auto", description="steps sent to an executor and not yet answered (1-4), each executor's own; auto: 2, or "
         "3 for an executor that runs ahead (its --run-ahead, as its Describe says), 1 with --no-async-scheduling. "

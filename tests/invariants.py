@@ -8,6 +8,7 @@ every count it checks from scratch, so a bookkeeping slip anywhere shows up as a
 from __future__ import annotations
 
 from collections import Counter
+from itertools import chain
 
 from scheduler_service import RequestStatus
 from scheduler_service.core.kv_cache.free_queue import KVCacheBlock
@@ -137,7 +138,13 @@ def assert_pool_invariants(sched) -> None:
         assert requests.get(req.request_id) is req, f"waiting {req.request_id} is not a known request"
         assert req.status in _QUEUED, f"{req.request_id} in the waiting queue has status {req.status!r}"
     assert not {id(r) for r in running} & {id(r) for r in waiting}, "a request is both running and waiting"
-    assert len(running) + len(waiting) == len(requests), "running + waiting is not every unfinished request"
+    parked = sched.parked
+    for rid, req in parked.items():
+        assert requests.get(rid) is req and req.parked, f"parked {rid} is not a known parked request"
+        assert req.status in _QUEUED, f"parked {rid} has status {req.status!r}"
+    assert not parked.keys() & {r.request_id for r in chain(running, waiting)}, "a parked request is scheduled"
+    assert len(running) + len(waiting) + len(parked) == len(requests), \
+        "running + waiting + parked is not every unfinished request"
     assert sched.get_request_counts() == (len(running), len(waiting))
 
     # Besides running requests, blocks are held for KV that moves (kv_moves.py): pins of requests that left,

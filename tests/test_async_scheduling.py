@@ -63,16 +63,18 @@ class PrefixModel:
 
 
 def drive(sched: Scheduler, model: PrefixModel, depth: int, abort_at: dict[int, str] | None = None,
-          arrivals: dict[int, list[Request]] | None = None,
+          arrivals: dict[int, list[Request]] | None = None, parks: dict[int, list[tuple[str, int]]] | None = None,
           max_steps: int = 5000) -> tuple[dict[str, list[int]], dict[str, str]]:
     """Run to completion with up to `depth` steps sent and unanswered. Returns tokens and finish reasons.
-    `arrivals` maps an answered-step count to the requests that arrive then."""
+    `arrivals` maps an answered-step count to the requests that arrive then; `parks` a sent-step count to the
+    requests parked then, each with how many steps later it is unparked."""
     handles = HandleTable()
     sent: deque = deque()
     arrivals = dict(arrivals or {})
     outputs: dict[str, list[int]] = {r.request_id: [] for rs in arrivals.values() for r in rs}
     outputs |= {rid: [] for rid in sched.requests}
     reasons: dict[str, str] = {}
+    unparks: dict[int, list[str]] = {}
     n = answered = 0
     while sched.has_unfinished_requests() or sent or sched.finished_req_ids or arrivals:
         assert n < max_steps, "no progress"
@@ -84,6 +86,11 @@ def drive(sched: Scheduler, model: PrefixModel, depth: int, abort_at: dict[int, 
         if abort_at and n in abort_at:
             for r in sched.abort_requests(abort_at[n]):
                 reasons[r.request_id] = "abort"
+        for rid, k in (parks or {}).pop(n, ()):
+            if sched.park(rid):
+                unparks.setdefault(n + k, []).append(rid)
+        for rid in unparks.pop(n, ()):
+            sched.unpark(rid)
         if len(sent) < depth:
             out = sched.schedule()
             assert all(r.num_output_placeholders >= 0 for r in sched.requests.values()), "a negative placeholder"
@@ -92,6 +99,10 @@ def drive(sched: Scheduler, model: PrefixModel, depth: int, abort_at: dict[int, 
                 n += 1
                 sent.append((out, order, model.run(msg)))   # the executor runs steps in the order they come
                 continue
+        if not sent and sched.parked:
+            for rid in list(sched.parked):       # nothing else left to run
+                sched.unpark(rid)
+            continue
         assert sent, "nothing in flight and nothing schedulable"
         out, order, reply = sent.popleft()
         answered += 1
@@ -126,10 +137,12 @@ workloads = st.lists(st.tuples(st.lists(st.integers(0, VOCAB - 1), min_size=1, m
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(work=workloads, extra_blocks=st.integers(0, 30), caching=st.booleans(),
        policy=st.sampled_from(["fcfs", "priority"]), budget=st.sampled_from([7, 32]),
-       block_size=st.sampled_from([1, 4]), seqs=st.sampled_from([2, 8]))
+       block_size=st.sampled_from([1, 4]), seqs=st.sampled_from([2, 8]),
+       parks=st.lists(st.tuples(st.integers(0, 30), st.integers(0, 7), st.integers(1, 12)), max_size=3))
 def test_pipelined_steps_give_what_lock_step_gives_and_waste_a_token_per_step_beyond_the_first(work, extra_blocks,
                                                                                               caching, policy, budget,
-                                                                                              block_size, seqs):
+                                                                                              block_size, seqs,
+                                                                                              parks):
     # A pool from "the longest request alone" (30 + 24 tokens) to roomy: small ones preempt on most steps.
     num_blocks = 1 + -(-56 // block_size) + extra_blocks
     runs = {}
@@ -142,7 +155,11 @@ def test_pipelined_steps_give_what_lock_step_gives_and_waste_a_token_per_step_be
             sp = SamplingParams(max_tokens=m, ignore_eos=not eos, min_tokens=min(mt, m))
             arrivals.setdefault(when, []).append(Request(f"r{i}", list(prompt), sp, eos_token_ids=(EOS,),
                                                          priority=prio))
-        outputs, reasons = drive(sched, model, depth, arrivals=arrivals)
+        # Parked requests (a resumable stream's client away) come back and end as if never parked.
+        at: dict[int, list[tuple[str, int]]] = {}
+        for step, i, k in parks:
+            at.setdefault(step, []).append((f"r{i}", k))
+        outputs, reasons = drive(sched, model, depth, arrivals=arrivals, parks=at)
         delivered = sum(map(len, outputs.values()))
         runs[depth] = (outputs, reasons, model.samples - delivered, sched.num_preemptions)
         assert sched.kv.num_free_blocks == num_blocks - 1 and sched.kv.holders() == {}
@@ -342,3 +359,63 @@ def test_a_request_preempted_with_two_steps_in_flight_resumes_only_once_both_are
     assert pipe.outputs == ref and set(pipe.reasons.values()) == {"length"}
     assert model.samples == 32, "a token was sampled twice, or one dropped"
     assert sched.kv.num_free_blocks == 5
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+@pytest.mark.parametrize("when", [1, 3, 6])
+def test_a_parked_request_leaves_the_batch_and_its_blocks_and_once_unparked_ends_as_if_never_parked(when, depth):
+    # Scheduler.park: a resumable request whose client is away has made as many tokens as may wait unread.
+    reqs = [(f"r{i}", [i, i + 1, 2, 5, 3], SamplingParams(max_tokens=16, ignore_eos=True)) for i in range(3)]
+    sched, model = make(reqs, num_blocks=64)
+    ref, _ = drive(sched, model, depth=1)
+    sched, model = make(reqs, num_blocks=64)
+    pipe = Pipe(sched, model)
+
+    def step():
+        if len(pipe.sent) >= depth or not (sched.running or sched.waiting or sched.finished_req_ids):
+            pipe.answer()
+        else:
+            pipe.send()
+
+    for _ in range(when):
+        step()
+    assert sched.park("r1") and not sched.park("nobody")
+    made = len(pipe.outputs.get("r1", []))
+    for _ in range(12):
+        step()
+    r1 = sched.requests["r1"]
+    assert "r1" in sched.parked and r1 not in sched.running and r1 not in list(sched.waiting)
+    assert "r1" not in sched.kv.holders(), "a parked request holds no blocks"
+    # Only the steps in flight when it was parked add to it.
+    assert made <= len(pipe.outputs.get("r1", [])) <= made + depth
+    assert all(reason == "length" for reason in pipe.reasons.values()) and "r1" not in pipe.reasons
+    assert sched.unpark("r1") and not sched.parked
+    while sched.has_unfinished_requests() or pipe.sent or sched.finished_req_ids:
+        step()
+    assert pipe.outputs == ref and set(pipe.reasons.values()) == {"length"}
+    assert sched.kv.num_free_blocks == 63 and model.batch.num_reqs == 0
+
+
+def test_a_parked_request_that_is_aborted_or_moved_frees_everything_and_stays_parked_where_it_lands():
+    from scheduler_service.fleet.migration import adopt, take_all
+    reqs = [(f"r{i}", [i, 2, 3], SamplingParams(max_tokens=8, ignore_eos=True)) for i in range(3)]
+    sched, model = make(reqs, num_blocks=64)
+    pipe = Pipe(sched, model)
+    for _ in range(3):
+        pipe.send()
+        pipe.answer()
+    sched.park("r0")
+    sched.park("r1")
+    pipe.send()
+    pipe.answer()
+    assert set(sched.parked) == {"r0", "r1"}
+    assert [r.request_id for r in sched.abort_requests("r0")] == ["r0"] and set(sched.parked) == {"r1"}
+    moved = take_all(sched)
+    assert {r.request_id for r in moved} == {"r1", "r2"} and not sched.requests and not sched.parked
+    other, _ = make([], num_blocks=64)
+    assert adopt(other, moved) == []
+    assert set(other.parked) == {"r1"} and [r.request_id for r in other.waiting] == ["r2"]
+    out = other.schedule()
+    assert "r1" not in out.num_scheduled_tokens and "r2" in out.num_scheduled_tokens
+    other.unpark("r1")
+    assert "r1" in other.schedule().num_scheduled_tokens

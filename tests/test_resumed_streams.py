@@ -8,6 +8,7 @@ import queue
 import time
 import uuid
 
+import httpx
 import pytest
 
 grpc = pytest.importorskip("grpc")
@@ -22,6 +23,8 @@ pytestmark = pytest.mark.processes
 
 PROMPT = [5, 17, 33, 8, 91, 4]
 TOKENS = 120
+BUFFER = 8
+METRICS: dict[str, str] = {}
 NOT_FOUND = grpc.StatusCode.NOT_FOUND.value[0]
 
 
@@ -70,8 +73,11 @@ def stack(tmp_path_factory):
     executor = Service("executor", flags={"--model": model, "--block-size": 4, "--kv-cache-memory": kv_bytes(256),
                                           "--max-num-seqs": 8, "--max-model-len": 256, "--metrics-address": "",
                                           "--threads": 1})
-    with Stack([executor, Service("scheduler", flags={"--metrics-address": "", "--resume-grace-seconds": 2})],
+    # A buffer of 8 unread tokens: every kept request here is parked, and a resume must bring it back.
+    with Stack([executor, Service("scheduler", flags={"--resume-grace-seconds": 2,
+                                                      "--resume-buffer-tokens": BUFFER})],
                tmp) as s:
+        METRICS["url"] = f"http://{s['scheduler'].flags['--metrics-address']}/metrics"
         channel = grpc.insecure_channel(s["scheduler"].address)
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
         ref = SessionCall(stub)
@@ -194,3 +200,31 @@ def test_a_resume_through_the_same_gateway_before_it_let_go_replays_and_the_sess
     resumed = [t for o in outs[replay:] for t in o.token_ids]
     assert resumed == want and resumed[:len(seen)] == seen and outs[-1].finish_reason == "length"
     gateway.close()
+
+
+def test_a_kept_request_stops_once_its_unread_tokens_fill_the_buffer_and_a_resume_runs_it_to_its_end(stack):
+    stub, want = stack
+    rid = f"r-{uuid.uuid4().hex}"
+    gateway = SessionCall(stub)
+    gateway.submit(rid, tenant="team-a")
+    gateway.read(rid, until_tokens=2)
+    gateway.detach(rid)
+    time.sleep(1.5)          # unparked, the tiny model would make all of its 120 tokens in a fraction of this
+    assert requests_held(stub) == 1
+    assert parked_now() == 1
+    gateway.resume(rid, tenant="team-a")
+    outs, _, finish = gateway.read(rid)
+    replay = next(o for o in outs if o.replay)
+    # What it had when detached (the two read, and what was on the way) plus the buffer, plus the steps that
+    # were in flight when it was parked (at most 4).
+    assert len(replay.token_ids) <= 2 + 16 + BUFFER + 4, len(replay.token_ids)
+    resumed = [t for o in outs[outs.index(replay):] for t in o.token_ids]
+    assert resumed == want and finish == "length"
+    assert parked_now() == 0
+    gateway.close()
+
+
+def parked_now() -> float:
+    text = httpx.get(METRICS["url"]).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("stepwire:num_requests_parked{"))

@@ -50,7 +50,7 @@ class Session:
         self.pending.append(to_output(d, d.req_id))
         r = self.resumable.get(d.req_id)
         if r is not None:
-            r.tokens.extend(d.new_token_ids)
+            r.add(d)
         if d.finish_reason is not None:
             self.live.discard(d.req_id)
             if r is not None:

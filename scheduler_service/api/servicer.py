@@ -28,7 +28,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.settings = settings
         self.sessions: set[Session] = set()
         self.shutting_down = False
-        self.resumed = ResumedStreams(fleet, settings.resume_grace_seconds)
+        self.resumed = ResumedStreams(fleet, settings.resume_grace_seconds, settings.resume_buffer_tokens)
 
     async def shut_down(self, seconds: float = 2.0) -> None:
         """SIGTERM: admit nothing more, tell every gateway on its session and end the session (its requests

@@ -59,6 +59,9 @@ class Request:
     # holds them, so the scheduler may schedule the step after as if they were in all_token_ids.
     num_output_placeholders: int = field(init=False, default=0)
     num_preemptions: int = field(init=False, default=0)
+    # Not to be scheduled (Scheduler.park): a resumable request whose client is away and whose undelivered
+    # tokens have filled their buffer. It keeps the flag when it moves to another core.
+    parked: bool = field(init=False, default=False)
     # The most tokens whose KV was ever computed for it, on any executor: what an admission computes below this
     # is computed again (the KV was lost to a preemption or a move), and counted as such.
     num_computed_before: int = field(init=False, default=0)

@@ -65,6 +65,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.fair_preemptions = 0          # of those, slots taken back for a tenant under its share
         self.adapters = AdapterSlots()     # its executor's LoRA slots (configured from its Describe)
+        # Parked requests (park()): in `requests`, neither running nor waiting, their blocks given back.
+        self.parked: dict[str, Request] = {}
+        self.to_park: set[str] = set()     # flagged since the last step: the next schedule() parks them
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -106,20 +109,65 @@ class Scheduler:
             self._release(req)
         return victims
 
+    def park(self, request_id: str) -> bool:
+        """Stop scheduling a request until unpark(): nobody reads its tokens now. The next step takes it off
+        the batch (a preemption: its blocks go back, their full blocks stay hittable); tokens of steps already
+        in flight still arrive. False if this core does not hold it."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        if request_id not in self.parked:       # flagged again if it came back running (a move with its KV)
+            req.parked = True
+            self.to_park.add(request_id)
+        return True
+
+    def unpark(self, request_id: str) -> bool:
+        """Schedule a parked request again, ahead of the queue (it is older): it recomputes what it had, mostly
+        from the prefix cache. False if this core does not hold it."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        req.parked = False
+        self.to_park.discard(request_id)        # flagged only: never taken off
+        if self.parked.pop(request_id, None) is not None:
+            self.waiting.prepend(req)
+        return True
+
+    def hold_parked(self, request: Request) -> None:
+        """A request that moved here parked: held, not queued."""
+        self.parked[request.request_id] = request
+
+    def _park_flagged(self) -> list[Request]:
+        """Take the requests park() flagged off the batch and the queue; returns those that were running."""
+        flagged = [r for r in map(self.requests.get, self.to_park) if r is not None and r.parked]
+        self.to_park = set()
+        running = [r for r in flagged if r.status == _RUNNING]
+        if running:
+            gone = set(map(id, running))
+            self.running = [r for r in self.running if id(r) not in gone]
+        self.waiting.remove_all(r for r in flagged if r.status != _RUNNING)
+        for req in flagged:
+            if req.status == _RUNNING:
+                self._preempt(req, queue=False)
+            self.parked[req.request_id] = req
+        return running
+
     def _release(self, request: Request) -> None:
         self.kv.free(request)
+        self.parked.pop(request.request_id, None)
         del self.requests[request.request_id]
         self.clock.leave(request)
         self.finished_req_ids.add(request.request_id)
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, queue: bool = True) -> None:
         # Recompute, not swap: the blocks go back now; their full blocks stay hittable until reused.
         self.kv.free(request)
         request.status = _PREEMPTED
         request.forget_computed()
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.prepend(request)
+        if queue:
+            self.waiting.prepend(request)
 
     def reset_executor_state(self) -> list[Request]:
         """The executor lost its batch (it asked for a resync): every running request is
@@ -146,6 +194,7 @@ class Scheduler:
     # ------------------------------------------------------------------ one step
 
     def schedule(self) -> SchedulerOutput:
+        parked = self._park_flagged() if self.to_park else ()     # first: it replaces self.running
         cfg = self.config
         kv = self.kv
         allocate = kv.allocate_slots
@@ -273,7 +322,8 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=cfg.max_num_batched_tokens - token_budget,
             finished_req_ids=self.finished_req_ids,
-            preempted_req_ids={r.request_id for r in preempted} | ({taken_back.request_id} if taken_back else set()),
+            preempted_req_ids={r.request_id for r in preempted} | ({taken_back.request_id} if taken_back else set())
+            | {r.request_id for r in parked},
             spec_tokens=spec,
             lora_loads=lora_loads,
             lora_rows=lora_rows,

@@ -159,6 +159,13 @@ class ExecutorLink(StepLoop):
             self._wake.set()       # the executor must hear of it, and freed blocks may let a queued one in
         return reqs
 
+    def park(self, request_id: str, parked: bool) -> bool:
+        """Park or unpark a request this link's core holds (Scheduler.park); False if it holds none."""
+        held = self.core.park(request_id) if parked else self.core.unpark(request_id)
+        if held:
+            self._wake.set()       # the next step takes it off, or back on
+        return held
+
     def retire(self) -> bool:
         """Membership dropped it. True: it drains (its queue should move now) and ends once empty; False:
         it was not connected, so nothing runs there, and it ends now."""

@@ -255,6 +255,17 @@ class Fleet:
                 aborted += link.abort(request_ids)
         return aborted
 
+    def park(self, rid: str, parked: bool = True) -> None:
+        """Stop scheduling a request until it is unparked (parked=False), wherever it is: a core, or on its
+        way to one (it is parked where it lands). Resumable requests whose client is away (resumed_streams.py)."""
+        for link in self.links.values():
+            if link.core is not None and link.park(rid, parked):
+                return
+        orphan = self.orphans.get(rid)
+        req = orphan[0] if orphan is not None else getattr(self.kv_moves.in_transit.get(rid), "req", None)
+        if req is not None:
+            req.parked = parked
+
     def num_requests(self) -> int:
         held = sum(len(lk.core.requests) for lk in self.links.values() if lk.core is not None)
         return len(self.orphans) + len(self.kv_moves) + held

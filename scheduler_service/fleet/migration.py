@@ -20,6 +20,8 @@ def take_all(core: Scheduler, only_waiting: bool = False) -> list[Request]:
         core.running = []
     while core.waiting:
         moved.append(core.waiting.pop())
+    moved += core.parked.values()             # they stay parked where they go (adopt)
+    core.parked, core.to_park = {}, set()
     for req in moved:
         core.kv.free(req)
         del core.requests[req.request_id]
@@ -87,5 +89,8 @@ def adopt(core: Scheduler, moved: list[Request]) -> list[Request]:
         req.spec_offered = 0
         core.requests[req.request_id] = req
         core.clock.arrive(req)
-        core.waiting.prepend(req)
+        if req.parked:
+            core.hold_parked(req)
+        else:
+            core.waiting.prepend(req)
     return refused

@@ -98,6 +98,9 @@ class _Live:
                                     labels=["executor"])
         waiting = GaugeMetricFamily("stepwire:num_requests_waiting", "Requests waiting (new or preempted).",
                                     labels=["executor"])
+        parked = GaugeMetricFamily("stepwire:num_requests_parked", "Resumable requests whose client is away and "
+                                   "whose unread tokens filled --resume-buffer-tokens: held off the batch until a "
+                                   "resume.", labels=["executor"])
         usage = GaugeMetricFamily("stepwire:kv_cache_usage_perc", "Fraction of KV blocks in use (0 to 1).",
                                   labels=["executor"])
         queries = CounterMetricFamily("stepwire:prefix_cache_queries", "Prompt tokens looked up in the prefix "
@@ -128,6 +131,7 @@ class _Live:
             s = link.core.stats()
             running.add_metric([link.address], s.num_running)
             waiting.add_metric([link.address], s.num_waiting)
+            parked.add_metric([link.address], len(link.core.parked))
             usage.add_metric([link.address], s.kv_cache_usage)
             queries.add_metric([link.address], s.prefix_cache_queries)
             hits.add_metric([link.address], s.prefix_cache_hits)
@@ -140,5 +144,5 @@ class _Live:
         for role, (w, r) in sorted(by_role.items()):
             role_waiting.add_metric([role], w)
             role_running.add_metric([role], r)
-        yield from (running, waiting, usage, queries, hits, preemptions, fair, recomputed, role_waiting, role_running,
-                    connected, draining)
+        yield from (running, waiting, parked, usage, queries, hits, preemptions, fair, recomputed, role_waiting,
+                    role_running, connected, draining)
