@@ -48,11 +48,11 @@ def text_of(evs) -> str:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("resumable")
-    model = tiny_model_with_tokenizer(tmp / "model")
+    model = tiny_model_with_tokenizer(tmp / "model", max_position_embeddings=1024)   # room for a tools prompt
     (tmp / "tenants.json").write_text(json.dumps(TENANTS))
     gateway = {"--model": model, "--tenants-file": tmp / "tenants.json"}
-    services = [Service("executor", flags={"--model": model, "--block-size": 4, "--kv-cache-memory": kv_bytes(256),
-                                           "--max-num-seqs": 8, "--max-model-len": 256, "--threads": 1}),
+    services = [Service("executor", flags={"--model": model, "--block-size": 4, "--kv-cache-memory": kv_bytes(1024),
+                                           "--max-num-seqs": 8, "--max-model-len": 1024, "--threads": 1}),
                 Service("scheduler", flags={"--resume-grace-seconds": 3}),
                 Service("gateway", "a", flags=dict(gateway)), Service("gateway", "b", flags=dict(gateway))]
     with Stack(services, tmp) as s:
@@ -199,3 +199,75 @@ def test_the_documented_openai_sdk_snippet_resumes_a_stream(stack):
                 text += json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
     # --- end of the snippet ---
     assert text == whole
+
+
+def logprobs_of(evs) -> list[tuple[str, float, list[str]]]:
+    """(token, logprob, top tokens) of every token the events cover."""
+    out = []
+    for _, data in evs:
+        if data != "[DONE]":
+            for c in json.loads(data)["choices"]:
+                for t in (c.get("logprobs") or {}).get("content", []):
+                    out.append((t["token"], t["logprob"], [top["token"] for top in t["top_logprobs"]]))
+    return out
+
+
+def test_a_stream_with_logprobs_is_resumed_with_every_tokens_logprobs_once(stack):
+    s, whole = stack
+    body = BODY | {"logprobs": True, "top_logprobs": 2}
+    headers = {"Authorization": "Bearer sk-a"}
+    with httpx.stream("POST", s["a"].url + "/v1/chat/completions", json=body, headers=headers, timeout=60) as r:
+        uncut = logprobs_of(events(r.iter_lines()))
+    with httpx.stream("POST", s["a"].url + "/v1/chat/completions", json=body, headers=headers, timeout=60) as r:
+        sid = r.headers["x-stepwire-stream-id"]
+        seen = events(r.iter_lines(), 5)
+    rest = events(resume(s, "b", sid, seen[-1][0]).text.splitlines())
+    assert text_of(seen) + text_of(rest) == whole
+    got = logprobs_of(seen) + logprobs_of(rest)
+    assert len(got) == len(uncut) == 96
+    assert [t for t, _, _ in got] == [t for t, _, _ in uncut]
+    assert all(len(top) == 2 for _, _, top in got)
+    assert all(abs(a - b) < 0.05 for (_, a, _), (_, b, _) in zip(got, uncut, strict=True))
+
+
+def tool_calls_of(evs) -> tuple[dict, str | None]:
+    """{index: [id, name, arguments]} added up from the events' tool-call pieces, and the finish reason."""
+    calls, reason = {}, None
+    for _, data in evs:
+        if data != "[DONE]":
+            for c in json.loads(data)["choices"]:
+                reason = c.get("finish_reason") or reason
+                for piece in c["delta"].get("tool_calls", []):
+                    call = calls.setdefault(piece["index"], [None, None, ""])
+                    if "id" in piece:
+                        assert call[0] is None, "a call is announced once"
+                        call[0], call[1] = piece["id"], piece["function"]["name"]
+                    call[2] += piece["function"]["arguments"]
+    return calls, reason
+
+
+def test_a_stream_of_tool_calls_cut_mid_call_is_resumed_with_the_same_calls_and_ids(stack):
+    s, _ = stack
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40}}, "required": ["city"]}
+    body = {"model": "model", "messages": [{"role": "user", "content": "Weather in Paris and the time in Oslo?"}],
+            "max_tokens": 200, "temperature": 0.0, "stream": True, "tool_choice": "required",
+            "tools": [{"type": "function", "function": {"name": n, "parameters": schema}}
+                      for n in ("get_weather", "get_time")]}
+    headers = {"Authorization": "Bearer sk-a"}
+    with httpx.stream("POST", s["a"].url + "/v1/chat/completions", json=body, headers=headers, timeout=60) as r:
+        uncut, uncut_reason = tool_calls_of(events(r.iter_lines()))
+    assert uncut and uncut_reason == "tool_calls" and all(c[1] in ("get_weather", "get_time") for c in uncut.values())
+    with httpx.stream("POST", s["a"].url + "/v1/chat/completions", json=body, headers=headers, timeout=60) as r:
+        sid = r.headers["x-stepwire-stream-id"]
+        seen = events(r.iter_lines(), 6)
+    rest = events(resume(s, "b", sid, seen[-1][0]).text.splitlines())
+    calls, reason = tool_calls_of(seen + rest)
+    assert tool_calls_of(seen)[0], "cut after a call had begun"
+    assert {i: c[1:] for i, c in calls.items()} == {i: c[1:] for i, c in uncut.items()} and reason == "tool_calls"
+    # The ids follow from the stream's id: a call announced after the break is named as the first gateway would.
+    from gateway.tools.calls import tool_plan
+    from gateway.tools.parser import ToolCallParser
+    named = ToolCallParser(tool_plan(body["tools"], "required", None), call_ids=sid)
+    for i, (cid, _, _) in calls.items():
+        named.calls = [None] * i
+        assert cid == named._call_id()

@@ -7,7 +7,8 @@ import json
 import pytest
 
 from gateway.tools.calls import tool_plan
-from gateway.tools.parser import ToolCallParser, parse
+from gateway.tools.output import parsers
+from gateway.tools.parser import Delta, ToolCallParser, parse
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}}
 TOOLS = [{"type": "function", "function": {"name": n, "parameters": SCHEMA}} for n in ("get_weather", "get_time")]
@@ -123,3 +124,42 @@ def test_text_that_may_start_a_tag_is_held_back_until_it_is_clear():
     assert [(c.index, c.name, c.arguments) for c in second.calls] == [(0, "get_time", '{"ci')]
     third = parser.feed('ty": "X"}}\n</tool_call>')
     assert [(c.index, c.id, c.arguments) for c in third.calls] == [(0, None, 'ty": "X"}')]
+
+
+def _merged(deltas):
+    out = Delta()
+    for d in deltas:
+        out.merge(d)
+    return out
+
+
+@pytest.mark.parametrize("choice, text", CASES)
+@pytest.mark.parametrize("size", [1, 3, 8])
+def test_a_parser_fed_what_a_resumed_client_saw_at_once_answers_the_rest_as_the_first_one_would(choice, text, size):
+    # A resumed stream (gateway.generation.resumed): its new gateway's parser reads the text the client already
+    # had in one piece, and must send exactly what the first gateway's would have sent after it, call ids too.
+    plan = tool_plan(TOOLS, choice, None)
+    pieces = [text[i:i + size] for i in range(0, len(text), size)]
+    for cut in range(len(pieces) + 1):
+        first = ToolCallParser(plan, call_ids="chatcmpl-1")
+        for p in pieces[:cut]:
+            first.feed(p)
+        want = _merged([first.feed(p) for p in pieces[cut:]] + [first.finish()])
+        second = parsers(plan, 1, "chatcmpl-1", "".join(pieces[:cut]))[0]
+        got = _merged([second.feed(p) for p in pieces[cut:]] + [second.finish()])
+        assert got == want, cut
+
+
+def test_call_ids_follow_from_a_streams_id_and_are_random_without_one():
+    plan = tool_plan(TOOLS, "required", None)
+    text = '[{"name": "get_time", "arguments": {}}, {"name": "get_weather", "arguments": {}}]'
+    ids = [[c.id for c in parse_with(ToolCallParser(plan, call_ids=s), text)] for s in ("a", "a", "b")]
+    assert ids[0] == ids[1] != ids[2] and len(set(ids[0])) == 2
+    assert all(i.startswith("call_") and len(i) == 29 for i in ids[0])
+    assert parse_with(ToolCallParser(plan), text)[0].id != parse_with(ToolCallParser(plan), text)[0].id
+
+
+def parse_with(parser, text):
+    parser.feed(text)
+    parser.finish()
+    return parser.calls

@@ -250,7 +250,7 @@ class Backend:
                 if index == 0 and entry.submissions == 1:
                     usage.cached_prompt_tokens = out.num_cached_tokens
                 entry.delivered.extend(out.token_ids)
-                chunk = relay(entry, index, list(out.token_ids), out.finish_reason or None, _lp(out))
+                chunk = relay(entry, index, list(out.token_ids), out.finish_reason or None, logprobs_of(out))
                 queue.put_nowait(chunk)
                 if chunk.finish_reason is not None:
                     # A stop string ended it here: the scheduler is still to be told (finally), with an abort.
@@ -288,7 +288,7 @@ def relay(entry: Entry, index: int, token_ids: list[int], finish: str | None, lo
     return Chunk(index, text, token_ids, None, None, logprobs)
 
 
-def _lp(out) -> list | None:
+def logprobs_of(out) -> list | None:
     if not out.logprobs:
         return None
     return [list(zip(lp.token_ids, lp.logprobs, strict=True)) for lp in out.logprobs]

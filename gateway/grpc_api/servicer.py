@@ -116,10 +116,11 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         prompt, params, tools = await self._prepare(request, context, obs)
         usage = Usage()
         rid = f"gen-{uuid.uuid4().hex}"
-        # One completion without logprobs or tools: a stream its client may resume (Resume), by this id.
-        resumable = params.n == 1 and params.sampling.logprobs is None and tools is None
+        # One completion: a stream its client may resume (Resume), by this id.
+        resumable = params.n == 1
         context_bytes = context_of(False, rid, 0, params.adapter or self.backend.model_name, params.stop,
-                                   params.sampling.stop_token_ids, True, len(prompt)) if resumable else None
+                                   params.sampling.stop_token_ids, True, len(prompt),
+                                   params.sampling.logprobs, tools) if resumable else None
         if resumable:
             await context.send_initial_metadata((("x-stepwire-stream-id", rid),))
         deltas = self.backend.generate(prompt, params, usage, obs, request_id=rid, resume_context=context_bytes)
@@ -140,14 +141,15 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             self.backend.session.done(request.id, abort=True)
             obs.end("OK", r.usage)
             return
-        async for message in self._stream(r.chunks, request.id, 1, r.usage, obs, context, None,
-                                          sent=0 if seen is None else seen // 2):
+        async for message in self._stream(r.chunks, request.id, 1, r.usage, obs, context, r.tools,
+                                          sent=0 if seen is None else seen // 2, seen_text=r.seen_text):
             yield message
 
-    async def _stream(self, deltas, rid: str, n: int, usage: Usage, obs, context, tools, sent: int = 0):
+    async def _stream(self, deltas, rid: str, n: int, usage: Usage, obs, context, tools, sent: int = 0,
+                      seen_text: str = ""):
         """The stream's messages; each one held back until the next is known, so that usage rides on the last.
-        `sent`: output tokens the client already has (a resumed stream)."""
-        calls = parsers(tools, n)
+        `sent`: output tokens the client already has (a resumed stream), whose text was `seen_text`."""
+        calls = parsers(tools, n, rid, seen_text)
         last = None
         finish: list[str | None] = [None] * n
         try:

@@ -8,6 +8,7 @@ import json
 import math
 import time
 import uuid
+from dataclasses import replace
 
 import grpc
 from fastapi import Request
@@ -41,10 +42,10 @@ async def respond(backend: Backend, raw: Request, req, prompt: list[int], p: Gen
     usage = Usage()
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        # One completion without logprobs or tools: a stream its client may resume (GET /v1/streams/{id}).
-        resumable = p.n == 1 and p.sampling.logprobs is None and tools is None
+        # One completion: a stream its client may resume (GET /v1/streams/{id}).
+        resumable = p.n == 1
         context = context_of(chat, rid, created, p.adapter or backend.model_name, p.stop, p.sampling.stop_token_ids,
-                             include_usage, len(prompt)) if resumable else None
+                             include_usage, len(prompt), p.sampling.logprobs, tools) if resumable else None
         deltas = backend.generate(prompt, p, usage, obs, request_id=rid, resume_context=context)
         if p.tenant.limited:
             # A tenant's limit refuses at the scheduler: that must be a 429 the client's SDK can act on, not an
@@ -130,7 +131,7 @@ async def _then(first, rest):
 
 
 async def _sse(backend, deltas, p, usage, rid, created, chat, include_usage, obs: Observation, tools=None,
-               seen: int | None = None):
+               seen: int | None = None, seen_text: str = ""):
     """The stream's events. Each has an SSE id: twice the output tokens it covers, plus one on the event that
     ends the completion, so that a client resuming from its Last-Event-ID (`seen`) gets what follows it and
     nothing twice (resumed.py)."""
@@ -149,7 +150,7 @@ async def _sse(backend, deltas, p, usage, rid, created, chat, include_usage, obs
     # A resumed stream's client had it with its first event.
     announced = [not chat or seen is not None] * p.n
     finish: list[str | None] = [None] * p.n
-    calls = parsers(tools, p.n) if chat else None
+    calls = parsers(tools, p.n, rid, seen_text) if chat else None
     error = None
     try:
         if seen is not None and seen % 2:              # the client saw the end: what is left is the usage
@@ -217,8 +218,11 @@ async def resume_stream(backend: Backend, raw: Request, stream_id: str, last: st
     if seen is not None and seen % 2:          # the client saw the end: nothing of the request is left to send
         backend.session.done(stream_id, abort=True)
     p = GenerationParams(adapter=ctx["model"])
+    if ctx.get("logprobs") is not None:
+        p.sampling = replace(p.sampling, logprobs=ctx["logprobs"])
     return StreamingResponse(_sse(backend, r.chunks, p, r.usage, ctx["id"], ctx["created"], ctx["chat"],
-                                  ctx["include_usage"], obs, seen=seen), media_type="text/event-stream")
+                                  ctx["include_usage"], obs, r.tools, seen, r.seen_text),
+                             media_type="text/event-stream")
 
 
 def _usage(u: Usage) -> dict:

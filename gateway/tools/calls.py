@@ -57,6 +57,17 @@ class ToolPlan:
         return [{"type": "function", "function": {"name": t.name, "description": t.description,
                                                   "parameters": t.parameters}} for t in self.tools]
 
+    def to_json(self) -> dict:
+        """What a gateway resuming the stream needs to parse its calls as the first one did: names, not schemas
+        (the constraint on the output is the executor's, and goes on with the request)."""
+        return {"names": sorted(self.names), "choice": self.choice, "function": self.function,
+                "parallel": self.parallel}
+
+    @classmethod
+    def from_json(cls, d: dict) -> ToolPlan:
+        return cls(tuple(Tool(name, "", NO_ARGUMENTS) for name in d["names"]), d["choice"], d["function"],
+                   d["parallel"])
+
 
 def tool_plan(tools: list[dict] | None, tool_choice, parallel_tool_calls: bool | None) -> ToolPlan | None:
     """Check a request's tool fields, in OpenAI's shapes (the gRPC edge converts to them). None: the request

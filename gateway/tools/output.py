@@ -40,6 +40,16 @@ def finish_reason(reason: str | None, called: bool) -> str | None:
     return "tool_calls" if called and reason == "stop" else reason
 
 
-def parsers(plan: ToolPlan | None, n: int) -> list[ToolCallParser] | None:
-    """One parser per completion of a streamed request whose text is to be parsed, or None."""
-    return None if plan is None or plan.choice == "none" else [ToolCallParser(plan) for _ in range(n)]
+def parsers(plan: ToolPlan | None, n: int, call_ids: str | None = None,
+            seen_text: str = "") -> list[ToolCallParser] | None:
+    """One parser per completion of a streamed request whose text is to be parsed, or None. `call_ids`: the
+    stream's id, which the calls' ids follow from (a resumable stream). A resumed stream's one parser is first
+    fed `seen_text`, what its client already had: what it answers was sent before the break, and what it answers
+    next is exactly what the first gateway would have sent next (its output depends on the text, not on how it
+    was cut)."""
+    if plan is None or plan.choice == "none":
+        return None
+    out = [ToolCallParser(plan, call_ids if n == 1 else None) for _ in range(n)]
+    if seen_text:
+        out[0].feed(seen_text)
+    return out

@@ -8,6 +8,7 @@ vLLM answers); a stream cannot take back what it sent (with the constraint on, n
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import uuid
@@ -96,8 +97,11 @@ class ToolCallParser:
     States: "auto" text -> header -> args -> close -> text; "required" opening -> header -> args -> close_item
     -> separator -> header ... -> rest; named: named -> args -> rest."""
 
-    def __init__(self, plan: ToolPlan):
+    def __init__(self, plan: ToolPlan, call_ids: str | None = None):
+        """`call_ids`: the calls' ids follow from it and their order (a resumable stream's id, so that the
+        gateway that resumes it names them as the first did); None: random ids."""
         self.plan = plan
+        self.call_ids = call_ids
         self.calls: list[Call] = []
         self.broken = False     # some text did not follow the format
         self.buf = ""           # text received and not yet passed on
@@ -242,11 +246,16 @@ class ToolCallParser:
 
     def _start(self, out: Delta, name: str) -> None:
         self.muted = not self.plan.parallel and bool(self.calls)
-        self.calls.append(Call(f"call_{uuid.uuid4().hex[:24]}", name))
+        self.calls.append(Call(self._call_id(), name))
         if not self.muted:
             first = out.call(len(self.calls) - 1)
             first.id, first.name = self.calls[-1].id, name
         self.raw, self.scanner, self.state = "", JsonObjectEnd(), "args"
+
+    def _call_id(self) -> str:
+        if self.call_ids is None:
+            return f"call_{uuid.uuid4().hex[:24]}"
+        return "call_" + hashlib.blake2b(f"{self.call_ids}:{len(self.calls)}".encode(), digest_size=12).hexdigest()
 
     def _end_call(self, complete: bool) -> None:
         self.calls[-1].complete = complete
