@@ -217,6 +217,8 @@ def main() -> None:
     from gateway_stack import tiny_model_with_tokenizer
     from serving import start_stack
 
+    from launcher.processes import MODULE
+
 
     with tempfile.TemporaryDirectory() as tmp:
         model = tiny_model_with_tokenizer(Path(tmp) / "model")
@@ -241,7 +243,7 @@ def main() -> None:
                 # preload list names the gateway's module too: its death takes every service with it.
                 workers = [c for c in psutil.Process(proc.pid).children(recursive=True)
                            if c.status() != psutil.STATUS_ZOMBIE
-                           and " ".join(c.cmdline()).split()[1:3] == ["-m", "gateway.server"]]
+                           and " ".join(c.cmdline()).split()[1:3] == ["-m", MODULE["gateway"]]]
                 if workers:
                     victim = rng.choice(workers)
                     victim.kill()

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import httpx
 
 BROKEN = (httpx.TransportError, httpx.RemoteProtocolError)
+RETRIED = (502, 503, 504)
 
 
 def stream_chat(url: str, body: dict, headers: dict | None = None, attempts: int = 5,
@@ -29,6 +30,9 @@ def stream_chat(url: str, body: dict, headers: dict | None = None, attempts: int
                 if r.status_code == 404 and stream_id is not None and last is None:
                     stream_id = None     # its gateway died before the request reached the scheduler: send it again
                     continue
+                if r.status_code in RETRIED:
+                    # A gateway still starting, or one that lost the scheduler under the resume: try again.
+                    raise httpx.RemoteProtocolError(f"{r.status_code} {r.read().decode()}")
                 if r.status_code != 200:
                     raise RuntimeError(f"{r.status_code} {r.read().decode()}")
                 stream_id = stream_id or r.headers.get("x-stepwire-stream-id")   # known before any event

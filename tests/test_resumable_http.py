@@ -271,3 +271,76 @@ def test_a_stream_of_tool_calls_cut_mid_call_is_resumed_with_the_same_calls_and_
     for i, (cid, _, _) in calls.items():
         named.calls = [None] * i
         assert cid == named._call_id()
+
+
+def texts_by_choice(evs, n: int) -> list[str]:
+    out = [""] * n
+    for _, data in evs:
+        if data != "[DONE]":
+            for c in json.loads(data)["choices"]:
+                out[c["index"]] += c["delta"].get("content") or ""
+    return out
+
+
+def test_a_stream_of_three_completions_is_resumed_with_each_ones_text_whole(stack):
+    s, _ = stack
+    body = BODY | {"n": 3, "temperature": 0.9, "seed": 11}
+    with httpx.stream("POST", s["a"].url + "/v1/chat/completions", json=body,
+                      headers={"Authorization": "Bearer sk-a"}, timeout=60) as r:
+        sid = r.headers["x-stepwire-stream-id"]
+        seen = events(r.iter_lines(), 10)
+    last = seen[-1][0]
+    assert len(last.split(".")) == 3           # one count per completion
+    assert resume(s, "b", sid, "4").status_code == 400, "an id that names one completion of three"
+    rest = events(resume(s, "b", sid, last).text.splitlines())
+    assert rest[-1][1] == "[DONE]"
+    # The last id says all three ended.
+    assert all(int(part) % 2 == 1 for part in rest[-2][0].split("."))
+    # The whole stream, as the scheduler kept it (it ended; kept for the grace period): each completion's text
+    # before the break and after it add up to it.
+    replay = events(resume(s, "a", sid, None).text.splitlines())
+    whole = texts_by_choice(replay, 3)
+    assert len(set(whole)) == 3 and all(whole)      # seeded: three different completions
+    assert [a + b for a, b in zip(texts_by_choice(seen, 3), texts_by_choice(rest, 3), strict=True)] == whole
+
+
+def test_a_grpc_stream_of_two_completions_is_resumed_from_each_ones_last_sequence(stack):
+    grpc = pytest.importorskip("grpc")
+    from stepwire.v1 import generation_pb2 as g
+    from stepwire.v1 import generation_pb2_grpc
+
+    s, _ = stack
+    key = (("authorization", "Bearer sk-a"),)
+    request = g.GenerateRequest(chat=g.Chat(messages=[g.ChatMessage(role="user", content="Count to twenty.")]),
+                                params=g.SamplingParameters(max_tokens=96, temperature=0.9, seed=5, ignore_eos=True,
+                                                            n=2))
+    with grpc.insecure_channel(s["a"].address) as a, grpc.insecure_channel(s["b"].address) as b:
+        call = generation_pb2_grpc.GenerationStub(a).GenerateStream(request, metadata=key)
+        stream_id = dict(call.initial_metadata())["x-stepwire-stream-id"]
+        seen = [next(call) for _ in range(5)]
+        call.cancel()
+        after = [0, 0]
+        for m in seen:
+            after[m.index] = m.sequence
+        rest = list(generation_pb2_grpc.GenerationStub(b).Resume(g.ResumeRequest(id=stream_id, after_each=after),
+                                                                 metadata=key))
+        whole = ["", ""]
+        for m in generation_pb2_grpc.GenerationStub(a).Resume(g.ResumeRequest(id=stream_id), metadata=key):
+            whole[m.index] += m.text
+        got = ["", ""]
+        for m in seen + rest:
+            got[m.index] += m.text
+        assert got == whole and whole[0] != whole[1] and rest[-1].usage.completion_tokens == 192
+
+
+def test_a_browser_eventsource_may_name_the_last_event_in_the_query_and_the_header_wins(stack):
+    s, whole = stack
+    sid, last, before = start(s, "a", 4)
+    r = httpx.get(s["b"].url + f"/v1/streams/{sid}", params={"last_event_id": last},
+                  headers={"Authorization": "Bearer sk-a"}, timeout=60)
+    assert r.status_code == 200 and before + text_of(events(r.text.splitlines())) == whole
+    # A reconnect of EventSource sends the header too, with a later id: that one counts.
+    sid, last, before = start(s, "a", 4)
+    r = httpx.get(s["b"].url + f"/v1/streams/{sid}", params={"last_event_id": "0"},
+                  headers={"Authorization": "Bearer sk-a", "Last-Event-ID": last}, timeout=60)
+    assert r.status_code == 200 and before + text_of(events(r.text.splitlines())) == whole

@@ -145,7 +145,7 @@ def test_a_parser_fed_what_a_resumed_client_saw_at_once_answers_the_rest_as_the_
         for p in pieces[:cut]:
             first.feed(p)
         want = _merged([first.feed(p) for p in pieces[cut:]] + [first.finish()])
-        second = parsers(plan, 1, "chatcmpl-1", "".join(pieces[:cut]))[0]
+        second = parsers(plan, 1, "chatcmpl-1", ["".join(pieces[:cut])])[0]
         got = _merged([second.feed(p) for p in pieces[cut:]] + [second.finish()])
         assert got == want, cut
 

@@ -150,8 +150,8 @@ class Backend:
                        obs: Observation | None = None, request_id: str | None = None,
                        resume_context: bytes | None = None) -> AsyncIterator[Chunk]:
         """Text deltas of all n completions of a request check() accepted, interleaved as they come.
-        Leaving early aborts them all, except a resumable one (one completion, under `request_id`, with the
-        `resume_context` a resume answers it from: resumed.py), which the scheduler keeps for its client.
+        Leaving early aborts them all, except resumable ones (under `request_id`'s choice ids, with the
+        `resume_context` a resume answers them from: resumed.py), which the scheduler keeps for their client.
         `obs` times the first token and names the parent span."""
         usage.prompt_tokens = len(prompt_ids)
         traceparent = ""
@@ -160,7 +160,7 @@ class Backend:
             traceparent = obs.traceparent()
         queue: asyncio.Queue = asyncio.Queue()
         base = uuid.uuid4().hex[:16]
-        ids = [request_id] if resume_context is not None else [f"{base}-{i}" for i in range(p.n)]
+        ids = choice_ids(request_id, p.n) if resume_context is not None else [f"{base}-{i}" for i in range(p.n)]
         tasks = [asyncio.create_task(self._one(rid, i, prompt_ids, p, queue, usage, traceparent, resume_context))
                  for i, rid in enumerate(ids)]
         try:
@@ -259,8 +259,10 @@ class Backend:
         finally:
             # Also on cancellation (client gone, or another of the n completions failed): abort at the scheduler,
             # or have it keep a resumable request for its client.
+            # (`unannounced` holds stream ids; a completion's id is its stream's, or that and ".<index>".)
             session.done(submit.request_id, abort=not finished, detach=entry.resumable and entry.submissions == 1
-                         and not stopped and entry.request_id not in self.unannounced, queue=outputs)
+                         and not stopped and entry.request_id.partition(".")[0] not in self.unannounced,
+                         queue=outputs)
 
     async def _wait_for_scheduler(self, lost_at: float) -> None:
         """Hold the request until the scheduler serves again; past --scheduler-wait-seconds, fail it."""
@@ -270,6 +272,12 @@ class Backend:
         except TimeoutError:
             raise SchedulerError(grpc.StatusCode.UNAVAILABLE,
                                  SCHEDULER_GONE.format(self.scheduler_wait_seconds)) from None
+
+
+def choice_ids(stream_id: str, n: int) -> list[str]:
+    """The scheduler's ids of a resumable stream's n completions: the stream's own id for the first, so that a
+    resume finds it (and its context, which says n) by the id the client has."""
+    return [stream_id] + [f"{stream_id}.{i}" for i in range(1, n)]
 
 
 def relay(entry: Entry, index: int, token_ids: list[int], finish: str | None, logprobs) -> Chunk:

@@ -116,13 +116,11 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         prompt, params, tools = await self._prepare(request, context, obs)
         usage = Usage()
         rid = f"gen-{uuid.uuid4().hex}"
-        # One completion: a stream its client may resume (Resume), by this id.
-        resumable = params.n == 1
+        # A stream its client may resume (Resume), by this id.
         context_bytes = context_of(False, rid, 0, params.adapter or self.backend.model_name, params.stop,
                                    params.sampling.stop_token_ids, True, len(prompt),
-                                   params.sampling.logprobs, tools) if resumable else None
-        if resumable:
-            await context.send_initial_metadata((("x-stepwire-stream-id", rid),))
+                                   params.sampling.logprobs, tools, params.n)
+        await context.send_initial_metadata((("x-stepwire-stream-id", rid),))
         deltas = self.backend.generate(prompt, params, usage, obs, request_id=rid, resume_context=context_bytes)
         async for message in self._stream(deltas, rid, params.n, usage, obs, context, tools):
             yield message
@@ -130,26 +128,25 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     async def Resume(self, request, context):
         obs = Observation(self.metrics, "grpc", f"{SERVICE}/Resume", "resume",
                           dict(context.invocation_metadata() or ()), self.backend.model_name)
-        seen = request.after if request.HasField("after") else None
+        seen = list(request.after_each) or ([request.after] if request.HasField("after") else None)
         try:
-            r = await resume(self.backend, request.id, grpc_tenant(self.keys, context),
-                             0 if seen is None else seen // 2)
+            r = await resume(self.backend, request.id, grpc_tenant(self.keys, context), seen)
         except SchedulerError as e:
             obs.end(e.code().name, error=e.details())
             await context.abort(e.code(), e.details())
-        if seen is not None and seen % 2:          # the client saw the end
-            self.backend.session.done(request.id, abort=True)
+        if seen is not None and all(s % 2 for s in seen):          # the client saw every completion end
             obs.end("OK", r.usage)
             return
-        async for message in self._stream(r.chunks, request.id, 1, r.usage, obs, context, r.tools,
-                                          sent=0 if seen is None else seen // 2, seen_text=r.seen_text):
+        async for message in self._stream(r.chunks, request.id, r.context.get("n", 1), r.usage, obs, context,
+                                          r.tools, seen=seen, seen_text=r.seen_text):
             yield message
 
-    async def _stream(self, deltas, rid: str, n: int, usage: Usage, obs, context, tools, sent: int = 0,
-                      seen_text: str = ""):
+    async def _stream(self, deltas, rid: str, n: int, usage: Usage, obs, context, tools,
+                      seen: list[int] | None = None, seen_text: list[str] | None = None):
         """The stream's messages; each one held back until the next is known, so that usage rides on the last.
-        `sent`: output tokens the client already has (a resumed stream), whose text was `seen_text`."""
+        `seen`: each completion's last sequence the client has (a resumed stream), `seen_text` their text."""
         calls = parsers(tools, n, rid, seen_text)
+        sent = [0] * n if seen is None else [s // 2 for s in seen]
         last = None
         finish: list[str | None] = [None] * n
         try:
@@ -158,7 +155,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                     finish[c.index] = c.finish_reason
                 if last is not None:
                     yield last
-                sent += len(c.token_ids)
+                sent[c.index] += len(c.token_ids)
                 got, reason = Delta(c.text), c.finish_reason
                 if calls is not None:   # tool calls out of the text, and text held back in case it is one
                     got = calls[c.index].feed(c.text)
@@ -167,7 +164,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 last = generation_pb2.GenerateStreamResponse(
                     id=rid, index=c.index, text=got.content, token_ids=c.token_ids, finish_reason=FINISH[reason],
                     stop=c.stop or "", logprobs=self._logprobs(c.logprobs), tool_calls=_pieces(got),
-                    sequence=2 * sent + (n == 1 and c.finish_reason is not None))
+                    sequence=2 * sent[c.index] + (c.finish_reason is not None))
             if last is not None:
                 last.usage.CopyFrom(_usage(usage))   # usage rides on the very last message
                 yield last

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from gateway.access.auth import tenant_of
 from gateway.generation.backend import Backend
-from gateway.generation.params import GenerationParams, Usage
+from gateway.generation.params import MAX_N, GenerationParams, Usage
 from gateway.generation.resumed import context_of, resume
 from gateway.generation.scheduler_session import SchedulerError
 from gateway.generation.telemetry import Observation
@@ -42,10 +42,9 @@ async def respond(backend: Backend, raw: Request, req, prompt: list[int], p: Gen
     usage = Usage()
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        # One completion: a stream its client may resume (GET /v1/streams/{id}).
-        resumable = p.n == 1
+        # A stream its client may resume (GET /v1/streams/{id}).
         context = context_of(chat, rid, created, p.adapter or backend.model_name, p.stop, p.sampling.stop_token_ids,
-                             include_usage, len(prompt), p.sampling.logprobs, tools) if resumable else None
+                             include_usage, len(prompt), p.sampling.logprobs, tools, p.n)
         deltas = backend.generate(prompt, p, usage, obs, request_id=rid, resume_context=context)
         if p.tenant.limited:
             # A tenant's limit refuses at the scheduler: that must be a 429 the client's SDK can act on, not an
@@ -68,7 +67,7 @@ async def respond(backend: Backend, raw: Request, req, prompt: list[int], p: Gen
         # The stream's id before its first event: a client whose gateway dies before that can still resume it.
         return StreamingResponse(_sse(backend, deltas, p, usage, rid, created, chat, include_usage, obs, tools),
                                  media_type="text/event-stream",
-                                 headers={"X-Stepwire-Stream-Id": rid} if resumable else None)
+                                 headers={"X-Stepwire-Stream-Id": rid})
     texts = [""] * p.n
     finish: list[str | None] = [None] * p.n
     lps: list[list] = [[] for _ in range(p.n)]
@@ -131,38 +130,43 @@ async def _then(first, rest):
 
 
 async def _sse(backend, deltas, p, usage, rid, created, chat, include_usage, obs: Observation, tools=None,
-               seen: int | None = None, seen_text: str = ""):
-    """The stream's events. Each has an SSE id: twice the output tokens it covers, plus one on the event that
-    ends the completion, so that a client resuming from its Last-Event-ID (`seen`) gets what follows it and
-    nothing twice (resumed.py)."""
+               seen: list[int] | None = None, seen_text: list[str] | None = None):
+    """The stream's events. Each has an SSE id: twice the output tokens it covers, plus one once the completion
+    has ended; with n completions, one such number for each, joined by dots. A client resuming from its
+    Last-Event-ID (`seen`, those numbers) gets what follows it and nothing twice (resumed.py)."""
     obj = "chat.completion.chunk" if chat else "text_completion"
-    sent = 0 if seen is None else seen // 2        # tokens whose text the client has
+    # Per completion: tokens whose text the client has, and whether it saw the completion end.
+    sent = [0] * p.n if seen is None else [s // 2 for s in seen]
+    ended = [False] * p.n if seen is None else [bool(s % 2) for s in seen]
 
-    def event(choices, ends: bool = False, **extra):
+    def event(choices, **extra):
         body = {"id": rid, "object": obj, "created": created, "model": p.adapter or backend.model_name,
                 "choices": choices}
         body.update(extra)
-        return f"id: {2 * sent + ends}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
+        ids = ".".join(str(2 * s + e) for s, e in zip(sent, ended, strict=True))
+        return f"id: {ids}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
 
     want_lp = p.sampling.logprobs is not None
     # A choice's role chunk goes out with its first output, as vLLM's does: sent at once, it would read as a
     # first token to every client that times TTFT by the first chunk (vLLM's own benchmark client does).
-    # A resumed stream's client had it with its first event.
-    announced = [not chat or seen is not None] * p.n
+    # A resumed one's client had it with the completion's first event (the role chunk's id counts no token of it, so
+    # a client that had only that may get it twice, which changes nothing it builds).
+    announced = [not chat or (seen is not None and (p.n == 1 or s > 0)) for s in (seen or [0] * p.n)]
     finish: list[str | None] = [None] * p.n
     calls = parsers(tools, p.n, rid, seen_text) if chat else None
     error = None
     try:
-        if seen is not None and seen % 2:              # the client saw the end: what is left is the usage
+        if all(ended):              # the client saw every completion end: what is left is the usage
             deltas = _none()
         async for c in deltas:
             if not announced[c.index]:
                 announced[c.index] = True
                 yield event([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                               "finish_reason": None}])
-            sent += len(c.token_ids)
+            sent[c.index] += len(c.token_ids)
             if c.finish_reason is not None:
                 finish[c.index] = c.finish_reason
+                ended[c.index] = True
             if chat:
                 delta, reason = {"content": c.text} if c.text else {}, c.finish_reason
                 if calls is not None:   # tool calls out of the text, and text held back in case it is one
@@ -178,9 +182,9 @@ async def _sse(backend, deltas, p, usage, rid, created, chat, include_usage, obs
                 choice = {"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
                           "logprobs": _completion_lp(backend, c.logprobs or []) if want_lp else None}
             if (choice["delta"] if chat else c.text) or c.finish_reason is not None or c.logprobs:
-                yield event([choice], ends=c.finish_reason is not None and p.n == 1)
+                yield event([choice])
         if include_usage:
-            yield event([], ends=p.n == 1, usage=_usage(usage))
+            yield event([], usage=_usage(usage))
         yield "data: [DONE]\n\n"
     except SchedulerError as e:
         error = e.details()
@@ -199,14 +203,14 @@ async def _none():
 async def resume_stream(backend: Backend, raw: Request, stream_id: str, last: str | None, obs: Observation):
     """GET /v1/streams/{id}: the rest of a resumable stream, after the event its Last-Event-ID (`last`) names."""
     try:
-        seen = None if last is None else int(last)
-        if seen is not None and seen < 0:
+        seen = None if last is None else [int(part) for part in last.split(".", MAX_N)]
+        if seen is not None and (min(seen) < 0 or len(seen) > MAX_N):
             raise ValueError
     except ValueError:
         obs.end(400, error="bad Last-Event-ID")
         return error(400, "Last-Event-ID: the id of an event this stream sent", "Last-Event-ID")
     try:
-        r = await resume(backend, stream_id, tenant_of(raw), 0 if seen is None else seen // 2)
+        r = await resume(backend, stream_id, tenant_of(raw), seen)
     except SchedulerError as e:
         if e.code() == grpc.StatusCode.NOT_FOUND:
             obs.end(404, error=e.details())
@@ -215,9 +219,7 @@ async def resume_stream(backend: Backend, raw: Request, stream_id: str, last: st
         obs.end(response.status_code, error=e.details())
         return response
     ctx = r.context
-    if seen is not None and seen % 2:          # the client saw the end: nothing of the request is left to send
-        backend.session.done(stream_id, abort=True)
-    p = GenerationParams(adapter=ctx["model"])
+    p = GenerationParams(adapter=ctx["model"], n=ctx.get("n", 1))
     if ctx.get("logprobs") is not None:
         p.sampling = replace(p.sampling, logprobs=ctx["logprobs"])
     return StreamingResponse(_sse(backend, r.chunks, p, r.usage, ctx["id"], ctx["created"], ctx["chat"],

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import inspect
 
-from fastapi import FastAPI, Header, Request
+from fastapi import FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -30,6 +30,9 @@ from stepwire.contract import InvalidRequestError, SamplingParams
 OPEN_PATHS = frozenset({"/health", "/metrics"})   # probes and Prometheus carry no API key
 # After a 413 the server hangs up rather than read (and discard) the rest of an oversized body.
 CLOSE = {"Connection": "close"}
+
+# A resumed stream's last event id: one number per completion (n at most 16), dotted.
+LAST_ID = 256
 
 
 def _short(text: str, limit: int = 200) -> str:
@@ -164,10 +167,14 @@ def build_app(backend: Backend, metrics: GatewayMetrics, api_keys: ApiKeys | Non
 
     @app.get("/v1/streams/{stream_id}")
     async def resumed_stream(stream_id: str, raw: Request,
-                             last_event_id: str | None = Header(None, alias="Last-Event-ID", max_length=24)):
-        """The rest of a resumable stream after the event `Last-Event-ID` names (docs/resumable_streams.md)."""
+                             last_event_id: str | None = Header(None, alias="Last-Event-ID", max_length=LAST_ID),
+                             query_last: str | None = Query(None, alias="last_event_id", max_length=LAST_ID)):
+        """The rest of a resumable stream after the event `Last-Event-ID` names (docs/resumable_streams.md).
+        The query parameter is for a browser's EventSource, which cannot send the header on its first connection;
+        on its reconnects it sends the header, which wins."""
         obs = Observation(metrics, "http", "/v1/streams", "resume", raw.headers, backend.model_name)
-        return await resume_stream(backend, raw, stream_id, last_event_id, obs)
+        last = last_event_id if last_event_id is not None else query_last
+        return await resume_stream(backend, raw, stream_id, last, obs)
 
     return app
 

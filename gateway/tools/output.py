@@ -41,15 +41,16 @@ def finish_reason(reason: str | None, called: bool) -> str | None:
 
 
 def parsers(plan: ToolPlan | None, n: int, call_ids: str | None = None,
-            seen_text: str = "") -> list[ToolCallParser] | None:
+            seen_text: list[str] | None = None) -> list[ToolCallParser] | None:
     """One parser per completion of a streamed request whose text is to be parsed, or None. `call_ids`: the
-    stream's id, which the calls' ids follow from (a resumable stream). A resumed stream's one parser is first
-    fed `seen_text`, what its client already had: what it answers was sent before the break, and what it answers
-    next is exactly what the first gateway would have sent next (its output depends on the text, not on how it
-    was cut)."""
+    stream's id, which the calls' ids follow from (a resumable stream). A resumed stream's parsers are first fed
+    `seen_text`, what its client already had of each completion: what they answer was sent before the break, and
+    what they answer next is exactly what the first gateway's would have sent next (their output depends on the
+    text, not on how it was cut)."""
     if plan is None or plan.choice == "none":
         return None
-    out = [ToolCallParser(plan, call_ids if n == 1 else None) for _ in range(n)]
-    if seen_text:
-        out[0].feed(seen_text)
+    ids = [None] * n if call_ids is None else [f"{call_ids}:{i}" if i else call_ids for i in range(n)]
+    out = [ToolCallParser(plan, i) for i in ids]
+    for parser, text in zip(out, seen_text or (), strict=False):
+        parser.feed(text)
     return out

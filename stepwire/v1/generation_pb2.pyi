@@ -21,12 +21,14 @@ FINISH_REASON_ABORT: FinishReason
 FINISH_REASON_TOOL_CALLS: FinishReason
 
 class ResumeRequest(_message.Message):
-    __slots__ = ("id", "after")
+    __slots__ = ("id", "after", "after_each")
     ID_FIELD_NUMBER: _ClassVar[int]
     AFTER_FIELD_NUMBER: _ClassVar[int]
+    AFTER_EACH_FIELD_NUMBER: _ClassVar[int]
     id: str
     after: int
-    def __init__(self, id: _Optional[str] = ..., after: _Optional[int] = ...) -> None: ...
+    after_each: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, id: _Optional[str] = ..., after: _Optional[int] = ..., after_each: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content", "tool_calls", "tool_call_id", "name")
