@@ -139,18 +139,19 @@ async def serve(s: GatewaySettings, model_name: str, api_keys: ApiKeys) -> None:
              "scheduler at %s (%s) is", model_name, "s" if s.public_tls_cert else "", s.host, s.port, s.grpc_address,
              "API keys required" if api_keys.enabled else "no API key required", s.scheduler,
              describe(s.tls_files()))
-    # With TLS, an idle keep-alive client holds uvicorn's shutdown until asyncio's TLS close times out (30 s,
-    # measured: 20 s and more), so the wait for open connections is bounded.
-    public_tls = {"ssl_certfile": s.public_tls_cert, "ssl_keyfile": s.public_tls_key,
-                  "timeout_graceful_shutdown": 10} if s.public_tls_cert else {}
+    public_tls = {"ssl_certfile": s.public_tls_cert, "ssl_keyfile": s.public_tls_key} if s.public_tls_cert else {}
+    # The wait for open connections on SIGTERM is bounded: a long stream would hold a rollout for as long as it
+    # runs (and, with TLS, an idle keep-alive client until asyncio's TLS close times out, 20 s and more). A stream
+    # cut then is detached, not aborted: its client resumes it on another gateway (docs/resumable_streams.md).
+    bounded = {"timeout_graceful_shutdown": s.shutdown_grace_seconds}
     # Each port gets its own cap, so a flood on the API port cannot starve the probes' port.
     limits = {"http": partial(LimitedH11Protocol, limits=ConnectionLimits(s.read_timeout_seconds, s.max_connections))}
     http = [uvicorn.Config(build_app(backend, metrics, api_keys, s.max_body_bytes), host=s.host, port=s.port,
-                           log_level="warning", **limits, **public_tls)]
+                           log_level="warning", **limits, **public_tls, **bounded)]
     if s.health_port:
         log.info("/health and /metrics also on http://%s:%d, without a key", s.host, s.health_port)
         http.append(uvicorn.Config(build_health_app(backend, metrics), host=s.host, port=s.health_port,
-                                   log_level="warning", **limits))
+                                   log_level="warning", **limits, **bounded))
     warn_if_over_descriptor_limit(s.max_connections * len(http))
     try:
         # On a signal each server stops and hands the signal on to the one that set its handler before it.

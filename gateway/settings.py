@@ -33,6 +33,9 @@ class GatewaySettings(TLSSettings):
     read_timeout_seconds: float = Field(30.0, gt=0, description="the longest a client may take to send a whole HTTP "
                                         "request, headers and body, counted from its connection or, on a kept-alive "
                                         "one, from the request's first byte: then 408 and the connection closes")
+    shutdown_grace_seconds: float = Field(10.0, ge=0, le=3600, description="on SIGTERM, how long open streams "
+                                          "may go on before they are cut; the scheduler keeps a cut stream for its "
+                                          "client to resume on another gateway (GET /v1/streams/{id})")
     max_connections: int = Field(4096, ge=1, description="open HTTP connections per port (idle, slow and busy ones "
                                  "alike); one more is answered 503 and closed. Keep it below the process's file "
                                  "descriptor limit")

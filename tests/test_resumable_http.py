@@ -5,6 +5,7 @@ and the text after it are the uncut stream's text, no character lost or repeated
 404, and so does a stream nobody resumed within the scheduler's grace period."""
 
 import json
+import signal
 import time
 
 import pytest
@@ -50,7 +51,8 @@ def stack(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("resumable")
     model = tiny_model_with_tokenizer(tmp / "model", max_position_embeddings=1024)   # room for a tools prompt
     (tmp / "tenants.json").write_text(json.dumps(TENANTS))
-    gateway = {"--model": model, "--tenants-file": tmp / "tenants.json"}
+    # A stream still open a fraction of a second after SIGTERM is cut (and kept for its client to resume).
+    gateway = {"--model": model, "--tenants-file": tmp / "tenants.json", "--shutdown-grace-seconds": 0.3}
     services = [Service("executor", flags={"--model": model, "--block-size": 4, "--kv-cache-memory": kv_bytes(1024),
                                            "--max-num-seqs": 8, "--max-model-len": 1024, "--threads": 1}),
                 Service("scheduler", flags={"--resume-grace-seconds": 3}),
@@ -344,3 +346,33 @@ def test_a_browser_eventsource_may_name_the_last_event_in_the_query_and_the_head
     r = httpx.get(s["b"].url + f"/v1/streams/{sid}", params={"last_event_id": "0"},
                   headers={"Authorization": "Bearer sk-a", "Last-Event-ID": last}, timeout=60)
     assert r.status_code == 200 and before + text_of(events(r.text.splitlines())) == whole
+
+
+def test_a_gateway_stopped_by_sigterm_cuts_a_long_stream_after_its_grace_and_the_client_resumes_it_elsewhere(stack):
+    """A rolling restart: the stream does not hold the old gateway up, and it goes on, whole, on another."""
+    s, _ = stack
+    body = BODY | {"max_tokens": 900}
+    seen, cut = [], False
+    with httpx.stream("POST", s["a"].url + "/v1/chat/completions", json=body,
+                      headers={"Authorization": "Bearer sk-a"}, timeout=60) as r:
+        sid = r.headers["x-stepwire-stream-id"]
+        last = None
+        try:
+            for line in r.iter_lines():
+                if line.startswith("id: "):
+                    last = line[4:]
+                elif line.startswith("data: "):
+                    seen.append((last, line[6:]))
+                    if len(seen) == 3:
+                        s.terminate("a")
+        except (httpx.TransportError, httpx.RemoteProtocolError):
+            cut = True
+    # It exits on its own once the grace is over (uvicorn hands the signal on once it has stopped: -15).
+    assert s.wait("a") in (0, -signal.SIGTERM)
+    assert (cut or seen[-1][1] != "[DONE]") and len(seen) >= 3
+    rest = events(resume(s, "b", sid, seen[-1][0]).text.splitlines())
+    assert rest[-1][1] == "[DONE]"
+    whole = text_of(events(resume(s, "b", sid, None).text.splitlines()))
+    assert text_of(seen) + text_of(rest) == whole and len(whole) > 900
+    s.start("a")
+    s.wait_ready("a")
