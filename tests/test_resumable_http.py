@@ -20,6 +20,7 @@ from launcher.processes import Service, Stack  # noqa: E402
 
 pytestmark = pytest.mark.processes
 
+GRACE = 8
 TENANTS = {"tenants": {"team-a": {"keys": ["sk-a"]}, "team-b": {"keys": ["sk-b"]}}}
 BODY = {"model": "model", "messages": [{"role": "user", "content": "Count to twenty."}], "max_tokens": 96,
         "temperature": 0.0, "ignore_eos": True, "stream": True, "stop": ["zz"]}
@@ -55,7 +56,8 @@ def stack(tmp_path_factory):
     gateway = {"--model": model, "--tenants-file": tmp / "tenants.json", "--shutdown-grace-seconds": 0.3}
     services = [Service("executor", flags={"--model": model, "--block-size": 4, "--kv-cache-memory": kv_bytes(1024),
                                            "--max-num-seqs": 8, "--max-model-len": 1024, "--threads": 1}),
-                Service("scheduler", flags={"--resume-grace-seconds": 3}),
+                # Long enough for a gateway killed under a loaded machine to come back (its client resumes there).
+                Service("scheduler", flags={"--resume-grace-seconds": GRACE}),
                 Service("gateway", "a", flags=dict(gateway)), Service("gateway", "b", flags=dict(gateway))]
     with Stack(services, tmp) as s:
         with httpx.stream("POST", s["a"].url + "/v1/chat/completions", json=BODY,
@@ -118,7 +120,7 @@ def test_another_tenants_key_and_an_unknown_id_get_a_404_and_a_late_resume_too(s
     sid, last, before = start(s, "a", 2)
     assert resume(s, "b", sid, last, key="sk-b").status_code == 404
     assert resume(s, "b", "chatcmpl-" + "0" * 32, None).status_code == 404
-    time.sleep(4)                                       # --resume-grace-seconds 3
+    time.sleep(GRACE + 1)
     late = resume(s, "b", sid, last)
     assert late.status_code == 404 and late.json()["error"]["code"] == "stream_not_found"
 
@@ -376,3 +378,33 @@ def test_a_gateway_stopped_by_sigterm_cuts_a_long_stream_after_its_grace_and_the
     assert text_of(seen) + text_of(rest) == whole and len(whole) > 900
     s.start("a")
     s.wait_ready("a")
+
+
+def test_a_stream_resubmitted_to_a_restarted_scheduler_stays_resumable_with_every_token_once(stack):
+    """The scheduler is killed mid-stream: the gateway submits the request again (its journal), under the stream's
+    id, and the new scheduler's record starts with the tokens the client already had; then the client's connection
+    breaks, and a resume on the other gateway gets the rest."""
+    s, _ = stack
+    body = BODY | {"max_tokens": 900}
+    seen, last = [], None
+    with httpx.stream("POST", s["a"].url + "/v1/chat/completions", json=body,
+                      headers={"Authorization": "Bearer sk-a"}, timeout=120) as r:
+        sid = r.headers["x-stepwire-stream-id"]
+        for line in r.iter_lines():
+            if line.startswith("id: "):
+                last = line[4:]
+            elif line.startswith("data: "):
+                seen.append((last, line[6:]))
+                if len(seen) == 1:
+                    s.kill("scheduler")
+                    s.start("scheduler")
+                if len(seen) == 40:
+                    break                       # the client's connection breaks
+    assert seen[-1][1] != "[DONE]"
+    rest = events(resume(s, "b", sid, last).text.splitlines())
+    assert rest[-1][1] == "[DONE]"
+    text = text_of(seen) + text_of(rest)
+    # Greedy: the same text as a run that nothing interrupted.
+    with httpx.stream("POST", s["a"].url + "/v1/chat/completions", json=body,
+                      headers={"Authorization": "Bearer sk-a"}, timeout=120) as r:
+        assert text == text_of(events(r.iter_lines()))

@@ -227,14 +227,22 @@ class Backend:
         over): it is over when it finished, stopped on a stop string, or failed; not over when the scheduler
         was lost under it."""
         session = self.session
-        submit = entry.submit_request()
-        if entry.submissions > 1 and self.metrics is not None:
+        outputs = out = None
+        if lost_at is not None and entry.resumable:
+            # The scheduler may still hold it (the session broke, the scheduler did not): take it back, with what
+            # it made meanwhile. Otherwise (a new scheduler) it is submitted again, under the same id.
+            outputs, out = await self._reclaim(entry)
+        if outputs is None:
+            submit = entry.submit_request()
+            outputs = session.submit(submit)
+        rid = entry.request_id if entry.resumable else submit.request_id
+        if lost_at is not None and self.metrics is not None:
             self.metrics.resumed.inc()
-        outputs = session.submit(submit)
         finished = got_output = stopped = False
         try:
             while True:
-                out = await outputs.get()
+                if out is None:
+                    out = await outputs.get()
                 if isinstance(out, SessionLost):
                     finished = True          # nothing to abort on a stream that is gone
                     return got_output, False
@@ -256,13 +264,34 @@ class Backend:
                     # A stop string ended it here: the scheduler is still to be told (finally), with an abort.
                     finished, stopped = out.finish_reason != "", out.finish_reason == ""
                     return got_output, True
+                out = None
         finally:
             # Also on cancellation (client gone, or another of the n completions failed): abort at the scheduler,
             # or have it keep a resumable request for its client.
             # (`unannounced` holds stream ids; a completion's id is its stream's, or that and ".<index>".)
-            session.done(submit.request_id, abort=not finished, detach=entry.resumable and entry.submissions == 1
-                         and not stopped and entry.request_id.partition(".")[0] not in self.unannounced,
-                         queue=outputs)
+            session.done(rid, abort=not finished, detach=entry.resumable and not stopped
+                         and entry.request_id.partition(".")[0] not in self.unannounced, queue=outputs)
+
+    async def _reclaim(self, entry: Entry):
+        """Take a resumable request back from the scheduler after the session broke: (its outputs' queue, an
+        output with what the client has not had yet), or (None, None) where the scheduler holds no such request."""
+        outputs = self.session.resume(entry.request_id, entry.tenant.name)
+        while True:
+            first = await outputs.get()
+            if isinstance(first, SessionLost):
+                return outputs, first
+            error = first if isinstance(first, SchedulerError) else output_error(first)
+            if error is not None:
+                self.session.done(entry.request_id, abort=False, queue=outputs)
+                return None, None
+            if first.replay:
+                break      # (outputs sent before the replay: their tokens are in it)
+        d = len(entry.delivered)
+        rest = scheduler_pb2.RequestOutput(request_id=entry.request_id, token_ids=first.token_ids[d:],
+                                           finish_reason=first.finish_reason,
+                                           num_cached_tokens=first.num_cached_tokens)
+        rest.logprobs.extend(first.logprobs[d:])
+        return outputs, rest
 
     async def _wait_for_scheduler(self, lost_at: float) -> None:
         """Hold the request until the scheduler serves again; past --scheduler-wait-seconds, fail it."""

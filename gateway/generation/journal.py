@@ -42,13 +42,16 @@ class Entry:
     def submit_request(self) -> scheduler_pb2.SubmitRequest:
         """The request as the scheduler must see it now: prompt plus delivered tokens, the rest of max_tokens
         and min_tokens. Each submission has its own id, so a scheduler that still knows an older one (a
-        graceful shutdown racing a resubmission) never sees a duplicate."""
+        graceful shutdown racing a resubmission) never sees a duplicate; except a resumable one's, whose id is
+        what its client resumes by: the gateway first asks the scheduler for it by that id (backend.py), and
+        submits it again only where the scheduler does not hold it. Resubmitted, it stays resumable, and the
+        scheduler's record of it starts with the delivered tokens (prior_output_tokens of the prompt's end)."""
         n = len(self.delivered)
         sp = self.sampling
         if n:
             sp = replace(sp, max_tokens=sp.max_tokens - n, min_tokens=max(sp.min_tokens - n, 0),
                          prior_output_tokens=sp.prior_output_tokens + n)
-        rid = self.request_id if not self.submissions else f"{self.request_id}~{self.submissions}"
+        rid = self.request_id if not self.submissions or self.resumable else f"{self.request_id}~{self.submissions}"
         resumed = self.submissions > 0
         self.submissions += 1
         t = self.tenant
@@ -58,11 +61,7 @@ class Entry:
                                            params=sp.to_proto(), priority=self.priority, cache_salt=self.cache_salt,
                                            traceparent=self.traceparent, adapter=self.adapter, tenant=t.name,
                                            tenant_weight=t.weight, tenant_limits=limits, resumed=resumed,
-                                           # Resumable as first submitted only: a resubmission after a
-                                           # scheduler loss has another id and starts from its delivered tokens.
-                                           resumable=self.resumable and not resumed,
-                                           resume_context=self.resume_context if self.resumable and not resumed
-                                           else b"")
+                                           resumable=self.resumable, resume_context=self.resume_context or b"")
 
     @property
     def resumable(self) -> bool:

@@ -121,7 +121,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                     self.fleet.streams[rid] = session
                     session.live.add(rid)
                     if msg.submit.resumable:
-                        session.resumable[rid] = Resumable(msg.submit.tenant, bytes(msg.submit.resume_context))
+                        session.resumable[rid] = Resumable(msg.submit.tenant, bytes(msg.submit.resume_context),
+                                                           delivered_before(msg.submit))
                 elif msg.HasField("abort"):
                     self._abort([r for r in msg.abort.request_ids if r in session.live])
                 elif msg.HasField("detach"):
@@ -234,3 +235,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 e.num_recomputed_tokens = link.core.kv.recomputed_tokens
                 e.lora_slots.extend((k or "").rpartition("@")[0] for k in link.core.adapters.slots)
         return resp
+
+
+def delivered_before(submit: scheduler_pb2.SubmitRequest) -> list[int]:
+    """A resumable request its gateway submitted again (the scheduler before this one was lost): the output
+    tokens its client already has, which end its prompt. A resume's replay must hold them, for the resuming gateway
+    detokenizes the stream from its start."""
+    n = submit.params.prior_output_tokens if submit.resumed else 0
+    return list(submit.prompt_token_ids[len(submit.prompt_token_ids) - n:]) if 0 < n <= len(submit.prompt_token_ids) \
+        else []
