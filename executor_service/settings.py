@@ -88,6 +88,13 @@ class ExecutorSettings(RoleSettings):
         "auto: packed in float32 and bfloat16 where the kernels build, else library. Deterministic mode always packs")
     kv_cache_memory: int = Field(1 << 30, ge=1, description="bytes for the KV cache of all layers, on each rank "
                                  "(each holds its own KV heads of every block)")
+    kv_host_memory: int = Field(0, ge=0, description="bytes of host memory for a KV tier under the cache: blocks the "
+                                "pool evicts are copied there and come back on a prefix hit instead of being "
+                                "computed again (docs/kv_tiers.md); 0: none")
+    kv_disk_dir: str = Field("", description="a directory for a KV tier on disk, under the host tier (or under the "
+                             "cache, without one); an executor started again on it comes back with its blocks; "
+                             "empty: none")
+    kv_disk_bytes: int = Field(8 << 30, ge=0, description="most bytes of KV blocks --kv-disk-dir holds")
     block_size: int = Field(16, ge=1, description="tokens per KV block")
     max_num_seqs: int = Field(256, ge=1, description="rows of the persistent batch")
     max_model_len: int | None = Field(None, ge=2, description="context cap; default: the model's")

@@ -91,3 +91,19 @@ def test_the_executor_a_request_leaves_is_never_chosen_but_may_be_the_pull_sourc
     assert (choice.index, choice.source, choice.pulled) == (1, 0, 512)
     assert pick(big, cores, exclude=0).index == 1
     assert pick(big, cores[:1], exclude=0).index == -1
+
+
+def test_a_prefix_on_an_executors_kv_tier_draws_the_request_there_but_less_than_one_in_its_pool():
+    from scheduler_service.core.kv_cache.hashing import extend_block_hashes
+    hashes: list[bytes] = []
+    extend_block_hashes(hashes, list(range(0, 20)), 4)
+    cores = _cores()
+    cores[1].kv.configure_tiers(8, 8, [(1, s, h) for s, h in enumerate(hashes[:4])])      # 16 tokens on disk
+    for i in range(2):
+        cores[1].add_request(req(f"busy{i}", 8, first=100 + 10 * i))                     # and it is busier
+    choice = pick(req("new", 20), cores)
+    assert choice.index == 1 and choice.hit == 0         # the pool's hit is none: the tier's counts in the choice
+    _warm(cores[2], "warm", 8)                           # 8 tokens in a pool lose to 16 on disk (12.8)
+    assert pick(req("new", 20), cores).index == 1
+    _warm(cores[0], "warm", 16)                          # 16 in a pool beat 16 on disk
+    assert pick(req("new", 20), cores).index == 0

@@ -31,7 +31,25 @@ class ExecutorMetrics:
         self.kv_bytes_out = Counter("stepwire:executor_kv_bytes_out", "Bytes of those blocks.", registry=r)
         self.kv_pull_failures = Counter("stepwire:executor_kv_pull_failures", "Pulls refused or given up (the "
                                         "scheduler recomputes their requests).", registry=r)
+        # KV tiers (executor_service/kv/tiers.py), by tier: host or disk.
+        self.tier_loaded = Counter("stepwire:executor_kv_tier_loaded_blocks", "KV blocks loaded from a tier into "
+                                   "the cache for a prefix hit, by tier.", ["tier"], registry=r)
+        self.tier_stored = Counter("stepwire:executor_kv_tier_stored_blocks", "KV blocks written down a tier (an "
+                                   "evicted block, or a host block going to disk), by tier.", ["tier"], registry=r)
+        self.tier_seconds = Histogram("stepwire:executor_kv_tier_move_seconds", "Time a step spends on its tier "
+                                      "moves and loads before it runs (disk writes happen on another thread).",
+                                      buckets=(1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0), registry=r)
+        self.tier_refused = Counter("stepwire:executor_kv_tier_refused", "Tier blocks refused on load (torn, stale, "
+                                    "foreign or missing): recomputed instead.", registry=r)
         r.register(_Live(service))
+
+    def observe_tiers(self, ops, seconds: float) -> None:
+        names = ("host", "disk")
+        for _, tier, _, _ in ops.loads:
+            self.tier_loaded.labels(names[tier]).inc()
+        for kind, _, _, _ in ops.moves:
+            self.tier_stored.labels(names[0 if kind == 0 else 1]).inc()
+        self.tier_seconds.observe(seconds)
 
     def observe_step(self, seconds: float, tokens: int, phases: tuple[float, float, float]) -> None:
         self.steps.inc()

@@ -32,6 +32,7 @@ from executor_service.batch.wire import decode_step, encode_result
 from executor_service.engine import run_ahead
 from executor_service.engine.runner import ModelRunner
 from executor_service.kv.step_progress import StepProgress
+from executor_service.kv.tiers import TierOps, TierRefused
 from executor_service.kv.transfer import BlockMover
 from executor_service.lora.adapter import AdapterError
 from executor_service.model.collectives import RankFailure
@@ -112,7 +113,7 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
             max_num_batched_tokens=d["max_num_batched_tokens"], kv_layout=d["kv_layout"], role=self.role,
             max_loras=d.get("max_loras", 0), max_lora_rank=d.get("max_lora_rank", 0),
             max_cpu_loras=d.get("max_cpu_loras", 0), kv_cache_file=self.mover.cache_file if self.mover else "",
-            run_ahead=self.run_ahead, quantization=d["quantization"])
+            run_ahead=self.run_ahead, quantization=d["quantization"], **_tiers(d.get("kv_tiers")))
 
     async def CheckAdapter(self, request, context):
         await self._ready(context)
@@ -248,6 +249,13 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
             step = decode_step(msg)
             # Checked before the step touches the batch or the KV cache: a refused step changes nothing.
             check_step(step, self.runner.batch, self.limits)
+            try:
+                tier_ops = TierOps.of(msg)
+            except ValueError as e:      # parallel fields of other lengths
+                raise BadStep(str(e)) from None
+            if tier_ops is not None:
+                self._settle()          # a step run ahead may still read the blocks the moves write
+                self._move_tiers(tier_ops)
             if self.run_ahead and run_ahead.plain(self.runner, step):
                 return self.ahead.run(msg, step, time.perf_counter(), lambda: self._queued - self._done > 1)
             self._settle()      # what follows may read the rows' tokens
@@ -258,9 +266,26 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
                 self.runner.lora.fetch(step)
         except BadStep as e:
             self._settle()
-            return self._resync(msg, str(e), getattr(e, "key", ""))
+            return self._resync(msg, str(e), getattr(e, "key", ""), getattr(e, "refused_tier_hash", b""))
         t0 = time.perf_counter()
         return self._answer(msg, step, self.runner.execute(step, msg), t0)
+
+    def _move_tiers(self, ops: TierOps) -> None:
+        """The step's KV tier moves and loads (executor_service/kv/tiers.py), before the step is applied. A load
+        that is refused refuses the step: the scheduler forgets its tiers and recomputes."""
+        tiers = self.runner.tiers
+        problem = "the step moves KV tier blocks; this executor has no tiers" if tiers is None else tiers.check(ops)
+        if problem is not None:
+            raise BadStep(problem)
+        t0 = time.perf_counter()
+        try:
+            tiers.apply(ops)
+        except TierRefused as e:
+            self.metrics.tier_refused.inc()
+            refused = BadStep(f"KV tier block refused: {e}")
+            refused.refused_tier_hash = e.block_hash
+            raise refused from None
+        self.metrics.observe_tiers(ops, time.perf_counter() - t0)
 
     def _answer(self, msg, step, result, t0: float) -> executor_pb2.StepResponse:
         reply = encode_result(result, len(step.handles), msg.epoch, msg.step)
@@ -286,17 +311,27 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
         return (runner is not None and not self._lock.locked() and not self.steps_in_flight
                 and not runner.batch.states and not runner.batch.parked)
 
-    def _resync(self, msg, reason: str, failed_adapter: str = "") -> executor_pb2.StepResponse:
+    def _resync(self, msg, reason: str, failed_adapter: str = "", refused_tier_hash: bytes = b""
+                ) -> executor_pb2.StepResponse:
         self.metrics.resyncs.inc()
         held = self.resync_log.ready()
         if held is not None:
             log.warning("step %d refused (%s): nothing applied; the scheduler is asked to resync and recomputes this "
                         "executor's requests%s", msg.step, reason, held_note(held))
         return executor_pb2.StepResponse(epoch=msg.epoch, step=msg.step,
-                                         resync=executor_pb2.Resync(reason=reason, failed_adapter=failed_adapter))
+                                         resync=executor_pb2.Resync(reason=reason, failed_adapter=failed_adapter,
+                                                                    refused_tier_hash=refused_tier_hash))
 
 
 def _epoch_of(context) -> int | None:
     """The epoch a scheduler names in the Step stream's metadata (absent or malformed: unknown until a step)."""
     value = dict(context.invocation_metadata() or ()).get(STEP_EPOCH, "")
     return int(value) if value.isdigit() and len(value) <= 20 else None
+
+
+def _tiers(t: dict | None) -> dict:
+    """DescribeResponse's KV tier fields from the runner's describe()."""
+    if t is None:
+        return {}
+    return {"kv_host_blocks": t["host_blocks"], "kv_disk_blocks": t["disk_blocks"],
+            "kv_tier_blocks": [executor_pb2.TierBlock(tier=tier, slot=slot, hash=h) for tier, slot, h in t["held"]]}

@@ -38,6 +38,7 @@ from executor_service.kernels import fixed_order
 from executor_service.kernels.attention import GatherScratch, build_attention_metadata
 from executor_service.kv.blocks import layout
 from executor_service.kv.tensors import allocate_shared, layer_views, num_blocks_for_budget
+from executor_service.kv.tiers import KVTiers
 from executor_service.lora.manager import LoraManager
 from executor_service.model.collectives import Collectives, RankFailure, join, leave
 from executor_service.model.config import ModelConfig
@@ -136,6 +137,7 @@ class ModelRunner:
             self.kv_layout += f":{self.quantization}"
         if self.kv_layout and cfg.deterministic:
             self.kv_layout += ":deterministic" + (":triton" if self.attention == "triton" else "")
+        self.tiers = kv_tiers(cfg, self.kv_blocks, self.kv_layout)
         self.batch = self._new_batch()
         self.lora = LoraManager(cfg, self.model_config, self.device, self.dtype) if cfg.max_loras else None
         self.draft = None
@@ -196,6 +198,9 @@ class ModelRunner:
                 "max_num_seqs": self.cfg.max_num_seqs, "max_num_batched_tokens": self.max_num_batched_tokens,
                 "deterministic": self.cfg.deterministic, "kv_layout": self.kv_layout,
                 "quantization": self.quantization, "fused_kernels": self.model.fused,
+                "kv_tiers": None if self.tiers is None else
+                {"host_blocks": self.tiers.host.shape[0], "disk_blocks": self.tiers.disk_blocks,
+                 "held": self.tiers.held()},
                 "speculative": {"method": self.spec.cfg.method, "num_tokens": self.max_spec_tokens,
                                 **({"quantization": self.draft.quantization} if self.draft is not None else {})},
                 **(self.lora.describe() if self.lora is not None else {})}
@@ -324,3 +329,19 @@ class ModelRunner:
                 hidden = self.model(filled(to(inputs.input_ids), inputs), to(inputs.positions), self.kv_caches, meta,
                                     lora)
         return self.model.compute_logits(hidden[to(inputs.logits_index)])
+
+
+def kv_tiers(cfg, kv_blocks: torch.Tensor, kv_layout: str) -> KVTiers | None:
+    """The KV tiers --kv-host-memory and --kv-disk-dir ask for (executor_service/kv/tiers.py); None without them,
+    and with tensor parallelism (no one layout: each rank holds its own heads)."""
+    if not (cfg.kv_host_memory or cfg.kv_disk_dir):
+        return None
+    if not kv_layout:
+        log.warning("KV tiers are off: with tensor parallelism a block is not one layout")
+        return None
+    block_bytes = kv_blocks[0].numel() * kv_blocks.element_size()
+    tiers = KVTiers(kv_blocks, kv_layout, cfg.kv_host_memory // block_bytes, cfg.kv_disk_dir or None,
+                    cfg.kv_disk_bytes // block_bytes)
+    log.info("KV tiers: %d blocks in host memory, %d on disk%s", tiers.host.shape[0], tiers.disk_blocks,
+             f" ({cfg.kv_disk_dir}, {len(tiers.held())} held)" if tiers.disk_blocks else "")
+    return tiers

@@ -92,6 +92,9 @@ class RunnerConfig:
     dtype: str | None = None                 # None: default_dtype(device)
     kv_cache_memory: int = 1 << 30           # bytes for all layers' K and V
     kv_shared_memory_dir: str = ""           # the CPU cache as a file there, read in place by peers (shared_cache.py)
+    kv_host_memory: int = 0                  # KV tiers (kv/tiers.py): host memory for evicted blocks, in bytes
+    kv_disk_dir: str = ""                    # and a directory for them on disk
+    kv_disk_bytes: int = 8 << 30
     block_size: int = 16
     max_num_seqs: int = 256
     max_model_len: int | None = None         # None: the model's max_position_embeddings

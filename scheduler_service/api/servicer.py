@@ -233,6 +233,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 e.num_preemptions = s.num_preemptions
                 e.max_model_len = link.core.config.max_model_len
                 e.num_recomputed_tokens = link.core.kv.recomputed_tokens
+                tiers = link.core.kv.tiers
+                if tiers.enabled:
+                    e.kv_tier_blocks.extend(tiers.num_blocks(t) for t in (0, 1))
+                    e.kv_tier_hits.extend(tiers.stats.hits)
+                    e.kv_tier_stored.extend(tiers.stats.spilled)
+                    e.kv_tier_hit_tokens = tiers.stats.hit_tokens
                 e.lora_slots.extend((k or "").rpartition("@")[0] for k in link.core.adapters.slots)
         return resp
 

@@ -56,6 +56,8 @@ class SchedulerOutput:
     # LoRA (adapter_slots.py): (slot, key, path) to load before the step, (request id, slot) rows told theirs.
     lora_loads: list[tuple[int, str, str]] = field(default_factory=list)
     lora_rows: list[tuple[str, int]] = field(default_factory=list)
+    # KV tiers (kv_cache/tiers.py): the moves and loads the executor makes before the step; None: none.
+    tier_moves: object = None
 
     @property
     def is_empty(self) -> bool:

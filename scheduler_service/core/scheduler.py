@@ -327,6 +327,7 @@ class Scheduler:
             spec_tokens=spec,
             lora_loads=lora_loads,
             lora_rows=lora_rows,
+            tier_moves=(kv.tiers.take_moves() or None) if kv.pool.tiers is not None else None,
         )
         self.finished_req_ids = set()
         return out

@@ -73,6 +73,10 @@ def _admit(config, kv, waiting, running, token_budget, threshold, new_reqs, cach
                 skipped.append(waiting.pop())
                 continue
         hit_blocks, num_hit = kv.get_computed_blocks(req)
+        # Blocks after the pool's hit that a KV tier holds: loaded into fresh blocks at the start of the step,
+        # computed as far as the step is concerned (kv_cache/tiers.py).
+        tier_hits = kv.tier_hits(req, len(hit_blocks))
+        num_pool_hit, num_hit = num_hit, num_hit + len(tier_hits) * kv.block_size
         n = len(req.all_token_ids) - num_hit
         if 0 < threshold < n:
             n = threshold
@@ -82,7 +86,11 @@ def _admit(config, kv, waiting, running, token_budget, threshold, new_reqs, cach
             n = token_budget
         if allocate(req, n, num_hit, hit_blocks) is None:
             break
-        kv.record_admission(req, num_hit, n)
+        if tier_hits:
+            fresh = kv.get_blocks(req.request_id)[len(hit_blocks):len(hit_blocks) + len(tier_hits)]
+            for block, (tier, tier_slot, block_hash) in zip(fresh, tier_hits, strict=True):
+                kv.tiers.load(block.block_id, tier, tier_slot, block_hash)
+        kv.record_admission(req, num_hit, n, num_pool_hit)
         waiting.pop()
         running.append(req)
         rid = req.request_id

@@ -236,6 +236,9 @@ class ExecutorLink(StepLoop):
         self.most_in_flight = 0
         # A new epoch: the executor's slots start empty as far as this core knows (and may be another size now).
         self.core.adapters.configure(d.max_loras, d.max_cpu_loras)
+        # Its KV tiers, and what they hold (a restarted executor's disk tier: what it kept).
+        self.core.kv.configure_tiers(d.kv_host_blocks, d.kv_disk_blocks,
+                                     [(b.tier, b.slot, b.hash) for b in d.kv_tier_blocks])
         # Epochs only grow; a clock reading stays above any earlier one, across scheduler restarts too.
         self.epoch = max(self.epoch + 1, time.time_ns())
         self.last_sent_step = -1

@@ -5,6 +5,10 @@ The scheduler owns every executor's block pool, so a hit is exact, not a guess f
 executor might hold. Load breaks ties: fewest waiting, then fewest running, then the lowest KV usage.
 `by_prefix=False` is plain least-loaded routing (what bench/fleet.py compares against).
 
+A prefix a KV tier of an executor holds (kv_cache/tiers.py) counts toward its hit, each token priced as a
+fraction of a computed one (TIER_TOKEN_COST: host memory 0.05, disk 0.2, the load against the compute); pulls
+weigh pool hits only, for a peer reads only a pool.
+
 Prefix pulls are priced in tokens of prefill. With A the executor routing chose (the longest hit, h(A) tokens),
 E another one of the same KV layout with h(E), g = h(A) - h(E) the tokens E lacks, and queued(X) the prompt
 tokens X's requests have yet to compute (less the prefix routing expected each to hit), E takes the request
@@ -44,6 +48,7 @@ class Choice:
 
 
 NOWHERE = Choice(-1)
+TIER_TOKEN_COST = (0.05, 0.2)       # a token loaded from host memory, from disk, against one computed
 
 
 def by_role(links: list, decoding: bool, fallback: bool = True) -> list:
@@ -84,17 +89,24 @@ def pick(req: Request, cores: list[Scheduler], by_prefix: bool = True, pulls: Pu
     the one it leaves), but may be the source of a pull.
     Leaves `req.block_hashes` at the chosen core's block size, so queuing it there does not hash again."""
     hashes: dict[int, list[bytes]] = {}     # per block size: executors usually share one, so hash once
-    hits = []
+    hits, reach = [], []                     # the pool's hit; and that plus the tiers', priced
     for core in cores:
         size = core.config.block_size
         if size not in hashes:
             req.block_hashes = hashes[size] = []
             req.update_block_hashes(size)
         req.block_hashes = hashes[size]
-        hits.append(core.kv.get_computed_blocks(req)[1] if by_prefix and core.config.enable_prefix_caching else 0)
+        if by_prefix and core.config.enable_prefix_caching:
+            blocks, hit = core.kv.get_computed_blocks(req)
+            tiers = core.kv.tier_hits(req, len(blocks))
+            hits.append(hit)
+            reach.append(hit + sum(size * (1 - TIER_TOKEN_COST[tier]) for tier, _, _ in tiers))
+        else:
+            hits.append(0)
+            reach.append(0)
     best, best_key = -1, None
     for i, core in enumerate(cores):
-        key = (-hits[i], len(core.waiting), len(core.running), core.kv.usage)
+        key = (-reach[i], len(core.waiting), len(core.running), core.kv.usage)
         if i != exclude and (best_key is None or key < best_key):
             best, best_key = i, key
     if best < 0:

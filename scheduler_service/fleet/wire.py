@@ -68,6 +68,18 @@ def encode_step(out: SchedulerOutput, handles: HandleTable, epoch: int, step: in
     for rid, slot in out.lora_rows:
         msg.lora_handles.append(handle_of[rid])
         msg.lora_slots.append(slot + 1)
+    moves = out.tier_moves
+    if moves is not None:
+        for kind, src, dst, _ in moves.moves:
+            msg.tier_move_kinds.append(kind)
+            msg.tier_move_from.append(src)
+            msg.tier_move_to.append(dst)
+        msg.tier_move_hashes = b"".join(m[3] for m in moves.moves)
+        for block, tier, slot, _ in moves.loads:
+            msg.tier_load_blocks.append(block)
+            msg.tier_load_tiers.append(tier)
+            msg.tier_load_slots.append(slot)
+        msg.tier_load_hashes = b"".join(ld[3] for ld in moves.loads)
     order = list(out.num_scheduled_tokens)
     msg.handles.extend([handle_of[r] for r in order])
     if out.total_num_scheduled_tokens != len(order):

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from observability.buckets import BYTES, LATENCY
+from scheduler_service.core.kv_cache.tiers import TIER_NAMES
 
 MAX_TENANT_LABELS = 100
 
@@ -101,6 +102,14 @@ class _Live:
         parked = GaugeMetricFamily("stepwire:num_requests_parked", "Resumable requests whose client is away and "
                                    "whose unread tokens filled --resume-buffer-tokens: held off the batch until a "
                                    "resume.", labels=["executor"])
+        tier_blocks = GaugeMetricFamily("stepwire:kv_tier_blocks", "KV blocks an executor's tier holds (host memory "
+                                        "or disk), as the scheduler indexes them.", labels=["executor", "tier"])
+        tier_hits = CounterMetricFamily("stepwire:kv_tier_hits", "KV blocks loaded from a tier for a prefix hit, "
+                                        "instead of computed again.", labels=["executor", "tier"])
+        tier_spilled = CounterMetricFamily("stepwire:kv_tier_stored", "KV blocks written down a tier: an evicted "
+                                           "block, or a host block going to disk.", labels=["executor", "tier"])
+        tier_dropped = CounterMetricFamily("stepwire:kv_tier_dropped", "KV blocks that left the last tier (its oldest "
+                                           "block, to make room).", labels=["executor"])
         usage = GaugeMetricFamily("stepwire:kv_cache_usage_perc", "Fraction of KV blocks in use (0 to 1).",
                                   labels=["executor"])
         queries = CounterMetricFamily("stepwire:prefix_cache_queries", "Prompt tokens looked up in the prefix "
@@ -132,6 +141,13 @@ class _Live:
             running.add_metric([link.address], s.num_running)
             waiting.add_metric([link.address], s.num_waiting)
             parked.add_metric([link.address], len(link.core.parked))
+            tiers = link.core.kv.tiers
+            if tiers.enabled:
+                for t, name in enumerate(TIER_NAMES):
+                    tier_blocks.add_metric([link.address, name], tiers.num_blocks(t))
+                    tier_hits.add_metric([link.address, name], tiers.stats.hits[t])
+                    tier_spilled.add_metric([link.address, name], tiers.stats.spilled[t])
+                tier_dropped.add_metric([link.address], tiers.stats.dropped)
             usage.add_metric([link.address], s.kv_cache_usage)
             queries.add_metric([link.address], s.prefix_cache_queries)
             hits.add_metric([link.address], s.prefix_cache_hits)
@@ -144,5 +160,6 @@ class _Live:
         for role, (w, r) in sorted(by_role.items()):
             role_waiting.add_metric([role], w)
             role_running.add_metric([role], r)
+        yield from (tier_blocks, tier_hits, tier_spilled, tier_dropped)
         yield from (running, waiting, parked, usage, queries, hits, preemptions, fair, recomputed, role_waiting,
                     role_running, connected, draining)

@@ -12,7 +12,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("model", "architecture", "vocab_size", "max_model_len", "block_size", "num_blocks", "dtype", "device", "eos_token_ids", "instance_id", "tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "kv_layout", "role", "max_loras", "max_lora_rank", "max_cpu_loras", "kv_cache_file", "run_ahead", "quantization")
+    __slots__ = ("model", "architecture", "vocab_size", "max_model_len", "block_size", "num_blocks", "dtype", "device", "eos_token_ids", "instance_id", "tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "kv_layout", "role", "max_loras", "max_lora_rank", "max_cpu_loras", "kv_cache_file", "run_ahead", "quantization", "kv_host_blocks", "kv_disk_blocks", "kv_tier_blocks")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,9 @@ class DescribeResponse(_message.Message):
     KV_CACHE_FILE_FIELD_NUMBER: _ClassVar[int]
     RUN_AHEAD_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    KV_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_DISK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_TIER_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     vocab_size: int
@@ -55,7 +58,10 @@ class DescribeResponse(_message.Message):
     kv_cache_file: str
     run_ahead: bool
     quantization: str
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., kv_layout: _Optional[str] = ..., role: _Optional[str] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., max_cpu_loras: _Optional[int] = ..., kv_cache_file: _Optional[str] = ..., run_ahead: _Optional[bool] = ..., quantization: _Optional[str] = ...) -> None: ...
+    kv_host_blocks: int
+    kv_disk_blocks: int
+    kv_tier_blocks: _containers.RepeatedCompositeFieldContainer[TierBlock]
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., kv_layout: _Optional[str] = ..., role: _Optional[str] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., max_cpu_loras: _Optional[int] = ..., kv_cache_file: _Optional[str] = ..., run_ahead: _Optional[bool] = ..., quantization: _Optional[str] = ..., kv_host_blocks: _Optional[int] = ..., kv_disk_blocks: _Optional[int] = ..., kv_tier_blocks: _Optional[_Iterable[_Union[TierBlock, _Mapping]]] = ...) -> None: ...
 
 class CheckAdapterRequest(_message.Message):
     __slots__ = ("name", "path")
@@ -100,7 +106,7 @@ class NewRequest(_message.Message):
     def __init__(self, handle: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("epoch", "step", "traceparent", "finished", "preempted", "new_requests", "handles", "num_tokens", "resumed", "resumed_num_computed", "resumed_block_counts", "resumed_block_ids", "grown", "grown_block_counts", "grown_block_ids", "lora_loads", "lora_handles", "lora_slots")
+    __slots__ = ("epoch", "step", "traceparent", "finished", "preempted", "new_requests", "handles", "num_tokens", "resumed", "resumed_num_computed", "resumed_block_counts", "resumed_block_ids", "grown", "grown_block_counts", "grown_block_ids", "lora_loads", "lora_handles", "lora_slots", "tier_move_kinds", "tier_move_from", "tier_move_to", "tier_move_hashes", "tier_load_blocks", "tier_load_tiers", "tier_load_slots", "tier_load_hashes")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +125,14 @@ class StepRequest(_message.Message):
     LORA_LOADS_FIELD_NUMBER: _ClassVar[int]
     LORA_HANDLES_FIELD_NUMBER: _ClassVar[int]
     LORA_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    TIER_MOVE_KINDS_FIELD_NUMBER: _ClassVar[int]
+    TIER_MOVE_FROM_FIELD_NUMBER: _ClassVar[int]
+    TIER_MOVE_TO_FIELD_NUMBER: _ClassVar[int]
+    TIER_MOVE_HASHES_FIELD_NUMBER: _ClassVar[int]
+    TIER_LOAD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TIER_LOAD_TIERS_FIELD_NUMBER: _ClassVar[int]
+    TIER_LOAD_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    TIER_LOAD_HASHES_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     step: int
     traceparent: str
@@ -137,15 +151,35 @@ class StepRequest(_message.Message):
     lora_loads: _containers.RepeatedCompositeFieldContainer[LoraLoad]
     lora_handles: _containers.RepeatedScalarFieldContainer[int]
     lora_slots: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., traceparent: _Optional[str] = ..., finished: _Optional[_Iterable[int]] = ..., preempted: _Optional[_Iterable[int]] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., handles: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., resumed: _Optional[_Iterable[int]] = ..., resumed_num_computed: _Optional[_Iterable[int]] = ..., resumed_block_counts: _Optional[_Iterable[int]] = ..., resumed_block_ids: _Optional[_Iterable[int]] = ..., grown: _Optional[_Iterable[int]] = ..., grown_block_counts: _Optional[_Iterable[int]] = ..., grown_block_ids: _Optional[_Iterable[int]] = ..., lora_loads: _Optional[_Iterable[_Union[LoraLoad, _Mapping]]] = ..., lora_handles: _Optional[_Iterable[int]] = ..., lora_slots: _Optional[_Iterable[int]] = ...) -> None: ...
+    tier_move_kinds: _containers.RepeatedScalarFieldContainer[int]
+    tier_move_from: _containers.RepeatedScalarFieldContainer[int]
+    tier_move_to: _containers.RepeatedScalarFieldContainer[int]
+    tier_move_hashes: bytes
+    tier_load_blocks: _containers.RepeatedScalarFieldContainer[int]
+    tier_load_tiers: _containers.RepeatedScalarFieldContainer[int]
+    tier_load_slots: _containers.RepeatedScalarFieldContainer[int]
+    tier_load_hashes: bytes
+    def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., traceparent: _Optional[str] = ..., finished: _Optional[_Iterable[int]] = ..., preempted: _Optional[_Iterable[int]] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., handles: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., resumed: _Optional[_Iterable[int]] = ..., resumed_num_computed: _Optional[_Iterable[int]] = ..., resumed_block_counts: _Optional[_Iterable[int]] = ..., resumed_block_ids: _Optional[_Iterable[int]] = ..., grown: _Optional[_Iterable[int]] = ..., grown_block_counts: _Optional[_Iterable[int]] = ..., grown_block_ids: _Optional[_Iterable[int]] = ..., lora_loads: _Optional[_Iterable[_Union[LoraLoad, _Mapping]]] = ..., lora_handles: _Optional[_Iterable[int]] = ..., lora_slots: _Optional[_Iterable[int]] = ..., tier_move_kinds: _Optional[_Iterable[int]] = ..., tier_move_from: _Optional[_Iterable[int]] = ..., tier_move_to: _Optional[_Iterable[int]] = ..., tier_move_hashes: _Optional[bytes] = ..., tier_load_blocks: _Optional[_Iterable[int]] = ..., tier_load_tiers: _Optional[_Iterable[int]] = ..., tier_load_slots: _Optional[_Iterable[int]] = ..., tier_load_hashes: _Optional[bytes] = ...) -> None: ...
+
+class TierBlock(_message.Message):
+    __slots__ = ("tier", "slot", "hash")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    HASH_FIELD_NUMBER: _ClassVar[int]
+    tier: int
+    slot: int
+    hash: bytes
+    def __init__(self, tier: _Optional[int] = ..., slot: _Optional[int] = ..., hash: _Optional[bytes] = ...) -> None: ...
 
 class Resync(_message.Message):
-    __slots__ = ("reason", "failed_adapter")
+    __slots__ = ("reason", "refused_tier_hash", "failed_adapter")
     REASON_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_TIER_HASH_FIELD_NUMBER: _ClassVar[int]
     FAILED_ADAPTER_FIELD_NUMBER: _ClassVar[int]
     reason: str
+    refused_tier_hash: bytes
     failed_adapter: str
-    def __init__(self, reason: _Optional[str] = ..., failed_adapter: _Optional[str] = ...) -> None: ...
+    def __init__(self, reason: _Optional[str] = ..., refused_tier_hash: _Optional[bytes] = ..., failed_adapter: _Optional[str] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("epoch", "step", "all_sampled", "sampled", "token_ids", "logprob_rows", "logprob_counts", "logprob_token_ids", "logprob_values", "resync", "forward_seconds", "draining", "token_counts", "proposals")

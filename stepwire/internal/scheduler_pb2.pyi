@@ -194,7 +194,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ExecutorStats(_message.Message):
-    __slots__ = ("address", "connected", "epoch", "num_running", "num_waiting", "num_total_blocks", "num_free_blocks", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_steps", "wire_bytes", "wire_request_steps", "max_model_len", "forward_seconds", "draining", "num_migrated_out", "num_routed", "num_recomputed_tokens", "kv_layout", "role", "lora_slots", "max_steps_in_flight", "most_steps_in_flight", "quantization", "refused")
+    __slots__ = ("address", "connected", "epoch", "num_running", "num_waiting", "num_total_blocks", "num_free_blocks", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_steps", "wire_bytes", "wire_request_steps", "max_model_len", "forward_seconds", "draining", "num_migrated_out", "num_routed", "num_recomputed_tokens", "kv_layout", "role", "lora_slots", "max_steps_in_flight", "most_steps_in_flight", "quantization", "refused", "kv_tier_blocks", "kv_tier_hits", "kv_tier_stored", "kv_tier_hit_tokens")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     CONNECTED_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -222,6 +222,10 @@ class ExecutorStats(_message.Message):
     MOST_STEPS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
+    KV_TIER_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_TIER_HITS_FIELD_NUMBER: _ClassVar[int]
+    KV_TIER_STORED_FIELD_NUMBER: _ClassVar[int]
+    KV_TIER_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     address: str
     connected: bool
     epoch: int
@@ -249,7 +253,11 @@ class ExecutorStats(_message.Message):
     most_steps_in_flight: int
     quantization: str
     refused: str
-    def __init__(self, address: _Optional[str] = ..., connected: _Optional[bool] = ..., epoch: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., wire_request_steps: _Optional[int] = ..., max_model_len: _Optional[int] = ..., forward_seconds: _Optional[float] = ..., draining: _Optional[bool] = ..., num_migrated_out: _Optional[int] = ..., num_routed: _Optional[int] = ..., num_recomputed_tokens: _Optional[int] = ..., kv_layout: _Optional[str] = ..., role: _Optional[str] = ..., lora_slots: _Optional[_Iterable[str]] = ..., max_steps_in_flight: _Optional[int] = ..., most_steps_in_flight: _Optional[int] = ..., quantization: _Optional[str] = ..., refused: _Optional[str] = ...) -> None: ...
+    kv_tier_blocks: _containers.RepeatedScalarFieldContainer[int]
+    kv_tier_hits: _containers.RepeatedScalarFieldContainer[int]
+    kv_tier_stored: _containers.RepeatedScalarFieldContainer[int]
+    kv_tier_hit_tokens: int
+    def __init__(self, address: _Optional[str] = ..., connected: _Optional[bool] = ..., epoch: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., wire_request_steps: _Optional[int] = ..., max_model_len: _Optional[int] = ..., forward_seconds: _Optional[float] = ..., draining: _Optional[bool] = ..., num_migrated_out: _Optional[int] = ..., num_routed: _Optional[int] = ..., num_recomputed_tokens: _Optional[int] = ..., kv_layout: _Optional[str] = ..., role: _Optional[str] = ..., lora_slots: _Optional[_Iterable[str]] = ..., max_steps_in_flight: _Optional[int] = ..., most_steps_in_flight: _Optional[int] = ..., quantization: _Optional[str] = ..., refused: _Optional[str] = ..., kv_tier_blocks: _Optional[_Iterable[int]] = ..., kv_tier_hits: _Optional[_Iterable[int]] = ..., kv_tier_stored: _Optional[_Iterable[int]] = ..., kv_tier_hit_tokens: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("executors", "num_requests", "num_waiting_for_executor", "num_migrations", "num_kv_transfers", "num_kv_transfer_failures", "kv_transfer_blocks", "kv_transfer_bytes", "kv_transfer_seconds", "recompute_avoided_tokens", "num_prefix_pulls", "num_rebalanced", "kv_transfer_busy_seconds", "kv_transfer_shared_memory_bytes")

@@ -52,6 +52,7 @@ class BlockPool:
         # The newest step sent to the executor (its step loop sets it): a block freed now may still be written
         # by it, and by no later one.
         self.clock = -1
+        self.tiers = None     # the executor's KV tiers (tiers.KVTierIndex): an evicted block's KV goes down one
 
     @property
     def num_free_blocks(self) -> int:
@@ -89,13 +90,16 @@ class BlockPool:
             else:
                 other[block.block_id] = block
 
-    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+    def get_new_blocks(self, num_blocks: int, spill: bool = True) -> list[KVCacheBlock]:
         """Take blocks off the front of the free queue; a cached one loses its hash only now (lazy eviction)."""
         if num_blocks > self.free_queue.num_free_blocks:
             raise ValueError(f"cannot get {num_blocks} blocks, {self.free_queue.num_free_blocks} free")
         blocks = self.free_queue.popleft_n(num_blocks)
+        tiers = self.tiers if spill else None
         for block in blocks:
             if block.block_hash is not None:
+                if tiers is not None:
+                    tiers.spill(block.block_id, block.block_hash)
                 self.evict(block)
             block.ref_cnt = 1
         return blocks

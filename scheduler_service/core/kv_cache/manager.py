@@ -10,6 +10,7 @@ import asyncio
 
 from scheduler_service.core.kv_cache.block_pool import BlockPool, PrefixCacheStats
 from scheduler_service.core.kv_cache.free_queue import KVCacheBlock
+from scheduler_service.core.kv_cache.tiers import KVTierIndex
 from scheduler_service.core.request import Request
 
 _NO_BLOCKS: tuple = ()
@@ -46,6 +47,19 @@ class KVCacheManager:
         self._pinned: dict[str, list[KVCacheBlock]] = {}
         self._imported: dict[str, int] = {}
         self.recomputed_tokens = 0      # tokens computed again after their KV was lost (preemption, a move)
+        self.tiers = KVTierIndex()      # the executor's KV tiers (tiers.py): none until it says it has some
+
+    def configure_tiers(self, host_slots: int, disk_slots: int, held=()) -> None:
+        """The executor's KV tiers as its Describe gives them: slots of each, and the blocks they hold."""
+        self.tiers = KVTierIndex(host_slots, disk_slots, held)
+        self.pool.tiers = self.tiers if self.tiers.enabled and self.enable_caching else None
+
+    def tier_hits(self, request: Request, num_pool_hits: int) -> list[tuple[int, int, bytes]]:
+        """(tier, slot, hash) of the blocks after the pool's hit that the tiers hold, the last token left out."""
+        if self.pool.tiers is None or request.request_id in self._imported:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        return self.tiers.hits(request.block_hashes[num_pool_hits:max_blocks])
 
     @property
     def usage(self) -> float:
@@ -75,10 +89,15 @@ class KVCacheManager:
             hits.append(block)
         return hits, len(hits) * self.block_size
 
-    def record_admission(self, request: Request, num_hit_tokens: int, num_new_tokens: int) -> None:
-        """A waiting request was just given its blocks: count its prefix hit, and the tokens it computes again."""
+    def record_admission(self, request: Request, num_hit_tokens: int, num_new_tokens: int,
+                         num_pool_hit_tokens: int | None = None) -> None:
+        """A waiting request was just given its blocks: count its prefix hit (the pool's and the tiers'), and the
+        tokens it computes again."""
         if self._imported.pop(request.request_id, None) is None and self.enable_caching:
             self.prefix_cache_stats.record(request.num_tokens, num_hit_tokens, request.num_preemptions > 0)
+            tier_tokens = num_hit_tokens - (num_hit_tokens if num_pool_hit_tokens is None else num_pool_hit_tokens)
+            if tier_tokens > 0:
+                self.tiers.stats.hit_tokens += tier_tokens
         lost = min(num_hit_tokens + num_new_tokens, request.num_computed_before) - num_hit_tokens
         if lost > 0:
             self.recomputed_tokens += lost
@@ -187,7 +206,11 @@ class KVCacheManager:
         return set(self._imported)
 
     def reset_prefix_cache(self) -> bool:
-        return self.pool.reset_prefix_cache()
+        """Forget every cached hash, the tiers' too (a resync: what steps it refused spilled never happened)."""
+        if not self.pool.reset_prefix_cache():
+            return False
+        self.tiers.reset()
+        return True
 
     # ------------------------------------------------------------------ blocks that move
 
@@ -225,7 +248,8 @@ class KVCacheManager:
             return None
         held = self._held[request.request_id] = _Held()
         self.pool.touch(hits)
-        fresh = self.pool.get_new_blocks(n)
+        # No spill: a peer may write these blocks before the next step, which would copy them down a tier.
+        fresh = self.pool.get_new_blocks(n, spill=False)
         held.blocks = [*hits, *fresh]
         held.num_cached = len(hits)
         held.capacity = len(held.blocks) * self.block_size

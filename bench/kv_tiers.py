@@ -1,0 +1,187 @@
+#!/usr/bin/env python3
+"""KV tiers (docs/kv_tiers.md): a multi-turn chat trace whose working set is several times the executor's pool,
+run without tiers, with a host-memory tier, and with host memory and disk; then with an executor restart in
+the middle, once on its disk directory (warm) and once on an emptied one (cold).
+
+The trace, in token ids through the scheduler's Submit (what the gateway sends it): `--conversations` (24)
+conversations, each opened by one of three shared system prompts (256 tokens), run `--turns` (4) turns; a turn
+adds a user message (48 tokens) after the history and the answer (32 tokens, greedy) to it. Turns go round
+the conversations (every conversation's turn 1, then every turn 2...), `--clients` (8) at a time, so a
+conversation's history has been pushed out of the pool by the others' before its next turn. The pool is
+`--pool-blocks` (160 blocks of 16 tokens: 2560 tokens, about a sixth of the ~15k tokens of history); the host
+tier 4x the pool, the disk tier the rest. The executor runs in deterministic mode, so that every run answers
+every turn with the same tokens (`identical`), whatever hit.
+
+hit_ratio: prompt tokens served from the prefix cache or a tier over prompt tokens, with host and disk.
+ttft_p50_ratio and throughput_ratio (generated tokens per second of the whole trace): with host and disk over
+without tiers. warm_restart_ttft_ratio: TTFT p50 of the turn after the restart (the first turn of a restarted
+executor), warm over cold.
+
+Prints a table and `RESULT kv_tiers hit_ratio=<...> ttft_p50_ratio=<...> throughput_ratio=<...>
+warm_restart_ttft_ratio=<...> identical=<yes|no>`.
+Usage: bench/kv_tiers.py [--conversations 24] [--turns 4] [--clients 8] [--pool-blocks 160]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(1, str(ROOT / "bench"))
+
+import grpc  # noqa: E402
+from determinism import cpu_model  # noqa: E402
+
+from launcher.processes import Service, Stack  # noqa: E402
+from stepwire.internal import sampling_pb2, scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
+
+MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
+BLOCK = 16
+SYSTEM, USER, ANSWER = 256, 48, 32
+
+
+def block_bytes() -> int:
+    """One block of the embedded model's KV in the executor's dtype (bfloat16 where native, else float32)."""
+    import json
+
+    from executor_service.engine.runner_config import default_dtype
+    cfg = json.loads((MODEL / "config.json").read_text())
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    elem = 2 if default_dtype("cpu") == "bfloat16" else 4
+    return 2 * cfg["num_hidden_layers"] * BLOCK * cfg["num_key_value_heads"] * head_dim * elem
+
+
+class Trace:
+    """The conversations' token ids: shared system prompts, and each turn's user message."""
+
+    def __init__(self, conversations: int, turns: int, seed: int = 0):
+        rng = random.Random(seed)
+        systems = [[rng.randrange(100, 40000) for _ in range(SYSTEM)] for _ in range(3)]
+        self.turns = turns
+        self.system = [systems[c % 3] for c in range(conversations)]
+        self.users = [[[rng.randrange(100, 40000) for _ in range(USER)] for _ in range(turns)]
+                      for _ in range(conversations)]
+
+
+def run(stack: Stack, trace: Trace, clients: int, restart_after: int | None = None, cold: Path | None = None):
+    """Play the trace; returns (answers, ttfts by turn, seconds, generated tokens, prompt tokens and hits)."""
+    channel = grpc.insecure_channel(stack["scheduler"].address)
+    stub = scheduler_pb2_grpc.SchedulerStub(channel)
+    n = len(trace.system)
+    history = [list(s) for s in trace.system]
+    answers: dict = {}
+    ttft: dict[int, list[float]] = {t: [] for t in range(trace.turns)}
+    params = sampling_pb2.SamplingParams(max_tokens=ANSWER, temperature=0.0, top_p=1.0, top_k=-1, ignore_eos=True)
+    generated = 0
+    lock = threading.Lock()
+    t0 = time.monotonic()
+    for turn in range(trace.turns):
+        if restart_after is not None and turn == restart_after:
+            stack.kill("executor")
+            if cold is not None:
+                shutil.rmtree(cold, ignore_errors=True)       # the cold case: nothing kept on disk
+            stack.start("executor")
+            stack.wait_until(lambda: any(e.connected for e in stub.Stats(scheduler_pb2.StatsRequest()).executors),
+                             "the executor to connect again", 120)
+        todo = list(range(n))
+
+        def worker(turn=turn, todo=todo):
+            nonlocal generated
+            while True:
+                with lock:
+                    if not todo:
+                        return
+                    c = todo.pop(0)
+                prompt = history[c] + trace.users[c][turn]
+                start, first, out = time.monotonic(), None, []
+                for o in stub.Submit(scheduler_pb2.SubmitRequest(request_id=f"c{c}-t{turn}-{time.time_ns()}",
+                                                                 prompt_token_ids=prompt, params=params)):
+                    if first is None and o.token_ids:
+                        first = time.monotonic() - start
+                    out += o.token_ids
+                with lock:
+                    history[c] = prompt + out
+                    answers[(c, turn)] = out
+                    ttft[turn].append(first)
+                    generated += len(out)
+        threads = [threading.Thread(target=worker) for _ in range(clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    seconds = time.monotonic() - t0
+    e = stub.Stats(scheduler_pb2.StatsRequest()).executors[0]
+    channel.close()
+    return answers, ttft, seconds, generated, (e.prefix_cache_queries, e.prefix_cache_hits, list(e.kv_tier_hits))
+
+
+def stack_for(tmp: Path, name: str, pool_blocks: int, host_blocks: int, disk: Path | None, disk_blocks: int):
+    bb = block_bytes()
+    flags = {"--model": MODEL, "--kv-cache-memory": (pool_blocks + 1) * bb, "--max-num-seqs": 8,
+             "--deterministic": True, "--metrics-address": ""}
+    if host_blocks:
+        flags["--kv-host-memory"] = host_blocks * bb
+    if disk is not None:
+        flags |= {"--kv-disk-dir": disk, "--kv-disk-bytes": disk_blocks * bb}
+    work = tmp / name
+    work.mkdir()
+    return Stack([Service("executor", flags=flags), Service("scheduler", flags={"--metrics-address": ""})], work)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--conversations", type=int, default=24)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--pool-blocks", type=int, default=160)
+    a = ap.parse_args()
+    if not (MODEL / "config.json").exists():
+        sys.exit("the embedded model is not prepared: make model")
+    trace = Trace(a.conversations, a.turns)
+    working = sum(SYSTEM + a.turns * (USER + ANSWER) for _ in range(a.conversations))
+    rows, results = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        disk_blocks = 2 * working // BLOCK
+        cases = [("no tiers", 0, False, None), ("host", 4 * a.pool_blocks, False, None),
+                 ("host + disk", 4 * a.pool_blocks, True, None),
+                 ("restart, warm", 4 * a.pool_blocks, True, "warm"), ("restart, cold", 4 * a.pool_blocks, True, "cold")]
+        for name, host, with_disk, restart in cases:
+            disk = tmp / (name.replace(" ", "").replace(",", "") + "-disk") if with_disk else None
+            with stack_for(tmp, name.replace(" ", "_").replace(",", ""), a.pool_blocks, host, disk, disk_blocks) as s:
+                r = run(s, trace, a.clients, restart_after=a.turns // 2 if restart else None,
+                        cold=disk if restart == "cold" else None)
+            results[name] = r
+            answers, ttft, seconds, generated, (queries, hits, tier_hits) = r
+            all_ttft = [x for t in ttft.values() for x in t]
+            rows.append((name, statistics.median(all_ttft) * 1e3, generated / seconds, hits / max(queries, 1),
+                         tier_hits))
+    print(f"cpu: {cpu_model()}  model: SmolLM2-135M-Instruct, deterministic  pool: {a.pool_blocks} blocks of "
+          f"{BLOCK} (working set ~{working} tokens, {working / (a.pool_blocks * BLOCK):.1f}x the pool)  "
+          f"conversations: {a.conversations}  turns: {a.turns}  clients: {a.clients}")
+    print(f"{'run':<16} {'ttft p50 ms':>12} {'tok/s':>8} {'hit ratio':>10} {'tier hits (host, disk)':>24}")
+    for name, ttft, tput, hit, tier_hits in rows:
+        print(f"{name:<16} {ttft:>12.0f} {tput:>8.1f} {hit:>10.3f} {str(tuple(tier_hits)):>24}")
+    base, best = results["no tiers"], results["host + disk"]
+    identical = all(r[0] == base[0] for r in results.values())
+    p50 = {k: statistics.median([x for t in r[1].values() for x in t]) for k, r in results.items()}
+    after = a.turns // 2
+    warm = statistics.median(results["restart, warm"][1][after])
+    cold = statistics.median(results["restart, cold"][1][after])
+    hit_ratio = rows[2][3]
+    print(f"RESULT kv_tiers hit_ratio={hit_ratio:.3f} ttft_p50_ratio={p50['host + disk'] / p50['no tiers']:.2f} "
+          f"throughput_ratio={(best[3] / best[2]) / (base[3] / base[2]):.2f} "
+          f"warm_restart_ttft_ratio={warm / cold:.2f} identical={'yes' if identical else 'no'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""KV tiers with real processes (docs/kv_tiers.md): a scheduler and an executor whose pool is small, with a host
+tier and a disk tier under it. A prompt whose blocks other prompts pushed out of the pool comes back from a tier
+with the same tokens as when it was computed; an executor started again on the same disk directory brings its
+blocks back (warm); a block damaged on disk is refused and recomputed, never used."""
+
+import pytest
+
+pytest.importorskip("torch")
+
+from fleet_stack import Fleet, Streams, deterministic_flags, reference_greedy  # noqa: E402
+from tiny_model import kv_bytes  # noqa: E402
+
+pytestmark = pytest.mark.processes
+
+PROMPT = [3 + (i * 7) % 90 for i in range(48)]             # 12 blocks of 4
+OTHERS = [[50 + j + (i * 11) % 40 for i in range(48)] for j in range(8)]
+HOST, DISK = 0, 1
+
+
+def run(fleet, prompt, tokens=8) -> list[int]:
+    s = Streams(fleet.stub, [prompt], max_tokens=tokens)
+    s.join()
+    assert s.errors == [None]
+    return s.tokens[0]
+
+
+def tier(fleet):
+    e = fleet.stats().executors[0]
+    return list(e.kv_tier_blocks), list(e.kv_tier_hits), e.kv_tier_hit_tokens
+
+
+def test_evicted_prefixes_come_back_from_host_and_disk_and_a_restarted_executor_comes_back_warm(tmp_path):
+    disk = tmp_path / "kv-disk"
+    flags = ("--kv-host-memory", kv_bytes(16), "--kv-disk-dir", disk, "--kv-disk-bytes", kv_bytes(400),
+             *deterministic_flags())
+    fleet = Fleet(tmp_path, 1, executor_flags=flags)
+    try:
+        want = run(fleet, PROMPT)
+        for other in OTHERS:                      # 8 x 14 blocks through a pool of 63: PROMPT's are evicted
+            run(fleet, other)
+        blocks, hits, _ = tier(fleet)
+        assert blocks[HOST] == 16 and blocks[DISK] > 0 and hits == [0, 0]
+        assert run(fleet, PROMPT) == want
+        blocks, hits, hit_tokens = tier(fleet)
+        assert sum(hits) == 11 and hit_tokens == 44, "every full block but the last token's, from the tiers"
+        assert hits[DISK] > 0, "the oldest blocks had gone down to disk"
+        # Loaded, not refused and recomputed: no step was refused, nothing was computed twice.
+        assert fleet.stats().executors[0].num_recomputed_tokens == 0
+        assert "refused" not in (tmp_path / "executor-0.log").read_text()
+
+        # Started again on the same directory: its disk blocks are announced, and the first request hits them.
+        fleet.stack.kill("executor-0")
+        fleet.start_executor(0)
+        fleet.wait_connected(fleet.addresses)
+        blocks, hits, _ = tier(fleet)
+        assert blocks[HOST] == 0 and blocks[DISK] > 0 and hits == [0, 0]
+        assert run(fleet, OTHERS[0]) == run_ref(fleet, OTHERS[0])
+        _, hits, _ = tier(fleet)
+        assert hits[DISK] == 11, "warm: the restarted executor's first request came from its disk"
+        assert "refused" not in (tmp_path / "executor-0.log").read_text()
+
+        # Damaged on disk: refused (the step is refused, the scheduler recomputes), the tokens unchanged.
+        for f in disk.glob("*.kv"):
+            raw = bytearray(f.read_bytes())
+            raw[-7] ^= 0x5A
+            f.write_bytes(bytes(raw))
+        assert run(fleet, OTHERS[1]) == run_ref(fleet, OTHERS[1])
+        log = (tmp_path / "executor-0.log").read_text()
+        assert "KV tier block refused" in log and "digest mismatch" in log
+    finally:
+        fleet.stop()
+
+
+REFS: dict = {}
+
+
+def run_ref(fleet, prompt):
+    """The prompt's tokens as a fresh fleet without tiers computes them (one per test session)."""
+    key = tuple(prompt)
+    if key not in REFS:
+        REFS[key] = reference_greedy(fleet.model, [prompt], 8)[0]
+    return REFS[key]
