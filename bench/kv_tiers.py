@@ -152,9 +152,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         disk_blocks = 2 * working // BLOCK
-        cases = [("no tiers", 0, False, None), ("host", 4 * a.pool_blocks, False, None),
-                 ("host + disk", 4 * a.pool_blocks, True, None),
-                 ("restart, warm", 4 * a.pool_blocks, True, "warm"), ("restart, cold", 4 * a.pool_blocks, True, "cold")]
+        cases = [("no tiers", 0, False, None), ("host", a.pool_blocks, False, None),
+                 ("host + disk", a.pool_blocks, True, None),
+                 ("restart, warm", a.pool_blocks, True, "warm"), ("restart, cold", a.pool_blocks, True, "cold")]
         for name, host, with_disk, restart in cases:
             disk = tmp / (name.replace(" ", "").replace(",", "") + "-disk") if with_disk else None
             with stack_for(tmp, name.replace(" ", "_").replace(",", ""), a.pool_blocks, host, disk, disk_blocks) as s:

@@ -22,6 +22,7 @@ from executor_service.batch.input_batch import InputBatch
 from executor_service.batch.step import StepResult
 from executor_service.batch.step_checks import Limits, check_step
 from executor_service.batch.wire import decode_step, encode_result
+from executor_service.kv.tiers import DOWN, TO_HOST, TierOps
 from scheduler_service import Request, Scheduler, SchedulerConfig
 from scheduler_service.fleet.wire import HandleTable, decode_result, encode_step
 from stepwire.contract import SamplingParams
@@ -38,8 +39,18 @@ class PrefixModel:
         self.limits = Limits(VOCAB, num_blocks, cfg.block_size, cfg.max_model_len, cfg.max_num_seqs,
                              cfg.max_num_batched_tokens)
         self.samples = 0
+        self.slots = ({}, {})       # KV tiers (kv_cache/tiers.py): host and disk slot -> the hash it holds
 
     def run(self, msg):
+        tier_ops = TierOps.of(msg)
+        if tier_ops is not None:
+            # As the executor's tiers do: every load's slot is read before the moves, and must hold its hash.
+            for _, tier, slot, block_hash in tier_ops.loads:
+                assert self.slots[tier].get(slot) == block_hash, "a load names a slot that does not hold its block"
+            for kind, src, dst, block_hash in tier_ops.moves:
+                if kind == DOWN:
+                    assert self.slots[0].get(src) == block_hash, "a host slot goes down with another's hash"
+                self.slots[0 if kind == TO_HOST else 1][dst] = block_hash
         step = decode_step(msg)
         check_step(step, self.batch, self.limits)       # raises BadStep: a pipelined step must never be refused
         self.batch.apply(step)
@@ -138,11 +149,12 @@ workloads = st.lists(st.tuples(st.lists(st.integers(0, VOCAB - 1), min_size=1, m
 @given(work=workloads, extra_blocks=st.integers(0, 30), caching=st.booleans(),
        policy=st.sampled_from(["fcfs", "priority"]), budget=st.sampled_from([7, 32]),
        block_size=st.sampled_from([1, 4]), seqs=st.sampled_from([2, 8]),
-       parks=st.lists(st.tuples(st.integers(0, 30), st.integers(0, 7), st.integers(1, 12)), max_size=3))
+       parks=st.lists(st.tuples(st.integers(0, 30), st.integers(0, 7), st.integers(1, 12)), max_size=3),
+       tiers=st.sampled_from([(0, 0), (3, 0), (2, 5), (0, 4), (40, 40)]))
 def test_pipelined_steps_give_what_lock_step_gives_and_waste_a_token_per_step_beyond_the_first(work, extra_blocks,
                                                                                               caching, policy, budget,
                                                                                               block_size, seqs,
-                                                                                              parks):
+                                                                                              parks, tiers):
     # A pool from "the longest request alone" (30 + 24 tokens) to roomy: small ones preempt on most steps.
     num_blocks = 1 + -(-56 // block_size) + extra_blocks
     runs = {}
@@ -150,6 +162,7 @@ def test_pipelined_steps_give_what_lock_step_gives_and_waste_a_token_per_step_be
         sched, model = make([], num_blocks, enable_prefix_caching=caching, policy=policy, block_size=block_size,
                             max_num_seqs=seqs, max_num_batched_tokens=budget,
                             long_prefill_token_threshold=2 if budget == 7 else 8)
+        sched.kv.configure_tiers(*tiers)      # evicted blocks go down tiers and come back: the same tokens
         arrivals: dict[int, list[Request]] = {}
         for i, (prompt, m, eos, mt, prio, when) in enumerate(work):
             sp = SamplingParams(max_tokens=m, ignore_eos=not eos, min_tokens=min(mt, m))

@@ -84,6 +84,8 @@ def _admit(config, kv, waiting, running, token_budget, threshold, new_reqs, cach
             if not chunked:
                 break
             n = token_budget
+        if tier_hits:
+            kv.tiers.touch(tier_hits)
         if allocate(req, n, num_hit, hit_blocks) is None:
             break
         if tier_hits:

@@ -137,6 +137,8 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 block.freed_at = self.clock
+                if self.tiers is not None and block.block_hash is not None:
+                    self.tiers.written_through(block.block_id, block.block_hash)
                 if block.block_hash is None:
                     reuse_first.append(block)
                 else:

@@ -3,7 +3,9 @@ moves its next step makes, and the tier hits admission counts as cached.
 
 The block pool evicts a cached block only when it hands the block to another use (lazy eviction); then its
 KV goes down a tier instead of being lost: to a host slot (the oldest host block going down to a disk slot to
-make room, or out), or straight to disk without a host tier. Every slot is the scheduler's to give, so the
+make room, or out), or straight to disk without a host tier. A disk tier also takes a copy of each cached block
+once nobody holds it (its KV is final then), so that what stays hot in the pool is on disk too: an executor
+restarted on its directory finds whole prefixes there, from their first block. Every slot is the scheduler's to give, so the
 index is exact: no executor evicts anything on its own, and no lookup can name a slot that was emptied
 meanwhile. A hit on a tier is loaded into a fresh block at the start of the step that admits the request, and
 counts as computed, as a prefix-cache hit does.
@@ -72,13 +74,26 @@ class KVTierIndex:
     # ---- the pool evicts ---------------------------------------------------------------------------------------
 
     def spill(self, block_id: int, block_hash: bytes) -> None:
-        """A cached block is about to be reused: keep its KV in a tier (a block already there is only touched)."""
-        for tier in (HOST, DISK):
-            lru = self._lru[tier]
-            if block_hash in lru:
-                lru.move_to_end(block_hash)
-                return
+        """A cached block is about to be reused: keep its KV in the host tier, or on disk without one (a block a
+        tier holds already is only touched)."""
         tier = HOST if self.slots[HOST] else DISK
+        if block_hash in self._lru[tier]:
+            self._lru[tier].move_to_end(block_hash)
+            return
+        self._store(tier, block_id, block_hash)
+
+    def written_through(self, block_id: int, block_hash: bytes) -> None:
+        """A cached block nobody holds now: its KV is final, so a disk tier takes a copy at once (once per hash),
+        while the pool keeps it. Blocks that stay hot in the pool (a shared system prompt) are then on disk too,
+        and a restarted executor's first requests hit from their first block, not only after it."""
+        if not self.slots[DISK]:
+            return
+        if block_hash in self._lru[DISK]:
+            self._lru[DISK].move_to_end(block_hash)
+            return
+        self._store(DISK, block_id, block_hash)
+
+    def _store(self, tier: int, block_id: int, block_hash: bytes) -> None:
         slot = self._slot(tier)
         self.pending.moves.append((TO_HOST if tier == HOST else TO_DISK, block_id, slot, block_hash))
         self._lru[tier][block_hash] = slot
@@ -121,9 +136,16 @@ class KVTierIndex:
                 return tier, slot
         return None
 
+    def touch(self, hits) -> None:
+        """Hits about to be loaded become the newest: the allocation for them spills, and should take other slots."""
+        for tier, _, block_hash in hits:
+            if block_hash in self._lru[tier]:
+                self._lru[tier].move_to_end(block_hash)
+
     def load(self, block_id: int, tier: int, slot: int, block_hash: bytes) -> None:
-        """Load a hit into a fresh block in the coming step."""
-        self._lru[tier].move_to_end(block_hash)
+        """Load a hit into a fresh block in the coming step. Its slot may have been given to a block the same
+        allocation spilled (a tier smaller than one admission): the executor reads a step's loads before it makes
+        its moves, so the load still reads the hit."""
         self.pending.loads.append((block_id, tier, slot, block_hash))
         self.stats.hits[tier] += 1
 
