@@ -124,10 +124,21 @@ def run(stack: Stack, trace: Trace, clients: int, restart_after: int | None = No
     return answers, ttft, seconds, generated, (e.prefix_cache_queries, e.prefix_cache_hits, list(e.kv_tier_hits))
 
 
+def moves_share(metrics_address: str) -> float:
+    """Time steps spent on their tier moves and loads before they ran, over the steps' whole time (the executor's
+    since it last started)."""
+    import httpx
+    text = httpx.get(f"http://{metrics_address}/metrics").text
+    sums = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.endswith(tuple("0123456789"))
+            and line.split()[0].endswith("_sum")}
+    return sums.get("stepwire:executor_kv_tier_move_seconds_sum", 0.0) / max(
+        sums.get("stepwire:forward_time_seconds_sum", 0.0), 1e-9)
+
+
 def stack_for(tmp: Path, name: str, pool_blocks: int, host_blocks: int, disk: Path | None, disk_blocks: int):
     bb = block_bytes()
     flags = {"--model": MODEL, "--kv-cache-memory": (pool_blocks + 1) * bb, "--max-num-seqs": 8,
-             "--deterministic": True, "--metrics-address": ""}
+             "--deterministic": True}
     if host_blocks:
         flags["--kv-host-memory"] = host_blocks * bb
     if disk is not None:
@@ -160,17 +171,19 @@ def main() -> None:
             with stack_for(tmp, name.replace(" ", "_").replace(",", ""), a.pool_blocks, host, disk, disk_blocks) as s:
                 r = run(s, trace, a.clients, restart_after=a.turns // 2 if restart else None,
                         cold=disk if restart == "cold" else None)
+                share = moves_share(s["executor"].flags["--metrics-address"])
             results[name] = r
             answers, ttft, seconds, generated, (queries, hits, tier_hits) = r
             all_ttft = [x for t in ttft.values() for x in t]
             rows.append((name, statistics.median(all_ttft) * 1e3, generated / seconds, hits / max(queries, 1),
-                         tier_hits))
+                         tier_hits, share))
     print(f"cpu: {cpu_model()}  model: SmolLM2-135M-Instruct, deterministic  pool: {a.pool_blocks} blocks of "
           f"{BLOCK} (working set ~{working} tokens, {working / (a.pool_blocks * BLOCK):.1f}x the pool)  "
           f"conversations: {a.conversations}  turns: {a.turns}  clients: {a.clients}")
-    print(f"{'run':<16} {'ttft p50 ms':>12} {'tok/s':>8} {'hit ratio':>10} {'tier hits (host, disk)':>24}")
-    for name, ttft, tput, hit, tier_hits in rows:
-        print(f"{name:<16} {ttft:>12.0f} {tput:>8.1f} {hit:>10.3f} {str(tuple(tier_hits)):>24}")
+    print(f"{'run':<16} {'ttft p50 ms':>12} {'tok/s':>8} {'hit ratio':>10} {'tier hits (host, disk)':>24} "
+          f"{'tier moves / step time':>23}")
+    for name, ttft, tput, hit, tier_hits, share in rows:
+        print(f"{name:<16} {ttft:>12.0f} {tput:>8.1f} {hit:>10.3f} {str(tuple(tier_hits)):>24} {share:>22.2%}")
     base, best = results["no tiers"], results["host + disk"]
     identical = all(r[0] == base[0] for r in results.values())
     p50 = {k: statistics.median([x for t in r[1].values() for x in t]) for k, r in results.items()}

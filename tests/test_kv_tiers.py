@@ -3,12 +3,15 @@ tier and a disk tier under it. A prompt whose blocks other prompts pushed out of
 with the same tokens as when it was computed; an executor started again on the same disk directory brings its
 blocks back (warm); a block damaged on disk is refused and recomputed, never used."""
 
+import httpx
 import pytest
 
 pytest.importorskip("torch")
 
 from fleet_stack import Fleet, Streams, deterministic_flags, reference_greedy  # noqa: E402
 from tiny_model import kv_bytes  # noqa: E402
+
+from launcher.processes import free_ports  # noqa: E402
 
 pytestmark = pytest.mark.processes
 
@@ -31,8 +34,9 @@ def tier(fleet):
 
 def test_evicted_prefixes_come_back_from_host_and_disk_and_a_restarted_executor_comes_back_warm(tmp_path):
     disk = tmp_path / "kv-disk"
+    metrics = free_ports(1)[0]
     flags = ("--kv-host-memory", kv_bytes(16), "--kv-disk-dir", disk, "--kv-disk-bytes", kv_bytes(400),
-             *deterministic_flags())
+             "--metrics-address", f"127.0.0.1:{metrics}", *deterministic_flags())
     fleet = Fleet(tmp_path, 1, executor_flags=flags)
     try:
         want = run(fleet, PROMPT)
@@ -47,6 +51,12 @@ def test_evicted_prefixes_come_back_from_host_and_disk_and_a_restarted_executor_
         # Loaded, not refused and recomputed: no step was refused, nothing was computed twice.
         assert fleet.stats().executors[0].num_recomputed_tokens == 0
         assert "refused" not in (tmp_path / "executor-0.log").read_text()
+        scraped = httpx.get(f"http://127.0.0.1:{metrics}/metrics").text
+        for name in [name for name, n in zip(("host", "disk"), hits, strict=True) if n]:
+            n = float(hits[name == "disk"])
+            assert f'stepwire:executor_kv_tier_loaded_blocks_total{{tier="{name}"}} {n}' in scraped
+            assert f'stepwire:executor_kv_tier_bytes_total{{direction="in",tier="{name}"}} {n * kv_bytes(1)}' \
+                in scraped
 
         # Started again on the same directory: its disk blocks are announced, and the first request hits them.
         fleet.stack.kill("executor-0")

@@ -39,16 +39,25 @@ class ExecutorMetrics:
         self.tier_seconds = Histogram("stepwire:executor_kv_tier_move_seconds", "Time a step spends on its tier "
                                       "moves and loads before it runs (disk writes happen on another thread).",
                                       buckets=(1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0), registry=r)
+        self.tier_bytes = Counter("stepwire:executor_kv_tier_bytes", "Bytes of KV blocks loaded from (in) or written "
+                                  "down to (out) a tier, by tier.", ["tier", "direction"], registry=r)
+        self.tier_read_seconds = Histogram("stepwire:executor_kv_tier_read_seconds", "One block's read out of a "
+                                           "tier for a load (its digest checked), by tier.", ["tier"],
+                                           buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 0.1), registry=r)
         self.tier_refused = Counter("stepwire:executor_kv_tier_refused", "Tier blocks refused on load (torn, stale, "
                                     "foreign or missing): recomputed instead.", registry=r)
         r.register(_Live(service))
 
-    def observe_tiers(self, ops, seconds: float) -> None:
+    def observe_tiers(self, ops, reads: list[tuple[int, float]], block_bytes: int, seconds: float) -> None:
         names = ("host", "disk")
-        for _, tier, _, _ in ops.loads:
+        for tier, read in reads:
             self.tier_loaded.labels(names[tier]).inc()
+            self.tier_bytes.labels(names[tier], "in").inc(block_bytes)
+            self.tier_read_seconds.labels(names[tier]).observe(read)
         for kind, _, _, _ in ops.moves:
-            self.tier_stored.labels(names[0 if kind == 0 else 1]).inc()
+            name = names[0 if kind == 0 else 1]
+            self.tier_stored.labels(name).inc()
+            self.tier_bytes.labels(name, "out").inc(block_bytes)
         self.tier_seconds.observe(seconds)
 
     def observe_step(self, seconds: float, tokens: int, phases: tuple[float, float, float]) -> None:

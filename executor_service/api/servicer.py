@@ -279,13 +279,13 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
             raise BadStep(problem)
         t0 = time.perf_counter()
         try:
-            tiers.apply(ops)
+            reads = tiers.apply(ops)
         except TierRefused as e:
             self.metrics.tier_refused.inc()
             refused = BadStep(f"KV tier block refused: {e}")
             refused.refused_tier_hash = e.block_hash
             raise refused from None
-        self.metrics.observe_tiers(ops, time.perf_counter() - t0)
+        self.metrics.observe_tiers(ops, reads, tiers.block_bytes, time.perf_counter() - t0)
 
     def _answer(self, msg, step, result, t0: float) -> executor_pb2.StepResponse:
         reply = encode_result(result, len(step.handles), msg.epoch, msg.step)

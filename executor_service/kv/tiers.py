@@ -23,6 +23,7 @@ import os
 import queue
 import struct
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -142,8 +143,13 @@ class KVTiers:
                 return f"a KV tier load of slot {slot} (tier {tier}) into block {block} outside this executor's"
         return None
 
-    def apply(self, ops: TierOps) -> None:
-        loaded = [self._read(t, s, h) for _, t, s, h in ops.loads]        # a refused one stops all, before any write
+    def apply(self, ops: TierOps) -> list[tuple[int, float]]:
+        """Make a step's moves and loads; returns each load's tier and the seconds its read took."""
+        loaded, reads = [], []
+        for _, t, s, h in ops.loads:          # a refused one stops all, before any write
+            t0 = time.perf_counter()
+            loaded.append(self._read(t, s, h))
+            reads.append((t, time.perf_counter() - t0))
         for kind, src, dst, block_hash in ops.moves:
             if kind == DOWN:
                 meta = self.host_meta[src]
@@ -160,6 +166,7 @@ class KVTiers:
             self.counters["spilled"] += 1
         for (block, _, _, _), data in zip(ops.loads, loaded, strict=True):
             self.kv[block].copy_(data)
+        return reads
 
     def _read(self, tier: int, slot: int, block_hash: bytes) -> torch.Tensor:
         if tier == HOST:
@@ -242,7 +249,6 @@ class KVTiers:
 
     def flush(self, seconds: float = 30.0) -> None:
         """Wait for queued disk writes (tests, and a graceful stop)."""
-        import time
         deadline = time.monotonic() + seconds
         while self._pending and time.monotonic() < deadline:
             time.sleep(0.01)

@@ -82,6 +82,8 @@ class BlockPool:
                 continue
             block_hash = block_hashes[i]
             block.block_hash = block_hash
+            if self.tiers is not None:
+                self.tiers.computed(block)
             other = cached.get(block_hash)
             if other is None:
                 cached[block_hash] = block
@@ -137,8 +139,6 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 block.freed_at = self.clock
-                if self.tiers is not None and block.block_hash is not None:
-                    self.tiers.written_through(block.block_id, block.block_hash)
                 if block.block_hash is None:
                     reuse_first.append(block)
                 else:

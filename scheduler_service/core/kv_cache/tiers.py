@@ -1,19 +1,19 @@
-"""KV tiers as the scheduler keeps them: which prefix hash each host and disk slot of one executor holds, the
-moves its next step makes, and the tier hits admission counts as cached.
+"""KV tiers as the scheduler keeps them: which prefix hash each host and disk slot of one executor holds, the moves
+its next step makes, and the tier hits admission counts as cached.
 
-The block pool evicts a cached block only when it hands the block to another use (lazy eviction); then its
-KV goes down a tier instead of being lost: to a host slot (the oldest host block going down to a disk slot to
-make room, or out), or straight to disk without a host tier. A disk tier also takes a copy of each cached block
-once nobody holds it (its KV is final then), so that what stays hot in the pool is on disk too: an executor
-restarted on its directory finds whole prefixes there, from their first block. Every slot is the scheduler's to give, so the
-index is exact: no executor evicts anything on its own, and no lookup can name a slot that was emptied
-meanwhile. A hit on a tier is loaded into a fresh block at the start of the step that admits the request, and
-counts as computed, as a prefix-cache hit does.
+The block pool evicts a cached block only when it hands the block to another use (lazy eviction); then its KV goes
+down a tier instead of being lost: to a host slot (the oldest host block going down to a disk slot to make room, or
+out), or straight to disk without a host tier. A disk tier also takes a copy of each block the step after the one
+that filled it (once per hash), so that what stays hot in the pool is on disk too: an executor restarted on its
+directory finds whole prefixes there, from their first block. Every slot is the scheduler's to give, so the index
+is exact: no executor evicts anything on its own, and no lookup can name a slot that was emptied meanwhile. A hit
+on a tier is loaded into a fresh block at the start of the step that admits the request, and counts as computed, as
+a prefix-cache hit does.
 
-A block spilled in a step is not a hit until the next one: the executor reads the loads of a step before it
-writes the step's moves, so a load from a slot written in the same step would read what was there before.
-The executor carries the moves out (executor_service/kv/tiers.py) and checks each loaded block's hash, digest
-and layout; a refused load makes it ask for a resync, which empties this index (`reset`).
+A block spilled in a step is not a hit until the next one: the executor reads the loads of a step before it writes
+the step's moves, so a load from a slot written in the same step would read what was there before. The executor
+carries the moves out (executor_service/kv/tiers.py) and checks each loaded block's hash, digest and layout; a
+refused load makes it ask for a resync, which empties this index (`reset`).
 """
 
 from __future__ import annotations
@@ -64,6 +64,8 @@ class KVTierIndex:
         self._free = [[s for s in range(n - 1, -1, -1) if s not in taken[t]] for t, n in enumerate(self.slots)]
         self._fresh: set[bytes] = set()
         self.pending = TierMoves()
+        self._computed: list = []         # (block, hash) hashed while this step was built: filled by it
+        self._deferred: list = []         # those of the step before: written through to disk with this one
 
     def __len__(self) -> int:
         return len(self._lru[HOST]) + len(self._lru[DISK])
@@ -82,16 +84,24 @@ class KVTierIndex:
             return
         self._store(tier, block_id, block_hash)
 
-    def written_through(self, block_id: int, block_hash: bytes) -> None:
-        """A cached block nobody holds now: its KV is final, so a disk tier takes a copy at once (once per hash),
-        while the pool keeps it. Blocks that stay hot in the pool (a shared system prompt) are then on disk too,
-        and a restarted executor's first requests hit from their first block, not only after it."""
-        if not self.slots[DISK]:
-            return
-        if block_hash in self._lru[DISK]:
-            self._lru[DISK].move_to_end(block_hash)
-            return
-        self._store(DISK, block_id, block_hash)
+    def computed(self, block) -> None:
+        """A block was just entered into the prefix cache: the step being built fills it. A disk tier takes a copy
+        of it (once per hash) in the step after, whose moves the executor makes once this step has run, while the
+        pool keeps it. Blocks that stay hot in the pool (a shared system prompt) are then on disk too, and a
+        restarted executor's first requests hit from their first block, not only after it."""
+        if self.slots[DISK]:
+            self._computed.append((block, block.block_hash))
+
+    def _write_through(self) -> None:
+        for block, block_hash in self._deferred:
+            # Withdrawn (the step that would fill it was taken back) or reused since: its hash is not its own now.
+            if block.block_hash != block_hash:
+                continue
+            if block_hash in self._lru[DISK]:
+                self._lru[DISK].move_to_end(block_hash)
+            else:
+                self._store(DISK, block.block_id, block_hash)
+        self._deferred, self._computed = self._computed, []
 
     def _store(self, tier: int, block_id: int, block_hash: bytes) -> None:
         slot = self._slot(tier)
@@ -151,6 +161,7 @@ class KVTierIndex:
 
     def take_moves(self) -> TierMoves:
         """The moves of the step being sent; from now on what it spilled may be hit."""
+        self._write_through()
         moves, self.pending = self.pending, TierMoves()
         self._fresh = set()
         return moves
