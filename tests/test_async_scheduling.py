@@ -105,7 +105,7 @@ def drive(sched: Scheduler, model: PrefixModel, depth: int, abort_at: dict[int, 
         if len(sent) < depth:
             out = sched.schedule()
             assert all(r.num_output_placeholders >= 0 for r in sched.requests.values()), "a negative placeholder"
-            if not (out.is_empty and not out.finished_req_ids and not out.preempted_req_ids):
+            if not (out.is_empty and not out.finished_req_ids and not out.preempted_req_ids and out.tier_moves is None):
                 msg, order = encode_step(out, handles, epoch=1, step=n)
                 n += 1
                 sent.append((out, order, model.run(msg)))   # the executor runs steps in the order they come
@@ -432,3 +432,25 @@ def test_a_parked_request_that_is_aborted_or_moved_frees_everything_and_stays_pa
     assert "r1" not in out.num_scheduled_tokens and "r2" in out.num_scheduled_tokens
     other.unpark("r1")
     assert "r1" in other.schedule().num_scheduled_tokens
+
+
+@pytest.mark.parametrize("depth", [2, 3])
+def test_a_step_that_carries_only_kv_tier_moves_is_sent_and_what_it_wrote_is_loaded_later(depth):
+    # The last token of "a" is in flight, so the step after its prefill schedules nothing: but it writes a's
+    # blocks through to the disk tier, and the tiers' index counts them written. Were that step dropped (as an
+    # empty one is), the later load of a's prefix would read a slot that never got it (PrefixModel checks).
+    prompt = [1, 2, 3, 4, 5, 0, 1, 2, 2]
+    sched, model = make([("a", prompt, SamplingParams(max_tokens=1, ignore_eos=True))], num_blocks=7,
+                        long_prefill_token_threshold=0)
+    sched.kv.configure_tiers(0, 8)
+    drive(sched, model, depth)
+    assert sched.kv.tiers.num_blocks(1) == 2
+    sched.add_request(Request("b", [5, 4, 3, 2, 1, 0, 5, 4, 3, 2, 1, 0, 5, 4, 3, 2, 0, 1, 0, 1],
+                              SamplingParams(max_tokens=4, ignore_eos=True), eos_token_ids=(EOS,)))
+    drive(sched, model, depth)                            # b's 6 blocks push a's out of the pool
+    a2 = Request("a2", prompt + [3], SamplingParams(max_tokens=2, ignore_eos=True), eos_token_ids=(EOS,))
+    a2.update_block_hashes(4)
+    assert sched.kv.get_computed_blocks(a2)[1] == 0 and len(sched.kv.tier_hits(a2, 0)) == 2
+    sched.add_request(a2)
+    outputs, _ = drive(sched, model, depth)
+    assert sched.kv.tiers.stats.hits[1] == 2 and len(outputs["a2"]) == 2

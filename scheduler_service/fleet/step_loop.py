@@ -76,7 +76,8 @@ class StepLoop:
         """Schedule a step and write it; None when there is nothing to tell the executor."""
         t0, start_ns = time.perf_counter(), time.time_ns()
         out = core.schedule()
-        if out.is_empty and not out.finished_req_ids and not out.preempted_req_ids:
+        # (A step of KV tier moves alone is sent too: the tiers' index already counts them made.)
+        if out.is_empty and not out.finished_req_ids and not out.preempted_req_ids and out.tier_moves is None:
             return None
         self.lifecycles.scheduled(out)
         msg, order = encode_step(out, self.handles, self.epoch, self.step)
