@@ -16,7 +16,7 @@ from gateway.generation.adapter_names import AdapterNames, ModelNotFound
 from gateway.generation.journal import Entry, Journal
 from gateway.generation.params import Chunk, GenerationParams, Usage
 from gateway.generation.request_checks import check_params, check_request
-from gateway.generation.scheduler_session import SchedulerError, SchedulerSession, SessionLost, output_error
+from gateway.generation.scheduler_session import SchedulerError, SchedulerSession, SessionLost, output_error, take_over
 from gateway.generation.telemetry import GatewayMetrics, Observation
 from gateway.text.detokenizer import IncrementalDetokenizer
 from gateway.text.stops import StopMatcher
@@ -275,17 +275,12 @@ class Backend:
     async def _reclaim(self, entry: Entry):
         """Take a resumable request back from the scheduler after the session broke: (its outputs' queue, an
         output with what the client has not had yet), or (None, None) where the scheduler holds no such request."""
-        outputs = self.session.resume(entry.request_id, entry.tenant.name)
-        while True:
-            first = await outputs.get()
-            if isinstance(first, SessionLost):
-                return outputs, first
-            error = first if isinstance(first, SchedulerError) else output_error(first)
-            if error is not None:
-                self.session.done(entry.request_id, abort=False, queue=outputs)
-                return None, None
-            if first.replay:
-                break      # (outputs sent before the replay: their tokens are in it)
+        outputs, first = await take_over(self.session, entry.request_id, entry.tenant.name)
+        if isinstance(first, SessionLost):
+            return outputs, first
+        if isinstance(first, SchedulerError) or output_error(first) is not None:
+            self.session.done(entry.request_id, abort=False, queue=outputs)
+            return None, None
         d = len(entry.delivered)
         rest = scheduler_pb2.RequestOutput(request_id=entry.request_id, token_ids=first.token_ids[d:],
                                            finish_reason=first.finish_reason,

@@ -23,7 +23,7 @@ from gateway.access.tenants import Tenant
 from gateway.generation.backend import Backend, choice_ids, logprobs_of, relay
 from gateway.generation.journal import Entry
 from gateway.generation.params import Chunk, Usage
-from gateway.generation.scheduler_session import SchedulerError, SessionLost, output_error
+from gateway.generation.scheduler_session import SchedulerError, SessionLost, output_error, take_over
 from gateway.text.detokenizer import IncrementalDetokenizer
 from gateway.text.stops import StopMatcher
 from gateway.tools.calls import ToolPlan
@@ -96,12 +96,7 @@ async def resume(backend: Backend, stream_id: str, tenant: Tenant, seen: list[in
 async def _take(backend: Backend, rid: str, tenant: Tenant):
     """Take one kept request over: (its id, its outputs' queue, the replay)."""
     session = backend.session
-    outputs = session.resume(rid, tenant.name)
-    first = await outputs.get()
-    # Its client came back through this same gateway while the first call still carried it: outputs the scheduler
-    # sent before the replay land here first. The replay holds their tokens too.
-    while not isinstance(first, SessionLost | SchedulerError) and not first.replay and not first.HasField("error"):
-        first = await outputs.get()
+    outputs, first = await take_over(session, rid, tenant.name)
     error = LostError() if isinstance(first, SessionLost) else (
         first if isinstance(first, SchedulerError) else output_error(first))
     if error is not None:

@@ -99,24 +99,22 @@ class SchedulerSession:
 
     def submit(self, request: scheduler_pb2.SubmitRequest) -> asyncio.Queue:
         """Queue of the request's RequestOutputs; a SchedulerError in it ends the request."""
-        s = self._stream
-        if s is None or s.dead:
-            s = self._stream = _Stream(self.stub)
-        q: asyncio.Queue = asyncio.Queue()
-        s.queues[request.request_id] = q
-        s.outgoing.put_nowait(scheduler_pb2.SessionRequest(submit=request))
-        return q
+        return self._send(request.request_id, scheduler_pb2.SessionRequest(submit=request))
 
     def resume(self, request_id: str, tenant: str) -> asyncio.Queue:
         """Take over a request the scheduler keeps for its client (submitted resumable, its client or gateway
         gone): the queue's first output is every output token so far; NOT_FOUND if there is none for `tenant`."""
+        return self._send(request_id, scheduler_pb2.SessionRequest(
+            resume=scheduler_pb2.ResumeRequest(request_id=request_id, tenant=tenant)))
+
+    def _send(self, request_id: str, message: scheduler_pb2.SessionRequest) -> asyncio.Queue:
+        """Route the request's outputs to a new queue, and send `message` (on a new stream if the last died)."""
         s = self._stream
         if s is None or s.dead:
             s = self._stream = _Stream(self.stub)
         q: asyncio.Queue = asyncio.Queue()
         s.queues[request_id] = q
-        s.outgoing.put_nowait(scheduler_pb2.SessionRequest(
-            resume=scheduler_pb2.ResumeRequest(request_id=request_id, tenant=tenant)))
+        s.outgoing.put_nowait(message)
         return q
 
     def done(self, request_id: str, abort: bool, detach: bool = False, queue: asyncio.Queue | None = None) -> None:
@@ -139,6 +137,18 @@ class SchedulerSession:
         if s is not None:
             s.call.cancel()
             await asyncio.gather(s.reader, s.writer, return_exceptions=True)
+
+
+async def take_over(session, request_id: str, tenant: str) -> tuple[asyncio.Queue, object]:
+    """`session.resume` read up to its replay: (the queue, the replay), or the queue and what came instead (a
+    SessionLost, a SchedulerError, an output with an error). Outputs the scheduler sent before the replay (the
+    request's client came back through the gateway that still carried it) are passed over: the replay holds their
+    tokens too."""
+    outputs = session.resume(request_id, tenant)
+    while True:
+        first = await outputs.get()
+        if isinstance(first, SessionLost | SchedulerError) or first.replay or first.HasField("error"):
+            return outputs, first
 
 
 def output_error(out: scheduler_pb2.RequestOutput) -> SchedulerError | None:
