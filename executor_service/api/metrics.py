@@ -7,6 +7,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from observability.buckets import LATENCY
+from stepwire.contract.kv_tiers import DISK, HOST, TIER_NAMES, TO_HOST
 
 
 class ExecutorMetrics:
@@ -49,13 +50,13 @@ class ExecutorMetrics:
         r.register(_Live(service))
 
     def observe_tiers(self, ops, reads: list[tuple[int, float]], block_bytes: int, seconds: float) -> None:
-        names = ("host", "disk")
+        names = TIER_NAMES
         for tier, read in reads:
             self.tier_loaded.labels(names[tier]).inc()
             self.tier_bytes.labels(names[tier], "in").inc(block_bytes)
             self.tier_read_seconds.labels(names[tier]).observe(read)
         for kind, _, _, _ in ops.moves:
-            name = names[0 if kind == 0 else 1]
+            name = names[HOST if kind == TO_HOST else DISK]
             self.tier_stored.labels(name).inc()
             self.tier_bytes.labels(name, "out").inc(block_bytes)
         self.tier_seconds.observe(seconds)

@@ -30,13 +30,14 @@ from pathlib import Path
 import torch
 import xxhash
 
+from stepwire.contract.kv_tiers import DISK, DOWN, HASH_BYTES, HOST, TO_DISK, TO_HOST
+
 log = logging.getLogger("stepwire.executor")
 
+__all__ = ["DISK", "DOWN", "HOST", "TO_DISK", "TO_HOST", "KVTiers", "TierOps", "TierRefused"]
 MAGIC = b"SWKV1\n"
-HASH_BYTES = 32
 # MAGIC, layout length, hash, digest; then the layout, then the block's bytes.
 HEADER = struct.Struct(f"<6sI{HASH_BYTES}sQ")
-HOST, DISK = 0, 1
 
 
 class TierRefused(Exception):
@@ -47,7 +48,6 @@ class TierRefused(Exception):
         self.block_hash = block_hash
 
 
-TO_HOST, TO_DISK, DOWN = 0, 1, 2       # the kinds of move: block -> host slot, block -> disk slot, host -> disk
 
 
 @dataclass

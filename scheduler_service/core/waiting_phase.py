@@ -76,7 +76,8 @@ def _admit(config, kv, waiting, running, token_budget, threshold, new_reqs, cach
         # Blocks after the pool's hit that a KV tier holds: loaded into fresh blocks at the start of the step,
         # computed as far as the step is concerned (kv_cache/tiers.py).
         tier_hits = kv.tier_hits(req, len(hit_blocks))
-        num_pool_hit, num_hit = num_hit, num_hit + len(tier_hits) * kv.block_size
+        num_tier_hit = len(tier_hits) * kv.block_size
+        num_hit += num_tier_hit
         n = len(req.all_token_ids) - num_hit
         if 0 < threshold < n:
             n = threshold
@@ -92,7 +93,7 @@ def _admit(config, kv, waiting, running, token_budget, threshold, new_reqs, cach
             fresh = kv.get_blocks(req.request_id)[len(hit_blocks):len(hit_blocks) + len(tier_hits)]
             for block, (tier, tier_slot, block_hash) in zip(fresh, tier_hits, strict=True):
                 kv.tiers.load(block.block_id, tier, tier_slot, block_hash)
-        kv.record_admission(req, num_hit, n, num_pool_hit)
+        kv.record_admission(req, num_hit, n, num_tier_hit)
         waiting.pop()
         running.append(req)
         rid = req.request_id

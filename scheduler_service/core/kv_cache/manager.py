@@ -90,14 +90,12 @@ class KVCacheManager:
         return hits, len(hits) * self.block_size
 
     def record_admission(self, request: Request, num_hit_tokens: int, num_new_tokens: int,
-                         num_pool_hit_tokens: int | None = None) -> None:
-        """A waiting request was just given its blocks: count its prefix hit (the pool's and the tiers'), and the
-        tokens it computes again."""
+                         num_tier_tokens: int = 0) -> None:
+        """A waiting request was just given its blocks: count its prefix hit (the pool's and, of it,
+        `num_tier_tokens` from the tiers), and the tokens it computes again."""
         if self._imported.pop(request.request_id, None) is None and self.enable_caching:
             self.prefix_cache_stats.record(request.num_tokens, num_hit_tokens, request.num_preemptions > 0)
-            tier_tokens = num_hit_tokens - (num_hit_tokens if num_pool_hit_tokens is None else num_pool_hit_tokens)
-            if tier_tokens > 0:
-                self.tiers.stats.hit_tokens += tier_tokens
+            self.tiers.stats.hit_tokens += num_tier_tokens
         lost = min(num_hit_tokens + num_new_tokens, request.num_computed_before) - num_hit_tokens
         if lost > 0:
             self.recomputed_tokens += lost

@@ -21,9 +21,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-HOST, DISK = 0, 1
-TO_HOST, TO_DISK, DOWN = 0, 1, 2
-TIER_NAMES = ("host", "disk")
+from stepwire.contract.kv_tiers import DISK, DOWN, HOST, TIER_NAMES, TO_DISK, TO_HOST
+
+__all__ = ["DISK", "HOST", "TIER_NAMES", "KVTierIndex", "TierMoves"]
 
 
 @dataclass
