@@ -50,14 +50,12 @@ SYSTEM, USER, ANSWER = 256, 48, 32
 
 
 def block_bytes() -> int:
-    """One block of the embedded model's KV in the executor's dtype (bfloat16 where native, else float32)."""
-    import json
-
-    from executor_service.engine.runner_config import default_dtype
-    cfg = json.loads((MODEL / "config.json").read_text())
-    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
-    elem = 2 if default_dtype("cpu") == "bfloat16" else 4
-    return 2 * cfg["num_hidden_layers"] * BLOCK * cfg["num_key_value_heads"] * head_dim * elem
+    """One block of the embedded model's KV in the executor's default dtype (bfloat16 where native, else float32)."""
+    from executor_service.engine.runner_config import DTYPES, default_dtype
+    from executor_service.kv.tensors import bytes_per_block
+    from executor_service.model.config import ModelConfig
+    cfg = ModelConfig.from_dir(MODEL)
+    return bytes_per_block(cfg, cfg.num_kv_heads, BLOCK, DTYPES[default_dtype("cpu")])
 
 
 class Trace:
