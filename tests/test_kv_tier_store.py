@@ -96,3 +96,12 @@ def test_a_host_slot_that_does_not_hold_the_named_block_is_refused():
         tiers.apply(ops(load=[(5, HOST, 0, h(4))]))
     with pytest.raises(TierRefused):
         tiers.apply(ops(load=[(5, HOST, 1, h(3))]))
+
+
+def test_moves_outside_the_executors_blocks_or_slots_are_named_and_nothing_is_moved():
+    tiers = KVTiers(cache(), LAYOUT, host_blocks=2, disk_dir=None, disk_blocks=0)
+    assert tiers.check(ops(spill=[(3, HOST, 0, h(3))], load=[(5, HOST, 1, h(4))])) is None
+    for bad in (ops(spill=[(8, HOST, 0, h(3))]), ops(spill=[(3, HOST, 2, h(3))]), ops(spill=[(3, DISK, 0, h(3))]),
+                ops(load=[(0, HOST, 0, h(3))]), ops(load=[(5, 7, 0, h(3))]), ops(spill=[(3, HOST, 0, b"short")]),
+                TierOps([(9, 3, 0, h(3))], [])):
+        assert tiers.check(bad) is not None

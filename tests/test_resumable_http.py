@@ -296,6 +296,7 @@ def test_a_stream_of_three_completions_is_resumed_with_each_ones_text_whole(stac
     last = seen[-1][0]
     assert len(last.split(".")) == 3           # one count per completion
     assert resume(s, "b", sid, "4").status_code == 400, "an id that names one completion of three"
+    assert resume(s, "b", sid, "1.x.2").status_code == 400 and resume(s, "b", sid, "-2.0.0").status_code == 400
     rest = events(resume(s, "b", sid, last).text.splitlines())
     assert rest[-1][1] == "[DONE]"
     # The last id says all three ended.
