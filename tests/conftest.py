@@ -142,7 +142,9 @@ def http_stack(tmp_path_factory) -> HttpStack:
     # Deliberately the wrong way round: gateway, then scheduler, then executor. Each waits for the next.
     services = [Service("executor", flags={"--model": MODEL, "--kv-cache-memory": 256 << 20,
                                            "--max-model-len": 2048}, autostart=False),
-                Service("scheduler", autostart=False),
+                # A stream whose client hangs up is kept for a resume, parked after 16 unread tokens (and its blocks
+                # freed): test_e2e_http's disconnect test waits for that, not for a 500-token story to end.
+                Service("scheduler", flags={"--resume-buffer-tokens": 16}, autostart=False),
                 Service("gateway", flags={"--model": MODEL}, autostart=False)]
     with Stack(services, tmp_path_factory.mktemp("logs"), wait=False) as stack:
         url, sc = stack["gateway"].url, stack["scheduler"].address

@@ -59,7 +59,9 @@ def test_32_concurrent_streams_of_mixed_lengths_all_complete(http_stack):
     assert all(n > 0 for _, n in results)
 
 
-def test_a_client_that_disconnects_mid_stream_frees_every_block(http_stack):
+def test_a_client_that_disconnects_mid_stream_frees_every_block_once_its_kept_request_is_parked(http_stack):
+    # Every stream is resumable (docs/resumable_streams.md): the request runs on for a resume, until its unread
+    # tokens fill --resume-buffer-tokens (16 here); then it is parked, off the batch and with no block.
     url, _, sc, _ = http_stack
     body = {"model": NAME, "prompt": "Tell me a very long story.", "max_tokens": 500, "stream": True,
             "ignore_eos": True}
