@@ -17,6 +17,10 @@ class GatewaySettings(TLSSettings):
     model: str = Field("models/SmolLM2-135M-Instruct", description="model directory (tokenizer, chat template)")
     served_model_name: str | None = Field(None, description="the name clients use; default: the directory's name")
     scheduler: str = Field("127.0.0.1:50051", description="host:port of the scheduler")
+    models_file: str = Field("", description="JSON file of the models this gateway serves, several behind one "
+                             "API: each with the name clients use, its model directory (tokenizer, chat template) "
+                             "and the host:port of its own scheduler (docs/multimodel.md); set, it takes the place "
+                             "of --model, --served-model-name and --scheduler. Read at start")
     host: str = Field("127.0.0.1", description="HTTP listen address")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port (OpenAI-compatible API, /health, /metrics)")
     grpc_address: str = Field("127.0.0.1:50050", description="host:port of the public gRPC API (stepwire.v1)")

@@ -14,6 +14,7 @@ per core and they would fight over them.
 from __future__ import annotations
 
 import glob
+import json
 import logging
 import os
 import shutil
@@ -24,11 +25,11 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import httpx
-from pydantic import Field
-from pydantic_settings import SettingsConfigDict
+from pydantic import Field, field_validator
+from pydantic_settings import NoDecode, SettingsConfigDict
 
 from launcher.announce import announce
 from launcher.forked import Forked, stop_server
@@ -46,8 +47,11 @@ class ServeSettings(ServiceSettings):
 
     model_config = SettingsConfigDict(env_prefix="STEPWIRE_SERVE_", cli_prog_name="stepwire serve")
 
-    model: str = Field("models/SmolLM2-135M-Instruct", description="Hugging Face model directory, or a GGUF file "
-                       "(converted once into a directory, its quantized weights served as they are)")
+    model: Annotated[list[str], NoDecode] = Field(
+        ["models/SmolLM2-135M-Instruct"], min_length=1, max_length=16, description="Hugging Face model directory, "
+        "or a GGUF file (converted once into a directory, its quantized weights served as they are). Given more "
+        "than once (or comma-separated), several models behind one gateway, each named by its directory and with "
+        "its own scheduler (on --scheduler-port and up) and --executors executors (docs/multimodel.md)")
     port: int = Field(8000, description="HTTP port of the gateway")
     grpc_port: int = Field(50050, description="gRPC port of the gateway (stepwire.v1)")
     scheduler_port: int = Field(50051)
@@ -97,6 +101,25 @@ class ServeSettings(ServiceSettings):
     certs_dir: str = Field("", description="where `stepwire certs` wrote (or will write) the certificates; "
                            "empty: a fresh CA in a temporary folder, removed on exit")
 
+    @field_validator("model", mode="before")
+    @classmethod
+    def _comma_separated(cls, value):
+        return [m.strip() for m in value.split(",") if m.strip()] if isinstance(value, str) else value
+
+    @field_validator("model")
+    @classmethod
+    def _distinct_names(cls, value):
+        names = [model_name(m) for m in value]
+        if len(set(names)) != len(names):
+            raise ValueError("two models of one name: each model is named by its directory (or GGUF file)")
+        return value
+
+
+def model_name(path: str) -> str:
+    """The name clients use for a model serve starts: its directory's (a GGUF file's, without .gguf)."""
+    p = Path(path.rstrip("/"))
+    return p.stem if p.suffix.lower() == ".gguf" else p.name
+
 
 @dataclass
 class Child:
@@ -133,7 +156,7 @@ def threads_per_executor(a: ServeSettings) -> int:
     if a.threads:
         return a.threads
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    ranks = a.executors * a.tensor_parallel_size
+    ranks = a.executors * a.tensor_parallel_size * len(a.model)
     return 0 if ranks == 1 else max(1, cores // ranks)
 
 
@@ -146,9 +169,24 @@ def role_of(a: ServeSettings, i: int) -> str:
     return "prefill" if i < a.prefill_executors else "decode"
 
 
-def children(a: ServeSettings, certs: Path | None = None) -> tuple[list[Child], list[Child]]:
+@dataclass
+class ServedModel:
+    name: str             # what clients put in `model`
+    path: str             # its directory
+    quantization: str     # the executors' --quantization
+
+
+def scheduler_metrics_port(a: ServeSettings, i: int) -> int:
+    """The first model's scheduler serves /metrics on --scheduler-metrics-port; the others' on the ports after
+    every executor's."""
+    return a.scheduler_metrics_port if i == 0 else a.executor_metrics_port + len(a.model) * a.executors + i - 1
+
+
+def children(a: ServeSettings, certs: Path | None = None, models: list[ServedModel] | None = None,
+             models_file: Path | None = None) -> tuple[list[Child], list[Child]]:
     """(executors, the rest) as commands, built as every test's stack builds them (processes.py), each with its
-    own certificate from `certs` (a `stepwire certs` folder) when given."""
+    own certificate from `certs` (a `stepwire certs` folder) when given. `models`: what each --model is served
+    as (GGUF files converted; `served_models`); several need `models_file`, which the gateways read."""
 
     def child(kind: str, name: str, flags: dict) -> Child:
         tls = {"--tls-dir": certs / kind} if certs is not None else {}
@@ -156,25 +194,42 @@ def children(a: ServeSettings, certs: Path | None = None) -> tuple[list[Child], 
         return Child(name, command(service), service, fork)
 
     fork = forks(a)
-
-    addresses = [f"127.0.0.1:{a.executor_port + i}" for i in range(a.executors)]
-    sc = f"127.0.0.1:{a.scheduler_port}"
+    models = models or [ServedModel(model_name(m), m, a.quantization) for m in a.model]
+    several = len(models) > 1
     threads = threads_per_executor(a)
-    executors = [child("executor", f"executor-{i}", {
-        "--model": a.model, "--address": address, "--kv-cache-memory": a.kv_cache_memory, "--threads": threads,
-        "--tensor-parallel-size": a.tensor_parallel_size, "--deterministic": a.deterministic,
-        "--role": role_of(a, i), "--metrics-address": f"127.0.0.1:{a.executor_metrics_port + i}",
-        "--speculative-method": a.speculative_method, "--num-speculative-tokens": a.num_speculative_tokens,
-        "--speculative-model": a.speculative_model or None,
-        "--speculative-quantization": a.speculative_quantization, "--max-loras": a.max_loras,
-        "--max-lora-rank": a.max_lora_rank, "--lora-dir": a.lora_dir or None, "--quantization": a.quantization})
-        for i, address in enumerate(addresses)]
+    executors, schedulers, entries = [], [], []
+    for m, model in enumerate(models):
+        first = m * a.executors
+        addresses = [f"127.0.0.1:{a.executor_port + first + i}" for i in range(a.executors)]
+        sc = f"127.0.0.1:{a.scheduler_port + m}"
+        executors += [child("executor", f"executor-{first + i}", {
+            "--model": model.path, "--address": address, "--kv-cache-memory": a.kv_cache_memory,
+            "--threads": threads, "--tensor-parallel-size": a.tensor_parallel_size,
+            "--deterministic": a.deterministic, "--role": role_of(a, i),
+            "--metrics-address": f"127.0.0.1:{a.executor_metrics_port + first + i}",
+            "--speculative-method": a.speculative_method, "--num-speculative-tokens": a.num_speculative_tokens,
+            "--speculative-model": a.speculative_model or None,
+            "--speculative-quantization": a.speculative_quantization, "--max-loras": a.max_loras,
+            "--max-lora-rank": a.max_lora_rank, "--lora-dir": a.lora_dir or None,
+            "--quantization": model.quantization})
+            for i, address in enumerate(addresses)]
+        schedulers.append(child("scheduler", f"scheduler-{m}" if several else "scheduler", {
+            "--executors": ",".join(addresses), "--address": sc,
+            "--metrics-address": f"127.0.0.1:{scheduler_metrics_port(a, m)}",
+            "--lora-modules": a.lora_modules or None,
+            "--served-model": Path(model.path).name if several else None}))
+        entries.append({"name": model.name, "model": model.path, "scheduler": sc})
+    if several:
+        if models_file is None:
+            raise ValueError("several models need a models file for the gateways")
+        models_file.write_text(json.dumps({"models": entries}, indent=2))
+        route = {"--models-file": models_file}
+    else:
+        route = {"--model": models[0].path, "--scheduler": entries[0]["scheduler"]}
     stack = [
-        child("scheduler", "scheduler", {"--executors": ",".join(addresses), "--address": sc,
-                                         "--metrics-address": f"127.0.0.1:{a.scheduler_metrics_port}",
-                                         "--lora-modules": a.lora_modules or None}),
-        *(child("gateway", "gateway" if a.gateway_workers == 1 else f"gateway-{i}", {
-            "--model": a.model, "--scheduler": sc, "--port": a.port, "--grpc-address": f"127.0.0.1:{a.grpc_port}",
+        *schedulers,
+        *(child("gateway", "gateway" if a.gateway_workers == 1 else f"gateway-{i}", route | {
+            "--port": a.port, "--grpc-address": f"127.0.0.1:{a.grpc_port}",
             "--tenants-file": a.tenants_file or None, "--reuse-port": a.gateway_workers > 1})
           for i in range(a.gateway_workers)),
     ]
@@ -201,33 +256,38 @@ class Stop(Exception):
     """SIGTERM or SIGINT reached serve."""
 
 
-def model_from_gguf(a: ServeSettings) -> ServeSettings:
-    """A GGUF file as --model: converted once (tools.convert_gguf, which redoes nothing already done) into a model
-    directory under STEPWIRE_MODEL_CACHE (default ~/.cache/stepwire/models), served from there, and with its own
-    quantized weights unless --quantization says otherwise."""
-    gguf = Path(a.model)
-    if gguf.suffix.lower() != ".gguf":
-        return a
-    try:
-        from tools.convert_gguf import ConversionError, convert
-    except ImportError as e:
-        sys.exit(f"stepwire serve: converting {gguf.name} needs the convert extra (pip install "
-                 f"'stepwire[convert]'): {e}")
-    cache = Path(os.environ.get("STEPWIRE_MODEL_CACHE") or Path.home() / ".cache" / "stepwire" / "models")
-    try:
-        directory = convert(gguf, cache / gguf.stem)
-    except ConversionError as e:
-        sys.exit(f"stepwire serve: {e}")
-    quantization = a.quantization if "quantization" in a.model_fields_set else "gguf"
-    log.info("serving %s from %s (--quantization %s)", gguf.name, directory, quantization)
-    return a.model_copy(update={"model": str(directory), "quantization": quantization})
+def served_models(a: ServeSettings) -> list[ServedModel]:
+    """Each --model as serve starts it. A GGUF file is converted once (tools.convert_gguf, which redoes nothing
+    already done) into a model directory under STEPWIRE_MODEL_CACHE (default ~/.cache/stepwire/models), served
+    from there, and with its own quantized weights unless --quantization says otherwise."""
+    out = []
+    for path in a.model:
+        gguf = Path(path)
+        if gguf.suffix.lower() != ".gguf":
+            out.append(ServedModel(model_name(path), path, a.quantization))
+            continue
+        try:
+            from tools.convert_gguf import ConversionError, convert
+        except ImportError as e:
+            sys.exit(f"stepwire serve: converting {gguf.name} needs the convert extra (pip install "
+                     f"'stepwire[convert]'): {e}")
+        cache = Path(os.environ.get("STEPWIRE_MODEL_CACHE") or Path.home() / ".cache" / "stepwire" / "models")
+        try:
+            directory = convert(gguf, cache / gguf.stem)
+        except ConversionError as e:
+            sys.exit(f"stepwire serve: {e}")
+        quantization = a.quantization if "quantization" in a.model_fields_set else "gguf"
+        log.info("serving %s from %s (--quantization %s)", gguf.name, directory, quantization)
+        out.append(ServedModel(model_name(path), str(directory), quantization))
+    return out
 
 
 def ports_of(a: ServeSettings) -> list[tuple[int, str]]:
     """Every port serve's services listen on, with the flag that moves it."""
-    out = [(a.port, "--port"), (a.grpc_port, "--grpc-port"), (a.scheduler_port, "--scheduler-port"),
-           (a.scheduler_metrics_port, "--scheduler-metrics-port")]
-    for i in range(a.executors):
+    out = [(a.port, "--port"), (a.grpc_port, "--grpc-port")]
+    for m in range(len(a.model)):
+        out += [(a.scheduler_port + m, "--scheduler-port"), (scheduler_metrics_port(a, m), "--scheduler-metrics-port")]
+    for i in range(a.executors * len(a.model)):
         out += [(a.executor_port + i, "--executor-port"), (a.executor_metrics_port + i, "--executor-metrics-port")]
     return out
 
@@ -242,9 +302,10 @@ def serve(argv: list[str]) -> None:
         log.error("nothing was started")
         sys.exit(2)
     logging.getLogger("httpx").setLevel(logging.WARNING)   # not a line per health poll
-    a = model_from_gguf(a)
+    models = served_models(a)
     certs, temporary = certificates(a)
-    executors, stack = children(a, certs)
+    work = Path(tempfile.mkdtemp(prefix="stepwire-serve-"))
+    executors, stack = children(a, certs, models, work / "models.json")
 
     def on_signal(signum, _frame):
         raise Stop(signal.Signals(signum).name)
@@ -262,6 +323,7 @@ def serve(argv: list[str]) -> None:
         stop_server()       # after the services: the fork server is this process's last child
         if temporary is not None:
             shutil.rmtree(temporary, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
     sys.exit(code)
 
 

@@ -56,6 +56,10 @@ class SchedulerSettings(RoleSettings):
     keepalive_seconds: float = Field(10.0, ge=1, description="ping an executor's connection this often; one "
                                      "that does not answer within as long is lost and its requests move")
     address: str = Field("127.0.0.1:50051", description="host:port of the Scheduler gRPC service")
+    served_model: str = Field("", description="the model directory name (the last part of the executors' --model) "
+                              "this scheduler serves: an executor of another model is refused, the first one "
+                              "too. A deployment of several models has a scheduler per model "
+                              "(docs/multimodel.md); empty: the model of the executors that connect first")
     metrics_address: str = Field("127.0.0.1:9091", description="host:port for Prometheus /metrics; empty: off")
     health_address: str = Field("", description="host:port of a plaintext port with only gRPC health, for "
                                 "probes that cannot present a certificate; empty: off")

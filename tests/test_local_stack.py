@@ -195,20 +195,20 @@ def test_serve_takes_a_gguf_file_converts_it_once_and_serves_its_quantized_weigh
     pytest.importorskip("gguf")
     from test_gguf_quantized_model import MIXED, write_gguf
 
-    from launcher.local_stack import model_from_gguf
+    from launcher.local_stack import served_models
 
     gguf = write_gguf(tmp_path / "Tiny-Q4.gguf", MIXED)
     monkeypatch.setenv("STEPWIRE_MODEL_CACHE", str(tmp_path / "cache"))
-    a = model_from_gguf(load(ServeSettings, ["--model", str(gguf)]))
-    assert a.model == str(tmp_path / "cache" / "Tiny-Q4") and a.quantization == "gguf"
-    assert (Path(a.model) / "quantized.safetensors").is_file()
-    made = (Path(a.model) / "model.safetensors").stat().st_mtime_ns
-    again = model_from_gguf(load(ServeSettings, ["--model", str(gguf), "--quantization", "none"]))
-    assert again.quantization == "none" and (Path(a.model) / "model.safetensors").stat().st_mtime_ns == made
-    plain = load(ServeSettings, ["--model", str(tmp_path / "a-directory")])
-    assert model_from_gguf(plain) is plain
+    (m,) = served_models(load(ServeSettings, ["--model", str(gguf)]))
+    assert m.path == str(tmp_path / "cache" / "Tiny-Q4") and m.quantization == "gguf" and m.name == "Tiny-Q4"
+    assert (Path(m.path) / "quantized.safetensors").is_file()
+    made = (Path(m.path) / "model.safetensors").stat().st_mtime_ns
+    (again,) = served_models(load(ServeSettings, ["--model", str(gguf), "--quantization", "none"]))
+    assert again.quantization == "none" and (Path(m.path) / "model.safetensors").stat().st_mtime_ns == made
+    (plain,) = served_models(load(ServeSettings, ["--model", str(tmp_path / "a-directory")]))
+    assert plain.path == str(tmp_path / "a-directory") and plain.quantization == "auto"
     with pytest.raises(SystemExit, match="not found"):
-        model_from_gguf(load(ServeSettings, ["--model", str(tmp_path / "missing.gguf")]))
+        served_models(load(ServeSettings, ["--model", str(tmp_path / "missing.gguf")]))
 
 
 def test_serve_beside_a_process_holding_its_port_starts_nothing_and_names_the_port_the_flag_and_the_holder(tmp_path):

@@ -4,7 +4,10 @@ A tenants file (JSON, typically mounted from a Kubernetes Secret) names each ten
 optional limits (requests and tokens per minute, concurrent requests, a priority ceiling; docs/tenants.md):
 
     {"tenants": {"search": {"keys": ["sk-s1", "sk-s2"], "weight": 3},
-                 "batch-jobs": {"keys": ["sk-b1"]}}}
+                 "batch-jobs": {"keys": ["sk-b1"], "models": {"big-model": {"weight": 0.5, "max_concurrent": 4}}}}}
+
+A gateway of several models (docs/multimodel.md) gives each model's scheduler the tenant as `models` has it for
+that model: its weight and limits there, where they differ from the tenant's own.
 
 It is re-read when it changes, like the API key file, so keys rotate and weights change without a restart; a
 file that no longer parses keeps the tenants read before (and says so in the log). Every key in it is an API
@@ -19,7 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -30,10 +33,23 @@ log = logging.getLogger("stepwire.gateway")
 TENANT_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 
 
+class ModelLimits(BaseModel):
+    """A tenant's weight and limits for one model, where they differ from its own (unset: its own)."""
+    model_config = ConfigDict(extra="forbid")
+
+    weight: float | None = Field(None, gt=0, le=1000)
+    requests_per_minute: int | None = Field(None, ge=0, le=2**32 - 1)
+    tokens_per_minute: int | None = Field(None, ge=0, le=2**32 - 1)
+    max_concurrent: int | None = Field(None, ge=0, le=2**32 - 1)
+    max_priority: int | None = Field(None, ge=-(2**31), le=2**31 - 1)
+
+
 class TenantSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     keys: list[str] = Field(min_length=1, description="its API keys")
+    models: dict[str, ModelLimits] = Field(default_factory=dict, max_length=64, description="by served model name: "
+                                           "its weight and limits on that model where they differ")
     weight: float = Field(1.0, gt=0, le=1000, description="its share of each step against the others' weights")
     requests_per_minute: int = Field(0, ge=0, le=2**32 - 1, description="0: no limit")
     tokens_per_minute: int = Field(0, ge=0, le=2**32 - 1, description="prompt plus max_tokens; 0: no limit")
@@ -56,10 +72,16 @@ class Tenant:
     tokens_per_minute: int = 0
     max_concurrent: int = 0
     max_priority: int | None = None  # checked here: the most urgent priority its requests may ask
+    models: tuple[tuple[str, Tenant], ...] = ()   # (served model name, its weight and limits there)
 
     @property
     def limited(self) -> bool:
         return bool(self.requests_per_minute or self.tokens_per_minute or self.max_concurrent)
+
+    def for_model(self, name: str) -> Tenant:
+        """The tenant as it is on model `name`: each model's scheduler shares that model's steps and counts its
+        limits, so a tenant may weigh more, or be held tighter, on one model than on another."""
+        return next((t for n, t in self.models if n == name), self)
 
 
 DEFAULT = Tenant("")
@@ -83,8 +105,9 @@ def parse_tenants(text: str) -> dict[str, Tenant]:
         if not re.match(TENANT_NAME, name):
             raise TenantsError(f"tenant name {name!r}: 1-64 letters, digits, '.', '_' or '-', not starting with "
                                f"a symbol")
-        tenant = Tenant(name, t.weight, t.requests_per_minute, t.tokens_per_minute, t.max_concurrent,
-                        t.max_priority)
+        own = Tenant(name, t.weight, t.requests_per_minute, t.tokens_per_minute, t.max_concurrent, t.max_priority)
+        per_model = tuple((model, replace(own, **m.model_dump(exclude_unset=True))) for model, m in t.models.items())
+        tenant = replace(own, models=per_model)
         for key in t.keys:
             key = key.strip()
             if not key:

@@ -19,9 +19,10 @@ from stepwire.internal import scheduler_pb2
 class ModelNotFound(InvalidRequestError):
     """A request named a model that is neither the served one nor a loaded adapter."""
 
-    def __init__(self, name: str, served: str):
+    def __init__(self, name: str, served: str | list[str]):
         shown = name if len(name) <= 100 else name[:100] + "..."
-        super().__init__("model", f"the model {shown!r} does not exist; this server serves {served!r} and the "
+        served = repr(served) if isinstance(served, str) else ", ".join(map(repr, served))
+        super().__init__("model", f"the model {shown!r} does not exist; this server serves {served} and the "
                                   "LoRA adapters /v1/models lists")
 
 

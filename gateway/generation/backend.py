@@ -4,6 +4,7 @@ stop strings, n completions, usage. The gRPC and HTTP front ends only translate 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -29,6 +30,7 @@ from stepwire.contract import (
 from stepwire.contract.limits import UINT64_MAX
 from stepwire.internal import scheduler_pb2, scheduler_pb2_grpc
 
+log = logging.getLogger("stepwire.gateway")
 # Tokenizing and rendering chat templates run here, off the event loop: one large prompt must not stall
 # every other stream's deltas. Few threads: the work is CPU-bound and the body size limit bounds each job.
 TOKENIZER_THREADS = 2
@@ -41,17 +43,20 @@ class Backend:
     """The gateway's view of the scheduler: validated, tokenized requests in, text deltas out."""
 
     def __init__(self, channel: grpc.aio.Channel, tokenizer: ModelTokenizer, model_name: str,
-                 metrics: GatewayMetrics | None = None, scheduler_wait_seconds: float = 60.0):
+                 metrics: GatewayMetrics | None = None, scheduler_wait_seconds: float = 60.0,
+                 expect_model: str = ""):
         self.use_channel(channel)
         self.tokenizer = tokenizer
         self.model_name = model_name
+        # With several models (served_models.py): the model directory name this one's scheduler must serve, and
+        # why it does not (a models file that pairs the name with another model's scheduler), "" while it does.
+        self.expect_model = expect_model
+        self.wrong_model = ""
         self.max_model_len = 0   # learned from the scheduler once it is connected
         self._serving = asyncio.Event()   # set while the scheduler serves (see `ready`)
         self.pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
         self.journal = Journal()
         self.metrics = metrics
-        if metrics is not None:
-            metrics.journal.set_function(lambda: len(self.journal))
         self.scheduler_wait_seconds = scheduler_wait_seconds
         self.adapters = AdapterNames()
         # Resumable streams whose client has not had their first event, so cannot resume them: one ended now is
@@ -83,6 +88,16 @@ class Backend:
         try:
             limits = await self.stub.Limits(scheduler_pb2.LimitsRequest(), timeout=2)
         except grpc.RpcError:
+            return False
+        wrong = ""
+        if self.expect_model and limits.model and limits.model != self.expect_model:
+            wrong = (f"the scheduler for {self.model_name!r} serves {limits.model}, not {self.expect_model}: "
+                     f"the gateway's models file pairs them wrongly")
+        if wrong != self.wrong_model:
+            self.wrong_model = wrong
+            if wrong:
+                log.error("%s; %r is not served until it is fixed", wrong, self.model_name)
+        if wrong:
             return False
         if limits.max_model_len:
             self.max_model_len = limits.max_model_len
@@ -153,6 +168,8 @@ class Backend:
         Leaving early aborts them all, except resumable ones (under `request_id`'s choice ids, with the
         `resume_context` a resume answers them from: resumed.py), which the scheduler keeps for their client.
         `obs` times the first token and names the parent span."""
+        if self.wrong_model:
+            raise SchedulerError(grpc.StatusCode.UNAVAILABLE, self.wrong_model)
         usage.prompt_tokens = len(prompt_ids)
         traceparent = ""
         if obs is not None:

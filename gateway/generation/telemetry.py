@@ -28,8 +28,8 @@ class GatewayMetrics:
                               buckets=LATENCY, registry=r)
         self.e2e = Histogram("stepwire:gateway_e2e_request_latency_seconds", "Request received to response done.",
                              buckets=LATENCY, registry=r)
-        self.scheduler_ready = Gauge("stepwire:gateway_scheduler_ready", "1 while the scheduler reports SERVING.",
-                                     registry=r)
+        self.scheduler_ready = Gauge("stepwire:gateway_scheduler_ready", "1 while the scheduler of the model reports "
+                                     "SERVING.", ["model"], registry=r)
         self.resumed = Counter("stepwire:gateway_requests_resumed", "Requests resubmitted after the scheduler was "
                                "lost (a crash, a restart, a shutdown), from the tokens already delivered.", registry=r)
         self.resume_wait = Histogram("stepwire:gateway_resume_wait_seconds", "How long a resumed request's client "

@@ -11,8 +11,9 @@ from gateway.access.auth import ApiKeys, grpc_tenant
 from gateway.generation.adapter_names import ModelNotFound
 from gateway.generation.backend import Backend
 from gateway.generation.params import GenerationParams, Usage
-from gateway.generation.resumed import context_of, resume
+from gateway.generation.resumed import context_of
 from gateway.generation.scheduler_session import SchedulerError
+from gateway.generation.served_models import ServedModels
 from gateway.generation.structured_requests import from_v1, one_constraint
 from gateway.generation.telemetry import GatewayMetrics, Observation
 from gateway.http_api.responses import rate_limit_headers
@@ -30,22 +31,22 @@ FINISH = {None: generation_pb2.FINISH_REASON_UNSPECIFIED, "stop": generation_pb2
 
 
 class GenerationService(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, backend: Backend, metrics: GatewayMetrics, keys: ApiKeys | None = None):
-        self.backend = backend
+    def __init__(self, models: ServedModels | Backend, metrics: GatewayMetrics, keys: ApiKeys | None = None):
+        self.models = ServedModels([models]) if isinstance(models, Backend) else models
         self.metrics = metrics
         self.keys = keys
 
     def _observe(self, context, method: str, request) -> Observation:
         operation = "chat" if request.WhichOneof("prompt") == "chat" else "text_completion"
         return Observation(self.metrics, "grpc", f"{SERVICE}/{method}", operation,
-                           dict(context.invocation_metadata() or ()), self.backend.model_name)
+                           dict(context.invocation_metadata() or ()), request.model or self.models.first.model_name)
 
-    async def _prepare(self, request, context, obs: Observation) -> tuple[list[int], GenerationParams, ToolPlan]:
-        b = self.backend
+    async def _prepare(self, request, context, obs: Observation
+                       ) -> tuple[Backend, list[int], GenerationParams, ToolPlan]:
         try:
             params = _params(request)
-            params.tenant = grpc_tenant(self.keys, context)
-            params.adapter = await b.resolve_model(request.model)
+            b, params.adapter = await self.models.pick(request.model)
+            params.tenant = grpc_tenant(self.keys, context).for_model(b.model_name)
             b.check_params(params)   # before tokenizing: a request refused anyway costs no tokenizer time
             which = request.WhichOneof("prompt")
             tools = tool_plan(*_tool_fields(request))
@@ -70,10 +71,11 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             code = grpc.StatusCode.NOT_FOUND if isinstance(e, ModelNotFound) else grpc.StatusCode.INVALID_ARGUMENT
             obs.end(code.name, error=str(e))
             await context.abort(code, str(e))
-        return prompt, params, tools
+        return b, prompt, params, tools
 
-    def _logprobs(self, per_token) -> list:
-        tt = self.backend.tokenizer.token_text
+    @staticmethod
+    def _logprobs(per_token, b: Backend) -> list:
+        tt = b.tokenizer.token_text
         out = []
         for pairs in per_token or []:
             (tok, lp), top = pairs[0], pairs[1:]
@@ -84,16 +86,16 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
     async def Generate(self, request, context):
         obs = self._observe(context, "Generate", request)
-        prompt, params, tools = await self._prepare(request, context, obs)
+        b, prompt, params, tools = await self._prepare(request, context, obs)
         usage = Usage()
         comps = [generation_pb2.Completion(index=i) for i in range(params.n)]
         finish: list[str | None] = [None] * params.n
         try:
-            async for c in self.backend.generate(prompt, params, usage, obs):
+            async for c in b.generate(prompt, params, usage, obs):
                 comp = comps[c.index]
                 comp.text += c.text
                 comp.token_ids.extend(c.token_ids)
-                comp.logprobs.extend(self._logprobs(c.logprobs))
+                comp.logprobs.extend(self._logprobs(c.logprobs, b))
                 if c.finish_reason is not None:
                     finish[c.index] = c.finish_reason
                     comp.finish_reason = FINISH[c.finish_reason]
@@ -108,40 +110,41 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         finally:
             obs.end("CANCELLED", usage, finish, error="client cancelled")   # a no-op once ended
         return generation_pb2.GenerateResponse(id=f"gen-{uuid.uuid4().hex}",
-                                               model=params.adapter or self.backend.model_name,
+                                               model=params.adapter or b.model_name,
                                                completions=comps, usage=_usage(usage))
 
     async def GenerateStream(self, request, context):
         obs = self._observe(context, "GenerateStream", request)
-        prompt, params, tools = await self._prepare(request, context, obs)
+        b, prompt, params, tools = await self._prepare(request, context, obs)
         usage = Usage()
         rid = f"gen-{uuid.uuid4().hex}"
         # A stream its client may resume (Resume), by this id.
-        context_bytes = context_of(False, rid, 0, params.adapter or self.backend.model_name, params.stop,
+        context_bytes = context_of(False, rid, 0, params.adapter or b.model_name, params.stop,
                                    params.sampling.stop_token_ids, True, len(prompt),
                                    params.sampling.logprobs, tools, params.n)
         await context.send_initial_metadata((("x-stepwire-stream-id", rid),))
-        deltas = self.backend.generate(prompt, params, usage, obs, request_id=rid, resume_context=context_bytes)
-        async for message in self._stream(deltas, rid, params.n, usage, obs, context, tools):
+        deltas = b.generate(prompt, params, usage, obs, request_id=rid, resume_context=context_bytes)
+        async for message in self._stream(b, deltas, rid, params.n, usage, obs, context, tools):
             yield message
 
     async def Resume(self, request, context):
         obs = Observation(self.metrics, "grpc", f"{SERVICE}/Resume", "resume",
-                          dict(context.invocation_metadata() or ()), self.backend.model_name)
+                          dict(context.invocation_metadata() or ()),
+                          self.models.first.model_name if len(self.models) == 1 else "")
         seen = list(request.after_each) or ([request.after] if request.HasField("after") else None)
         try:
-            r = await resume(self.backend, request.id, grpc_tenant(self.keys, context), seen)
+            b, r = await self.models.resume(request.id, grpc_tenant(self.keys, context), seen)
         except SchedulerError as e:
             obs.end(e.code().name, error=e.details())
             await context.abort(e.code(), e.details())
         if seen is not None and all(s % 2 for s in seen):          # the client saw every completion end
             obs.end("OK", r.usage)
             return
-        async for message in self._stream(r.chunks, request.id, r.context.get("n", 1), r.usage, obs, context,
+        async for message in self._stream(b, r.chunks, request.id, r.context.get("n", 1), r.usage, obs, context,
                                           r.tools, seen=seen, seen_text=r.seen_text):
             yield message
 
-    async def _stream(self, deltas, rid: str, n: int, usage: Usage, obs, context, tools,
+    async def _stream(self, b: Backend, deltas, rid: str, n: int, usage: Usage, obs, context, tools,
                       seen: list[int] | None = None, seen_text: list[str] | None = None):
         """The stream's messages; each one held back until the next is known, so that usage rides on the last.
         `seen`: each completion's last sequence the client has (a resumed stream), `seen_text` their text."""
@@ -163,7 +166,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                         reason = finish_reason(reason, calls[c.index].merge_finish(got))
                 last = generation_pb2.GenerateStreamResponse(
                     id=rid, index=c.index, text=got.content, token_ids=c.token_ids, finish_reason=FINISH[reason],
-                    stop=c.stop or "", logprobs=self._logprobs(c.logprobs), tool_calls=_pieces(got),
+                    stop=c.stop or "", logprobs=self._logprobs(c.logprobs, b), tool_calls=_pieces(got),
                     sequence=2 * sent[c.index] + (c.finish_reason is not None))
             if last is not None:
                 last.usage.CopyFrom(_usage(usage))   # usage rides on the very last message
@@ -176,8 +179,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             obs.end("CANCELLED", usage, finish, error="client cancelled")   # a no-op once ended
 
     async def Tokenize(self, request, context):
-        b = self.backend
         try:
+            b = self.models.for_tokenizer(request.model)
             b.check_model(request.model)
             if request.WhichOneof("input") == "chat":
                 ids = await b.encode_chat(_messages(request.chat))
@@ -190,7 +193,11 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         return generation_pb2.TokenizeResponse(token_ids=ids, max_model_len=b.max_model_len)
 
     async def ModelInfo(self, request, context):
-        b = self.backend
+        try:
+            b = self.models.for_tokenizer(request.model)
+        except InvalidRequestError as e:
+            code = grpc.StatusCode.NOT_FOUND if isinstance(e, ModelNotFound) else grpc.StatusCode.INVALID_ARGUMENT
+            await context.abort(code, str(e))
         if not b.max_model_len:
             await b.refresh()
         return generation_pb2.ModelInfoResponse(model=b.model_name, max_model_len=b.max_model_len,

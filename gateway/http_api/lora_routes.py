@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.generation.adapter_names import AdapterNames, ModelNotFound
 from gateway.http_api.responses import error
+from stepwire.contract import InvalidRequestError
 from stepwire.internal import scheduler_pb2
 
 RPC_SECONDS = 70.0    # a load waits for an executor to read and check the adapter
@@ -23,12 +24,15 @@ class LoadLora(BaseModel):
     model_config = ConfigDict(extra="forbid")
     lora_name: str = Field(max_length=128)
     lora_path: str = Field(max_length=4096)
+    # A gateway of several models (served_models.py) loads an adapter onto the one this names.
+    base_model: str = Field("", max_length=128)
 
 
 class UnloadLora(BaseModel):
     model_config = ConfigDict(extra="forbid")
     lora_name: str = Field(max_length=128)
     lora_int_id: int | None = None     # vLLM's clients send it; the name alone decides here
+    base_model: str = Field("", max_length=128)
 
 
 _HTTP = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.ALREADY_EXISTS: 400, grpc.StatusCode.NOT_FOUND: 404,
@@ -42,15 +46,32 @@ def _refused(e: grpc.aio.AioRpcError):
                  "server_error" if status == 503 else "invalid_request_error", code)
 
 
-def add_lora_routes(app: FastAPI, backend) -> None:
-    names: AdapterNames = backend.adapters
+def _base(models, name: str, adapter: str = ""):
+    """The model an adapter route acts on: the one model, the one `base_model` names, or (unload) the one that
+    has the adapter."""
+    if len(models) == 1 and not name:
+        return models.first
+    if name:
+        b = models.backends.get(name)
+        if b is None:
+            raise ModelNotFound(name, list(models.backends))
+        return b
+    b = models.of_name(adapter) if adapter else None
+    if b is None:
+        raise InvalidRequestError("base_model", f"this server serves several models ({models.names}): "
+                                  "base_model names the one the adapter is for")
+    return b
 
+
+def add_lora_routes(app: FastAPI, models) -> None:
     @app.exception_handler(ModelNotFound)
     async def _not_found(request, exc: ModelNotFound):
         return error(404, exc.message, "model", code="model_not_found")
 
     @app.post("/v1/load_lora_adapter")
     async def load(req: LoadLora):
+        backend = _base(models, req.base_model)
+        names: AdapterNames = backend.adapters
         try:
             await backend.stub.LoadAdapter(scheduler_pb2.LoadAdapterRequest(name=req.lora_name, path=req.lora_path),
                                            timeout=RPC_SECONDS)
@@ -61,6 +82,10 @@ def add_lora_routes(app: FastAPI, backend) -> None:
 
     @app.post("/v1/unload_lora_adapter")
     async def unload(req: UnloadLora):
+        for b in models if len(models) > 1 and not req.base_model else ():
+            await b.adapters.refresh(b.stub)
+        backend = _base(models, req.base_model, req.lora_name)
+        names: AdapterNames = backend.adapters
         try:
             await backend.stub.UnloadAdapter(scheduler_pb2.UnloadAdapterRequest(name=req.lora_name), timeout=10)
         except grpc.aio.AioRpcError as e:

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from gateway.access.auth import tenant_of
 from gateway.generation.backend import Backend
 from gateway.generation.params import MAX_N, GenerationParams, Usage
-from gateway.generation.resumed import context_of, resume
+from gateway.generation.resumed import context_of
 from gateway.generation.scheduler_session import SchedulerError
 from gateway.generation.telemetry import Observation
 from gateway.tools.calls import ToolPlan
@@ -35,7 +35,7 @@ async def respond(backend: Backend, raw: Request, req, prompt: list[int], p: Gen
     """`tools`: the chat request's tools, whose calls are parsed out of the text (gateway.tools.output)."""
     if not backend.max_model_len:
         await backend.refresh()
-    p.tenant = tenant_of(raw)
+    p.tenant = tenant_of(raw).for_model(backend.model_name)
     backend.check(prompt, p)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created = int(time.time())
@@ -200,7 +200,7 @@ async def _none():
     yield
 
 
-async def resume_stream(backend: Backend, raw: Request, stream_id: str, last: str | None, obs: Observation):
+async def resume_stream(models, raw: Request, stream_id: str, last: str | None, obs: Observation):
     """GET /v1/streams/{id}: the rest of a resumable stream, after the event its Last-Event-ID (`last`) names."""
     try:
         seen = None if last is None else [int(part) for part in last.split(".", MAX_N)]
@@ -210,7 +210,7 @@ async def resume_stream(backend: Backend, raw: Request, stream_id: str, last: st
         obs.end(400, error="bad Last-Event-ID")
         return error(400, "Last-Event-ID: the id of an event this stream sent", "Last-Event-ID")
     try:
-        r = await resume(backend, stream_id, tenant_of(raw), seen)
+        backend, r = await models.resume(stream_id, tenant_of(raw), seen)
     except SchedulerError as e:
         if e.code() == grpc.StatusCode.NOT_FOUND:
             obs.end(404, error=e.details())

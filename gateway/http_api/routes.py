@@ -17,6 +17,7 @@ from gateway.access.body_limit import BodyLimit
 from gateway.generation.adapter_names import ModelNotFound
 from gateway.generation.backend import Backend
 from gateway.generation.params import GenerationParams
+from gateway.generation.served_models import ServedModels
 from gateway.generation.structured_requests import one_constraint, requested
 from gateway.generation.telemetry import GatewayMetrics, Observation
 from gateway.http_api.bodies import ChatRequest, CompletionRequest, Sampling, message_dicts, tool_fields
@@ -40,22 +41,22 @@ def _short(text: str, limit: int = 200) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def _add_health_routes(app: FastAPI, backend: Backend, metrics: GatewayMetrics) -> None:
+def _add_health_routes(app: FastAPI, models: ServedModels, metrics: GatewayMetrics) -> None:
     @app.get("/metrics")
     async def prometheus():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health")
     async def health():
-        # The same readiness as the gRPC health service: the scheduler reachable and serving.
-        ok = backend.ready
+        # The same readiness as the gRPC health service: a scheduler reachable and serving (one model's at least).
+        ok = models.ready
         return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
 
 
-def build_health_app(backend: Backend, metrics: GatewayMetrics) -> FastAPI:
+def build_health_app(models: ServedModels, metrics: GatewayMetrics) -> FastAPI:
     """/health and /metrics alone, for a port of their own (--health-port) that needs no API key."""
     app = FastAPI(title="stepwire health", docs_url=None, redoc_url=None, openapi_url=None, **_native_off())
-    _add_health_routes(app, backend, metrics)
+    _add_health_routes(app, models, metrics)
     return app
 
 
@@ -84,11 +85,14 @@ def _http_error_message(request: Request, exc: HTTPException, max_body_bytes: in
     return str(exc.detail)
 
 
-def build_app(backend: Backend, metrics: GatewayMetrics, api_keys: ApiKeys | None = None,
+def build_app(models: ServedModels | Backend, metrics: GatewayMetrics, api_keys: ApiKeys | None = None,
               max_body_bytes: int | None = None) -> FastAPI:
-    """The OpenAI-compatible API. With `api_keys` enabled every path but /health and /metrics needs a key;
-    a body over `max_body_bytes` (Content-Length or not, chunked too) is refused once that many bytes are
-    in, without reading on. Every refusal has OpenAI's {"error": {...}} shape, FastAPI's own ones included."""
+    """The OpenAI-compatible API, for every model of `models` (a request picks one by its `model`). With
+    `api_keys` enabled every path but /health and /metrics needs a key; a body over `max_body_bytes`
+    (Content-Length or not, chunked too) is refused once that many bytes are in, without reading on.
+    Every refusal has OpenAI's {"error": {...}} shape, FastAPI's own ones included."""
+    if isinstance(models, Backend):
+        models = ServedModels([models])
     app = FastAPI(title="stepwire", docs_url=None, redoc_url=None, **_native_off())
     # The middleware added last runs first: the key is checked before any of the body is read.
     if max_body_bytes is not None:
@@ -96,7 +100,7 @@ def build_app(backend: Backend, metrics: GatewayMetrics, api_keys: ApiKeys | Non
                            too_large=lambda: error(413, _too_large(max_body_bytes), headers=CLOSE))
     if api_keys is not None and api_keys.enabled:
         app.add_middleware(AuthenticationMiddleware, backend=HttpKeys(api_keys, OPEN_PATHS), on_error=_refused)
-    _add_health_routes(app, backend, metrics)
+    _add_health_routes(app, models, metrics)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, exc: RequestValidationError):
@@ -122,20 +126,25 @@ def build_app(backend: Backend, metrics: GatewayMetrics, api_keys: ApiKeys | Non
         # A bug, not the client's doing; Starlette re-raises it after this answer, so the server logs it.
         return error(500, "the server had an error while processing the request", kind="server_error")
 
-    add_tokenize_routes(app, backend)
-    add_lora_routes(app, backend)
+    add_tokenize_routes(app, models)
+    add_lora_routes(app, models)
 
     @app.get("/v1/models")
-    async def models():
-        await backend.refresh()
-        return {"object": "list", "data": await model_cards(backend)}
+    async def list_models():
+        cards = []
+        for backend in models:
+            await backend.refresh()
+            cards += await model_cards(backend)
+        return {"object": "list", "data": cards}
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request):
-        obs = Observation(metrics, "http", "/v1/completions", "text_completion", raw.headers, backend.model_name)
+        obs = Observation(metrics, "http", "/v1/completions", "text_completion", raw.headers,
+                          req.model or models.first.model_name)
         try:
+            backend, adapter = await models.pick(req.model)
             p = _params(backend, req, req.max_tokens, req.logprobs)
-            p.adapter = await backend.resolve_model(req.model)
+            p.adapter = adapter
             p.sampling.structured_output = await one_constraint(requested(req), None, backend.tokenizer)
             if req.echo:
                 raise InvalidRequestError("echo", "echo is not supported")
@@ -147,13 +156,15 @@ def build_app(backend: Backend, metrics: GatewayMetrics, api_keys: ApiKeys | Non
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, raw: Request):
-        obs = Observation(metrics, "http", "/v1/chat/completions", "chat", raw.headers, backend.model_name)
+        obs = Observation(metrics, "http", "/v1/chat/completions", "chat", raw.headers,
+                          req.model or models.first.model_name)
         try:
             n_lp = (req.top_logprobs or 0) if req.logprobs else None
             if req.top_logprobs is not None and not req.logprobs:
                 raise InvalidRequestError("top_logprobs", "top_logprobs needs logprobs: true")
+            backend, adapter = await models.pick(req.model)
             p = _params(backend, req, req.max_completion_tokens or req.max_tokens, n_lp)
-            p.adapter = await backend.resolve_model(req.model)
+            p.adapter = adapter
             tools = tool_plan(*tool_fields(req))
             p.sampling.structured_output = await one_constraint(requested(req), constraint(tools),
                                                                  backend.tokenizer)
@@ -172,9 +183,10 @@ def build_app(backend: Backend, metrics: GatewayMetrics, api_keys: ApiKeys | Non
         """The rest of a resumable stream after the event `Last-Event-ID` names (docs/resumable_streams.md).
         The query parameter is for a browser's EventSource, which cannot send the header on its first connection;
         on its reconnects it sends the header, which wins."""
-        obs = Observation(metrics, "http", "/v1/streams", "resume", raw.headers, backend.model_name)
+        obs = Observation(metrics, "http", "/v1/streams", "resume", raw.headers,
+                          models.first.model_name if len(models) == 1 else "")
         last = last_event_id if last_event_id is not None else query_last
-        return await resume_stream(backend, raw, stream_id, last, obs)
+        return await resume_stream(models, raw, stream_id, last, obs)
 
     return app
 

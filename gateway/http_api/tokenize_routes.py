@@ -8,7 +8,6 @@ from typing import Annotated
 from fastapi import Body, FastAPI
 from pydantic import BaseModel, Discriminator, Tag
 
-from gateway.generation.backend import Backend
 from gateway.http_api.bodies import ChatMessage, Strict, message_dicts
 
 
@@ -54,9 +53,10 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
-def add_tokenize_routes(app: FastAPI, backend: Backend) -> None:
+def add_tokenize_routes(app: FastAPI, models) -> None:
     @app.post("/tokenize", response_model=TokenizeResponse, response_model_exclude_none=True)
     async def tokenize(req: Annotated[TokenizeRequest, Body()]):
+        backend = models.for_tokenizer(req.model or "")
         backend.check_model(req.model or "")
         if isinstance(req, TokenizeChat):
             ids = await backend.encode_chat(message_dicts(req.messages), req.add_generation_prompt,
@@ -71,5 +71,6 @@ def add_tokenize_routes(app: FastAPI, backend: Backend) -> None:
 
     @app.post("/detokenize", response_model=DetokenizeResponse)
     async def detokenize(req: DetokenizeRequest):
+        backend = models.for_tokenizer(req.model or "")
         backend.check_model(req.model or "")
         return DetokenizeResponse(prompt=await backend.decode(req.tokens))

@@ -184,9 +184,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         return aborted
 
     async def Limits(self, request, context):
-        lens = [link.core.config.max_model_len for link in self.fleet.links.values()
-                if link.connected and link.core is not None]
-        return scheduler_pb2.LimitsResponse(max_model_len=min(lens, default=0))
+        links = [link for link in self.fleet.links.values() if link.connected and link.core is not None]
+        lens = [lk.core.config.max_model_len for lk in links]
+        return scheduler_pb2.LimitsResponse(max_model_len=min(lens, default=0),
+                                            model=next((lk.weights[0] for lk in links if lk.weights), ""))
 
     async def Adapters(self, request, context):
         return scheduler_pb2.AdaptersResponse(adapters=[r.info() for r in self.fleet.adapters.listed()])

@@ -104,7 +104,8 @@ class Fleet:
     def refuse(self, link: ExecutorLink, weights: tuple[str, str]) -> str:
         """Why `link`'s executor, of `weights`, may not serve beside the connected ones ("" if it may)."""
         return refusal(weights, {lk.weights for lk in self.links.values()
-                                 if lk is not link and lk.connected and lk.weights is not None})
+                                 if lk is not link and lk.connected and lk.weights is not None},
+                       self.settings.served_model)
 
     def _ended(self, link: ExecutorLink) -> None:
         if self.links.get(link.address) is link:

@@ -184,10 +184,12 @@ class LimitsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LimitsResponse(_message.Message):
-    __slots__ = ("max_model_len",)
+    __slots__ = ("max_model_len", "model")
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     max_model_len: int
-    def __init__(self, max_model_len: _Optional[int] = ...) -> None: ...
+    model: str
+    def __init__(self, max_model_len: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
