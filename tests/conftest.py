@@ -159,3 +159,28 @@ def http_stack(tmp_path_factory) -> HttpStack:
         stack.wait_ready("gateway")
         yield HttpStack(url, openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0),
                         int(sc.rsplit(":", 1)[1]), int(stack["gateway"].address.rsplit(":", 1)[1]))
+
+
+@pytest.fixture(autouse=True)
+def _triton_dot_as_a_gpu_computes_it(request, monkeypatch):
+    """Through Triton's CPU interpreter `tl.dot` is numpy's matmul, which is OpenBLAS's sgemm: on some CPUs (its
+    Haswell/Zen kernels, AVX2-only EPYCs) a row's low bits depend on where the row sits in the tile, which no
+    GPU's matrix unit does and no kernel can help. Tests that run kernels through the interpreter (marked
+    `interpreted`) get a dot whose every element is its row and column alone, summed in one order, so what they
+    check of a kernel (a row's bits in a call of any size) holds on every CPU as it does on a GPU."""
+    import os
+
+    if request.node.get_closest_marker("interpreted") is None or os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    interpreter = pytest.importorskip("triton.runtime.interpreter")
+    original = interpreter.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.data.dtype.itemsize == 1 or b.data.dtype.itemsize == 1:      # fp8: Triton's own conversion first
+            return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+        dtype = d.data.dtype
+        # (m, k, n) products, summed over k in order: each output element from its own row and column only.
+        products = a.data.astype(dtype)[..., :, :, None] * b.data.astype(dtype)[..., None, :, :]
+        return interpreter.TensorHandle(products.sum(axis=-2, dtype=dtype) + d.data, d.dtype.scalar)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
