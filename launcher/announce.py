@@ -8,14 +8,12 @@ from pathlib import Path
 import httpx
 
 
-def announce(a, url: str, certs: Path | None) -> None:
-    """`a`: serve's settings (local_stack.ServeSettings)."""
-    from launcher.local_stack import scheduler_metrics_port
-
+def announce(a, url: str, certs: Path | None, scheduler_metrics_ports: list[int]) -> None:
+    """`a`: serve's settings (local_stack.ServeSettings); one scheduler /metrics port per model."""
     n = len(a.model)
     operator = f" (the scheduler answers Stats to the operator certificate in {certs}/operator)" if certs else ""
     schedulers = ", ".join(f"127.0.0.1:{a.scheduler_port + m}" for m in range(n))
-    scheduler_metrics = ", ".join(f"http://127.0.0.1:{scheduler_metrics_port(a, m)}/metrics" for m in range(n))
+    scheduler_metrics = ", ".join(f"http://127.0.0.1:{port}/metrics" for port in scheduler_metrics_ports)
     print(f"\nstepwire is ready: OpenAI-compatible API at {url}/v1 (model {_served_models(a, url)}); gRPC "
           f"stepwire.v1 at 127.0.0.1:{a.grpc_port}; scheduler{'s' if n > 1 else ''} at {schedulers}; "
           f"{a.executors} executor(s){' per model' if n > 1 else ''} from port {a.executor_port}, "

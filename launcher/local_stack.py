@@ -343,7 +343,7 @@ def supervise(a: ServeSettings, everyone: list[Child], group: ProcessGroup | Non
             if not ready:
                 ready = _healthy(url)
                 if ready:
-                    announce(a, url, certs)
+                    announce(a, url, certs, [scheduler_metrics_port(a, m) for m in range(len(a.model))])
             time.sleep(0.5 if not ready else 1)
     except Stop as e:
         log.info("%s: stopping every service", e)

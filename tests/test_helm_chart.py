@@ -51,6 +51,11 @@ VALUE_SETS = {
                                                   "tls": [{"secretName": "public-tls",
                                                            "hosts": ["stepwire.example.com"]}]},
                                       "publicTls": {"secretName": "gateway-public-tls"}}},
+    "two-models": {"model": {"source": "pvc", "pvc": {"claimName": "models"}}, "models": [
+        {"name": "smollm2", "directory": "SmolLM2-135M-Instruct",
+         "executor": {"replicas": 3, "keda": {"enabled": True, "maxReplicaCount": 12}}},
+        {"name": "small", "directory": "SmolLM2-4-layers", "scheduler": {"executorWaitSeconds": 5},
+         "executor": {"replicas": 1, "resources": {"requests": {"cpu": "1", "memory": "2Gi"}}}}]},
     "plaintext-hostpath-otel-podmonitor": {
         "tls": {"enabled": False}, "model": {"source": "hostPath", "hostPath": {"path": "/data/models"}},
         "otel": {"endpoint": "http://otel-collector.observability.svc:4317", "resourceAttributes": "env=test"},
@@ -256,6 +261,50 @@ def test_disaggregation_makes_a_deployment_per_role_each_scaled_on_its_own_metri
     assert counts == {f"{RELEASE}-stepwire-executor-prefill": 2, f"{RELEASE}-stepwire-executor-decode": 5}
     scheduler = find(objects, "Deployment", "scheduler")
     assert "--kv-transfer" in container(scheduler)["args"]
+
+
+def test_two_models_get_a_scheduler_and_executors_each_scaled_and_budgeted_alone_behind_one_gateway(rendered):
+    objects = rendered["two-models"]
+    named = lambda kind: {o["metadata"]["name"].removeprefix(f"{RELEASE}-stepwire-"): o  # noqa: E731
+                          for o in objects if o["kind"] == kind}
+    deployments = named("Deployment")
+    assert set(deployments) == {"gateway", "scheduler-smollm2", "scheduler-small", "executor-smollm2",
+                                "executor-small"}
+    for model, directory in (("smollm2", "SmolLM2-135M-Instruct"), ("small", "SmolLM2-4-layers")):
+        executor, scheduler = deployments[f"executor-{model}"], deployments[f"scheduler-{model}"]
+        assert flag(container(executor)["args"], "--model") == f"/models/{directory}"
+        assert executor["spec"]["selector"]["matchLabels"]["stepwire.io/model"] == model
+        # Its scheduler watches only its own executors' Service, and refuses any other model's executor.
+        service = named("Service")[f"executor-{model}"]
+        assert service["spec"]["selector"] == executor["spec"]["selector"]["matchLabels"]
+        assert flag(container(scheduler)["args"], "--kubernetes-label-selector") == \
+            f"kubernetes.io/service-name={RELEASE}-stepwire-executor-{model}"
+        assert flag(container(scheduler)["args"], "--served-model") == directory
+        assert named("PodDisruptionBudget")[f"executor-{model}"]["spec"]["selector"]["matchLabels"] == \
+            executor["spec"]["selector"]["matchLabels"]
+        if model == "small":
+            assert executor["spec"]["replicas"] == 1
+            assert container(executor)["resources"]["requests"] == {"cpu": "1", "memory": "2Gi"}
+            assert flag(container(scheduler)["args"], "--executor-wait-seconds") == "5"
+    # KEDA where asked, on that model's own scheduler's queue; the other keeps its count.
+    (scaled,) = named("ScaledObject").values()
+    assert scaled["spec"]["scaleTargetRef"]["name"] == f"{RELEASE}-stepwire-executor-smollm2"
+    assert scaled["spec"]["maxReplicaCount"] == 12
+    query = scaled["spec"]["triggers"][0]["metadata"]["query"]
+    assert f'pod=~"{RELEASE}-stepwire-scheduler-smollm2-.*"' in query and "num_requests_waiting" in query
+    assert "replicas" not in deployments["executor-smollm2"]["spec"]
+    # The gateways read every model from one ConfigMap, each name paired with its own scheduler's Service.
+    gateway = deployments["gateway"]
+    assert flag(container(gateway)["args"], "--models-file") == "/etc/stepwire/models/models.json"
+    assert "--scheduler" not in container(gateway)["args"]
+    models = json.loads(named("ConfigMap")["gateway-models"]["data"]["models.json"])["models"]
+    assert models == [{"name": n, "model": f"/models/{d}", "scheduler": f"{RELEASE}-stepwire-scheduler-{n}:50051"}
+                      for n, d in (("smollm2", "SmolLM2-135M-Instruct"), ("small", "SmolLM2-4-layers"))]
+    assert "checksum/models" in gateway["spec"]["template"]["metadata"]["annotations"]
+    with pytest.raises(helm.HelmError, match="given twice"):
+        render({"models": [{"name": "a"}, {"name": "a"}]})
+    with pytest.raises(helm.HelmError, match="lower-case"):
+        render({"models": [{"name": "Big_Model"}]})
 
 
 def test_a_bad_model_source_fails_the_render_with_a_message_naming_the_value():

@@ -35,6 +35,26 @@ app.kubernetes.io/version: {{ $root.Chart.AppVersion | quote }}
 app.kubernetes.io/name: {{ include "stepwire.name" $root }}
 app.kubernetes.io/instance: {{ $root.Release.Name }}
 app.kubernetes.io/component: {{ index . 1 }}
+{{- if and (gt (len .) 2) (index . 2) }}
+stepwire.io/model: {{ index . 2 }}
+{{- end }}
+{{- end -}}
+
+{{/* The models the release serves (docs/multimodel.md): .Values.models, or the one of .Values.model. Each is a
+     scheduler and an executor Deployment of its own, named <fullname>-scheduler-<name> and -executor-<name>
+     (no suffix for the one model), with .Values.executor and .Values.scheduler under its own overrides.
+     Range over `include "stepwire.modelNames" .`; `stepwire.modelOf` gives one's values. */}}
+{{- define "stepwire.checkModels" -}}
+{{- $seen := dict -}}
+{{- range $m := .Values.models -}}
+{{- if not (regexMatch "^[a-z0-9]([a-z0-9-]{0,18}[a-z0-9])?$" (toString $m.name)) -}}
+{{- fail (printf "models[].name must be 1-20 lower-case letters, digits and '-' (it names Deployments), not %q" (toString $m.name)) -}}
+{{- end -}}
+{{- if hasKey $seen $m.name -}}
+{{- fail (printf "models[].name %q is given twice" $m.name) -}}
+{{- end -}}
+{{- $_ := set $seen $m.name true -}}
+{{- end -}}
 {{- end -}}
 
 {{- define "stepwire.image" -}}
@@ -59,6 +79,13 @@ checkov.io/skip4: CKV_K8S_38=The scheduler lists and watches EndpointSlices, so 
 {{/* The model directory as the services see it. */}}
 {{- define "stepwire.modelDir" -}}
 {{- printf "%s/%s" .Values.model.mountPath .Values.model.name -}}
+{{- end -}}
+
+{{/* A model of .Values.models as the services see it: its directory (default: its name) under mountPath. */}}
+{{- define "stepwire.modelDirOf" -}}
+{{- $root := index . 0 -}}
+{{- $m := index . 1 -}}
+{{- printf "%s/%s" $root.Values.model.mountPath (default $m.name $m.directory) -}}
 {{- end -}}
 
 {{- define "stepwire.tlsSecret" -}}
