@@ -292,10 +292,23 @@ def ports_of(a: ServeSettings) -> list[tuple[int, str]]:
     return out
 
 
+def shared_ports(ports: list[tuple[int, str]]) -> dict[int, tuple[str, str]]:
+    """Ports two of serve's own services would both listen on (the port flags overlap), with the two flags."""
+    first: dict[int, str] = {}
+    shared = {}
+    for port, flag in ports:
+        if port in first and port not in shared:
+            shared[port] = (first[port], flag)
+        first.setdefault(port, flag)
+    return shared
+
+
 def serve(argv: list[str]) -> None:
     a = load(ServeSettings, argv)
     logging.basicConfig(level=logging.INFO, format="stepwire: %(message)s")
-    taken = taken_ports(ports_of(a))
+    ports = ports_of(a)
+    taken = [f"port {p} is given to both {flags[0]} and {flags[1]}" for p, flags in shared_ports(ports).items()]
+    taken = taken or taken_ports(ports)
     if taken:
         for line in taken:
             log.error("%s", line)

@@ -18,7 +18,7 @@ from tiny_model import kv_bytes
 
 from gateway.access.tenants import parse_tenants
 from gateway.generation.served_models import ModelsFileError, read_models_file
-from launcher.local_stack import ServeSettings, children, ports_of
+from launcher.local_stack import ServeSettings, children, ports_of, shared_ports
 from launcher.processes import Service, Stack
 from scheduler_service.fleet.served_weights import refusal
 from stepwire.contract.settings import load
@@ -70,6 +70,9 @@ def test_serve_with_two_models_starts_a_scheduler_per_model_each_driving_its_own
     assert flags(stack[-1])["--models-file"] == str(tmp_path / "models.json")
     ports = [p for p, _ in ports_of(a)]
     assert len(ports) == len(set(ports)) == 2 + 2 * 2 + 4 * 2
+    overlapping = load(ServeSettings, ["--model", "a,b", "--executor-metrics-port", "9000", "--scheduler-metrics-port",
+                                       "9002"])
+    assert shared_ports(ports_of(overlapping)) == {9002: ("--scheduler-metrics-port", "--scheduler-metrics-port")}
     with pytest.raises(SystemExit):
         load(ServeSettings, ["--model", "x/alpha", "--model", "y/alpha"])     # two models of one name
 
@@ -196,3 +199,41 @@ def test_with_every_executor_of_one_model_gone_it_answers_503_alone_while_the_ot
     two_models.wait_until(lambda: any(e.connected for e in stats(two_models, "sc-b").executors),
                           "beta's executor back", 60)
     assert c.completions.create(model="beta", prompt="back", max_tokens=2).model == "beta"
+
+
+@pytest.mark.processes
+def test_stepwire_serve_with_two_models_answers_each_by_its_directory_name(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from helpers import wait_http_ready, wait_until
+
+    from launcher.processes import free_port_runs
+
+    alpha = tiny_model_with_tokenizer(tmp_path / "alpha", max_position_embeddings=256)
+    beta = tiny_model_with_tokenizer(tmp_path / "beta", max_position_embeddings=256, num_hidden_layers=1)
+    http, grpc_port, sc, ex, metrics, sc_metrics = free_port_runs(6, 3)
+    # Executor metrics from `metrics` (2 executors); the second scheduler's after them: metrics + 2.
+    log = tmp_path / "serve.log"
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "launcher.cli", "serve", "--model", f"{alpha},{beta}", "--no-tls", "--port",
+         str(http), "--grpc-port", str(grpc_port), "--scheduler-port", str(sc), "--executor-port", str(ex),
+         "--kv-cache-memory", str(kv_bytes(256)), "--scheduler-metrics-port", str(sc_metrics),
+         "--executor-metrics-port", str(metrics)], stdout=open(log, "w"), stderr=subprocess.STDOUT,
+        env=os.environ | {"STEPWIRE_API_KEY": ""}, process_group=0)
+    try:
+        url = f"http://127.0.0.1:{http}"
+        wait_http_ready(url, {"serve": serve}, logs=[log])
+        wait_until(lambda: "stepwire is ready" in log.read_text(), 60, "the ready message", procs={"serve": serve},
+                   logs=[log])
+        c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        wait_until(lambda: len([m for m in c.models.list().data if m.max_model_len]) == 2, 60,
+                   "both models' executors", procs={"serve": serve}, logs=[log])
+        assert sorted(m.id for m in c.models.list().data) == ["alpha", "beta"]
+        for name in ("alpha", "beta"):
+            assert c.completions.create(model=name, prompt="hi", max_tokens=3).model == name
+        assert "model 'alpha', 'beta'" in log.read_text()
+    finally:
+        serve.terminate()
+        serve.wait(60)
