@@ -36,7 +36,8 @@ SERVICE = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
 # Who may call what, with TLS (security/peer_roles.py): gateways submit and learn the limits they check
 # requests against; Stats, which shows every executor's address and epoch, is for the operator alone.
 # Adapters are loaded through a gateway's API (behind its API keys) or by the operator.
-ROLES = {f"/{SERVICE}/{m}": frozenset({GATEWAY}) for m in ("Submit", "Session", "Limits")} | {
+ROLES = {f"/{SERVICE}/{m}": frozenset({GATEWAY})
+         for m in ("Submit", "Session", "Limits", "StoreResponse", "LoadResponse")} | {
     f"/{SERVICE}/Stats": frozenset({OPERATOR})} | {
     f"/{SERVICE}/{m}": frozenset({GATEWAY, OPERATOR}) for m in ("Adapters", "LoadAdapter", "UnloadAdapter")}
 

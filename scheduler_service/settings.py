@@ -101,6 +101,10 @@ class SchedulerSettings(RoleSettings):
     resume_buffer_tokens: int = Field(512, ge=0, le=1 << 20, description="tokens a kept request may make that no "
                                       "client has read; then it is parked (off the batch, its KV freed) until a "
                                       "resume; 0: it runs to its end")
+    response_store_seconds: float = Field(3600.0, ge=0, le=30 * 86400, description="how long a stored response "
+                                          "(the Responses API's previous_response_id) is kept for its tenant")
+    response_store_bytes: int = Field(256 << 20, ge=0, description="the most bytes of stored responses; past it "
+                                      "the oldest go first")
     max_steps_in_flight: Literal["auto"] | Annotated[int, Field(ge=1, le=MOST_STEPS_IN_FLIGHT)] = Field(
         "auto", description="steps sent to an executor and not yet answered (1-4), each executor's own; auto: 2, or "
         "3 for an executor that runs ahead (its --run-ahead, as its Describe says), 1 with --no-async-scheduling. "

@@ -28,9 +28,10 @@ def test_the_contract_has_the_services_the_design_names():
     assert methods(generation_pb2, "Generation") == {"Generate", "GenerateStream", "Tokenize", "ModelInfo", "Resume"}
     # No Abort by id: only the call that submitted a request may end it.
     # Limits for gateways, Stats for the operator: a gateway's certificate cannot read the fleet.
-    # Adapters, LoadAdapter and UnloadAdapter for gateways (behind their API keys) and the operator.
+    # Adapters, LoadAdapter and UnloadAdapter for gateways (behind their API keys) and the operator;
+    # StoreResponse and LoadResponse (the Responses API's stored responses) for gateways.
     assert methods(scheduler_pb2, "Scheduler") == {"Submit", "Session", "Limits", "Stats", "Adapters",
-                                                   "LoadAdapter", "UnloadAdapter"}
+                                                   "LoadAdapter", "UnloadAdapter", "StoreResponse", "LoadResponse"}
     # PullBlocks for the scheduler, ReadBlocks (and ReadBlocksMapped, on one host) for a peer executor: KV bytes
     # never pass the scheduler; CheckAdapter for the scheduler, which checks an adapter on an executor before it
     # registers it.

@@ -122,6 +122,27 @@ class Backend:
         return await self._off_loop(self._encode_chat, messages, add_generation_prompt, add_special_tokens,
                                     await self._text_limit(), tools)
 
+    async def encode_chat_continuing(self, messages: list[dict], tools: list[dict] | None,
+                                     prior: tuple[str, list[int]] | None) -> tuple[list[int], str]:
+        """(token ids, rendered text) of a chat with a generation prompt. `prior`: the rendered text and the exact
+        token ids of an earlier turn's prompt and output (a stored response). Where this chat's rendering starts
+        with that text, its ids start with those ids and only the rest is tokenized: the model's own tokens, which
+        the prefix cache holds, rather than their text tokenized anew, which may split otherwise and miss it."""
+        check_chat(messages)
+        limit = await self._text_limit()
+
+        def encode() -> tuple[list[int], str]:
+            try:
+                text = self.tokenizer.render_chat(messages, True, tools)
+            except ChatTemplateError as e:
+                raise InvalidRequestError("messages", str(e)) from None
+            self.tokenizer.refuse_oversize(text, limit, "messages", self.max_model_len)
+            if prior is not None and prior[0] and text.startswith(prior[0]):
+                return list(prior[1]) + self.tokenizer.encode(text[len(prior[0]):], add_special_tokens=False), text
+            return self.tokenizer.encode(text, add_special_tokens=False), text
+
+        return await self._off_loop(encode)
+
     async def decode(self, token_ids: list[int]) -> str:
         """The text of token ids the model knows, special tokens included (as vLLM's /detokenize gives it)."""
         if token_ids:   # no tokens: no text

@@ -23,6 +23,7 @@ from gateway.generation.telemetry import GatewayMetrics, Observation
 from gateway.http_api.bodies import ChatRequest, CompletionRequest, Sampling, message_dicts, tool_fields
 from gateway.http_api.lora_routes import add_lora_routes, model_cards
 from gateway.http_api.responses import error, respond, resume_stream
+from gateway.http_api.responses_api import add_responses_routes
 from gateway.http_api.tokenize_routes import add_tokenize_routes
 from gateway.tools.calls import constraint, tool_plan
 from gateway.tools.rendering import chat_for_template
@@ -128,6 +129,7 @@ def build_app(models: ServedModels | Backend, metrics: GatewayMetrics, api_keys:
 
     add_tokenize_routes(app, models)
     add_lora_routes(app, models)
+    add_responses_routes(app, models, metrics)
 
     @app.get("/v1/models")
     async def list_models():

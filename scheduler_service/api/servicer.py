@@ -12,6 +12,7 @@ import grpc
 
 from scheduler_service.api.admission import Refused, admit
 from scheduler_service.api.gateway_sessions import Session, to_output
+from scheduler_service.api.response_store import ResponseStore
 from scheduler_service.api.resumed_streams import Resumable, ResumedStreams, not_found, replay
 from scheduler_service.core.output import RequestDelta
 from scheduler_service.fleet.adapter_registry import AdapterRefused
@@ -29,6 +30,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.sessions: set[Session] = set()
         self.shutting_down = False
         self.resumed = ResumedStreams(fleet, settings.resume_grace_seconds, settings.resume_buffer_tokens)
+        self.responses = ResponseStore(settings.response_store_seconds, settings.response_store_bytes)
 
     async def shut_down(self, seconds: float = 2.0) -> None:
         """SIGTERM: admit nothing more, tell every gateway on its session and end the session (its requests
@@ -204,6 +206,20 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             return self.fleet.adapters.unload(request.name).info()
         except AdapterRefused as e:
             await context.abort(e.code, e.message)
+
+    async def StoreResponse(self, request, context):
+        if not self.responses.put(request.id, request.tenant, request.model, request.conversation):
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "the response is larger than the scheduler's "
+                                "--response-store-bytes")
+        return scheduler_pb2.StoreResponseAck()
+
+    async def LoadResponse(self, request, context):
+        e = self.responses.get(request.id, request.tenant)
+        if e is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no stored response {request.id[:100]!r} (unknown, "
+                                "expired, or another tenant's)")
+        return scheduler_pb2.StoredResponse(id=request.id, tenant=e.tenant, model=e.model,
+                                            conversation=e.conversation)
 
     async def Stats(self, request, context):
         fleet = self.fleet

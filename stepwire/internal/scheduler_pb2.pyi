@@ -7,6 +7,30 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class StoredResponse(_message.Message):
+    __slots__ = ("id", "tenant", "model", "conversation")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    CONVERSATION_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    tenant: str
+    model: str
+    conversation: bytes
+    def __init__(self, id: _Optional[str] = ..., tenant: _Optional[str] = ..., model: _Optional[str] = ..., conversation: _Optional[bytes] = ...) -> None: ...
+
+class StoreResponseAck(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LoadResponseRequest(_message.Message):
+    __slots__ = ("id", "tenant")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    tenant: str
+    def __init__(self, id: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
+
 class AdaptersRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

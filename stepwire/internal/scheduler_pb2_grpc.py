@@ -69,6 +69,16 @@ class SchedulerStub:
                 request_serializer=stepwire_dot_internal_dot_scheduler__pb2.UnloadAdapterRequest.SerializeToString,
                 response_deserializer=stepwire_dot_internal_dot_scheduler__pb2.AdapterInfo.FromString,
                 _registered_method=True)
+        self.StoreResponse = channel.unary_unary(
+                '/stepwire.internal.Scheduler/StoreResponse',
+                request_serializer=stepwire_dot_internal_dot_scheduler__pb2.StoredResponse.SerializeToString,
+                response_deserializer=stepwire_dot_internal_dot_scheduler__pb2.StoreResponseAck.FromString,
+                _registered_method=True)
+        self.LoadResponse = channel.unary_unary(
+                '/stepwire.internal.Scheduler/LoadResponse',
+                request_serializer=stepwire_dot_internal_dot_scheduler__pb2.LoadResponseRequest.SerializeToString,
+                response_deserializer=stepwire_dot_internal_dot_scheduler__pb2.StoredResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -127,6 +137,21 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StoreResponse(self, request, context):
+        """Stored responses (the Responses API's previous_response_id): one gateway stores a response's conversation,
+        any gateway loads it for the same tenant. Bounded in age and bytes (the scheduler's --response-store-*);
+        NOT_FOUND for an id unknown, expired, evicted or another tenant's.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadResponse(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -164,6 +189,16 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.UnloadAdapter,
                     request_deserializer=stepwire_dot_internal_dot_scheduler__pb2.UnloadAdapterRequest.FromString,
                     response_serializer=stepwire_dot_internal_dot_scheduler__pb2.AdapterInfo.SerializeToString,
+            ),
+            'StoreResponse': grpc.unary_unary_rpc_method_handler(
+                    servicer.StoreResponse,
+                    request_deserializer=stepwire_dot_internal_dot_scheduler__pb2.StoredResponse.FromString,
+                    response_serializer=stepwire_dot_internal_dot_scheduler__pb2.StoreResponseAck.SerializeToString,
+            ),
+            'LoadResponse': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadResponse,
+                    request_deserializer=stepwire_dot_internal_dot_scheduler__pb2.LoadResponseRequest.FromString,
+                    response_serializer=stepwire_dot_internal_dot_scheduler__pb2.StoredResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -355,6 +390,60 @@ class Scheduler:
             '/stepwire.internal.Scheduler/UnloadAdapter',
             stepwire_dot_internal_dot_scheduler__pb2.UnloadAdapterRequest.SerializeToString,
             stepwire_dot_internal_dot_scheduler__pb2.AdapterInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StoreResponse(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stepwire.internal.Scheduler/StoreResponse',
+            stepwire_dot_internal_dot_scheduler__pb2.StoredResponse.SerializeToString,
+            stepwire_dot_internal_dot_scheduler__pb2.StoreResponseAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadResponse(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stepwire.internal.Scheduler/LoadResponse',
+            stepwire_dot_internal_dot_scheduler__pb2.LoadResponseRequest.SerializeToString,
+            stepwire_dot_internal_dot_scheduler__pb2.StoredResponse.FromString,
             options,
             channel_credentials,
             insecure,
