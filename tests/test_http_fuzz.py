@@ -17,7 +17,8 @@ HANG = 60         # seconds: a request not answered by then hangs (a stream of t
 NAME = "model"    # what the stack serves; a random name would turn nearly every valid request into a 400
 OPERATIONS = {"GET /v1/models", "POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize",
               "POST /detokenize", "GET /health", "GET /metrics", "POST /v1/load_lora_adapter",
-              "POST /v1/unload_lora_adapter", "GET /v1/streams/{stream_id}", "POST /v1/responses"}
+              "POST /v1/unload_lora_adapter", "GET /v1/streams/{stream_id}", "POST /v1/responses",
+              "POST /v1/messages"}
 
 
 pytestmark = pytest.mark.processes   # starts services as separate processes: not in `make test-fast`

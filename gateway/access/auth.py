@@ -153,7 +153,8 @@ class HttpKeys(AuthenticationBackend):
     async def authenticate(self, conn: HTTPConnection):
         if conn.url.path in self.open_paths:
             return None
-        key = bearer(conn.headers.get("authorization"))
+        # Anthropic's clients send their key as x-api-key (/v1/messages); any route takes either.
+        key = bearer(conn.headers.get("authorization")) or conn.headers.get("x-api-key") or None
         if key is None:
             raise KeyRefused(MISSING, None)
         tenant = self.keys.identify(key)

@@ -22,6 +22,7 @@ from gateway.generation.structured_requests import one_constraint, requested
 from gateway.generation.telemetry import GatewayMetrics, Observation
 from gateway.http_api.bodies import ChatRequest, CompletionRequest, Sampling, message_dicts, tool_fields
 from gateway.http_api.lora_routes import add_lora_routes, model_cards
+from gateway.http_api.messages_api import add_messages_routes, anthropic_error
 from gateway.http_api.responses import error, respond, resume_stream
 from gateway.http_api.responses_api import add_responses_routes
 from gateway.http_api.tokenize_routes import add_tokenize_routes
@@ -130,6 +131,7 @@ def build_app(models: ServedModels | Backend, metrics: GatewayMetrics, api_keys:
     add_tokenize_routes(app, models)
     add_lora_routes(app, models)
     add_responses_routes(app, models, metrics)
+    add_messages_routes(app, models, metrics)
 
     @app.get("/v1/models")
     async def list_models():
@@ -194,6 +196,8 @@ def build_app(models: ServedModels | Backend, metrics: GatewayMetrics, api_keys:
 
 
 def _refused(conn, exc: KeyRefused) -> JSONResponse:
+    if conn.url.path == "/v1/messages":         # Anthropic's clients read Anthropic's error shape
+        return anthropic_error(401, str(exc))
     return error(401, str(exc), code=exc.code, headers={"WWW-Authenticate": "Bearer"})
 
 
