@@ -90,3 +90,27 @@ def test_the_key_is_taken_from_x_api_key_and_a_wrong_one_is_an_authentication_er
             anthropic.Anthropic(base_url=s.url, api_key="sk-wrong", max_retries=0).messages.create(
                 model=s.model.name, max_tokens=3, messages=[{"role": "user", "content": "hi"}])
         assert e.value.body["error"]["type"] == "authentication_error"
+
+
+def test_a_limited_tenant_s_stream_is_refused_with_a_429_before_it_starts_on_both_apis(tmp_path):
+    import json
+
+    import openai
+
+    tenants = tmp_path / "tenants.json"
+    tenants.write_text(json.dumps({"tenants": {"small": {"keys": ["sk-small"], "requests_per_minute": 2}}}))
+    with tiny_stack(tmp_path, ["--tenants-file", str(tenants)]) as s:
+        name = s.model.name
+        oa = openai.OpenAI(base_url=s.url + "/v1", api_key="sk-small", max_retries=0)
+        an = anthropic.Anthropic(base_url=s.url, api_key="sk-small", max_retries=0)
+        with oa.responses.stream(model=name, input="hi", max_output_tokens=2) as stream:
+            assert [e.type for e in stream][-1] in ("response.completed", "response.incomplete")
+        with an.messages.stream(model=name, max_tokens=2, messages=[{"role": "user", "content": "hi"}]) as stream:
+            assert stream.get_final_message().usage.output_tokens == 2
+        with pytest.raises(openai.RateLimitError) as e:
+            oa.responses.create(model=name, input="hi", max_output_tokens=2, stream=True)
+        assert int(e.value.response.headers["retry-after"]) >= 1
+        with pytest.raises(anthropic.RateLimitError) as e:
+            with an.messages.stream(model=name, max_tokens=2, messages=[{"role": "user", "content": "hi"}]) as stream:
+                stream.get_final_message()
+        assert e.value.body["error"]["type"] == "rate_limit_error" and "retry-after" in e.value.response.headers

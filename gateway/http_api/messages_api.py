@@ -25,7 +25,7 @@ from gateway.generation.params import GenerationParams, Usage
 from gateway.generation.scheduler_session import SchedulerError
 from gateway.generation.structured_requests import one_constraint
 from gateway.generation.telemetry import GatewayMetrics, Observation
-from gateway.http_api.responses import _kept, rpc_error
+from gateway.http_api.responses import _kept, after_first, rpc_error
 from gateway.tools.calls import constraint, tool_plan
 from gateway.tools.output import parsers
 from gateway.tools.parser import Delta, parse
@@ -144,6 +144,11 @@ def chat_tools(req: MessagesRequest) -> tuple[list[dict] | None, Any, bool | Non
     return tools, choice, parallel
 
 
+def _headers(response: JSONResponse) -> dict:
+    """The rate-limit headers (Retry-After, x-ratelimit-*) of an OpenAI-shaped refusal, for Anthropic's."""
+    return {k: v for k, v in response.headers.items() if k.startswith(("retry-after", "x-ratelimit"))}
+
+
 def _usage(u: Usage) -> dict:
     return {"input_tokens": u.prompt_tokens, "output_tokens": u.completion_tokens,
             "cache_read_input_tokens": u.cached_prompt_tokens, "cache_creation_input_tokens": 0}
@@ -191,6 +196,13 @@ def add_messages_routes(app: FastAPI, models, metrics: GatewayMetrics) -> None:
             return anthropic_error(status, str(e))
         run = MessageRun(backend, req, plan, p, prompt, obs)
         if req.stream:
+            if p.tenant.limited:
+                run.source, refused = await after_first(backend, raw, run.deltas(), obs, run.usage)
+                if isinstance(refused, SchedulerError):
+                    response = rpc_error(refused)       # its status and rate-limit headers, in Anthropic's shape
+                    return anthropic_error(response.status_code, refused.details(), _headers(response))
+                if refused is not None:
+                    return refused
             return StreamingResponse(run.events(), media_type="text/event-stream")
         task = asyncio.ensure_future(run.whole())
         if not await _kept(task, raw):
@@ -199,9 +211,9 @@ def add_messages_routes(app: FastAPI, models, metrics: GatewayMetrics) -> None:
         try:
             return task.result()
         except SchedulerError as e:
-            status = rpc_error(e).status_code
-            obs.end(status, error=e.details())
-            return anthropic_error(status, e.details())
+            response = rpc_error(e)
+            obs.end(response.status_code, error=e.details())
+            return anthropic_error(response.status_code, e.details(), _headers(response))
 
 
 class MessageRun:
@@ -211,6 +223,11 @@ class MessageRun:
         self.usage = Usage()
         self.finish: str | None = None
         self.stop: str | None = None
+        self.source = None
+
+    def deltas(self):
+        """The answer's deltas: from the scheduler, or `source` where the route already awaited the first."""
+        return self.source or self.backend.generate(self.prompt, self.p, self.usage, self.obs)
 
     def message(self, content: list[dict], stop_reason: str | None) -> dict:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.p.adapter or
@@ -227,7 +244,7 @@ class MessageRun:
 
     async def whole(self) -> dict:
         text = ""
-        async for c in self.backend.generate(self.prompt, self.p, self.usage, self.obs):
+        async for c in self.deltas():
             text += c.text
             if c.finish_reason is not None:
                 self.finish, self.stop = c.finish_reason, c.stop
@@ -249,7 +266,7 @@ class MessageRun:
         yield event("message_start", message=self.message([], None) | {"usage": {"input_tokens": len(self.prompt),
                                                                                  "output_tokens": 0}})
         try:
-            async for c in self.backend.generate(self.prompt, self.p, self.usage, self.obs):
+            async for c in self.deltas():
                 got = Delta(c.text) if parser is None else parser.feed(c.text)
                 if c.finish_reason is not None:
                     self.finish, self.stop = c.finish_reason, c.stop

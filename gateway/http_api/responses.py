@@ -47,23 +47,9 @@ async def respond(backend: Backend, raw: Request, req, prompt: list[int], p: Gen
                              include_usage, len(prompt), p.sampling.logprobs, tools, p.n)
         deltas = backend.generate(prompt, p, usage, obs, request_id=rid, resume_context=context)
         if p.tenant.limited:
-            # A tenant's limit refuses at the scheduler: that must be a 429 the client's SDK can act on, not an
-            # event inside a 200 stream, so the response starts only once the first delta (or refusal) is in.
-            # A client that hangs up before it (say, while its request waits in the queue) ends the request.
-            first = asyncio.ensure_future(anext(deltas))
-            backend.unannounced.add(rid)          # hung up before its stream started: nothing to resume
-            try:
-                if not await _kept(first, raw):
-                    obs.end(499, usage, error="client disconnected")
-                    return JSONResponse({}, status_code=499)
-            finally:
-                backend.unannounced.discard(rid)
-            try:
-                deltas = _then(first.result(), deltas)
-            except SchedulerError as e:
-                response = rpc_error(e)
-                obs.end(response.status_code, error=e.details())
-                return response
+            deltas, refused = await after_first(backend, raw, deltas, obs, usage, rid)
+            if refused is not None:
+                return refused if isinstance(refused, JSONResponse) else rpc_error(refused)
         # The stream's id before its first event: a client whose gateway dies before that can still resume it.
         return StreamingResponse(_sse(backend, deltas, p, usage, rid, created, chat, include_usage, obs, tools),
                                  media_type="text/event-stream",
@@ -98,6 +84,27 @@ async def respond(backend: Backend, raw: Request, req, prompt: list[int], p: Gen
                             "logprobs": _completion_lp(backend, lps[i]) if p.sampling.logprobs is not None else None})
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": p.adapter or backend.model_name, "choices": choices, "usage": _usage(usage)}
+
+
+async def after_first(backend, raw: Request, deltas, obs: Observation, usage: Usage, rid: str | None = None):
+    """(the deltas, None), or (None, why not): a 499 response, or the SchedulerError that refused the request.
+    A limited tenant's stream is refused at the scheduler: that must be a 429 the client's SDK can act on, not an
+    event inside a 200 stream, so such a stream's response starts only once its first delta (or refusal) is in.
+    A client that hangs up before it (say, while its request waits in the queue) ends the request."""
+    first = asyncio.ensure_future(anext(deltas))
+    if rid is not None:
+        backend.unannounced.add(rid)          # hung up before its stream started: nothing to resume
+    try:
+        if not await _kept(first, raw):
+            obs.end(499, usage, error="client disconnected")
+            return None, JSONResponse({}, status_code=499)
+    finally:
+        backend.unannounced.discard(rid)
+    try:
+        return _then(first.result(), deltas), None
+    except SchedulerError as e:
+        obs.end(rpc_error(e).status_code, error=e.details())
+        return None, e
 
 
 async def _collect(gen, texts, finish, lps) -> None:

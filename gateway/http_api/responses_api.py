@@ -30,7 +30,7 @@ from gateway.generation.scheduler_session import SchedulerError
 from gateway.generation.structured_requests import SO, one_constraint
 from gateway.generation.telemetry import GatewayMetrics, Observation
 from gateway.http_api.bodies import documented
-from gateway.http_api.responses import _kept, rpc_error
+from gateway.http_api.responses import _kept, after_first, rpc_error
 from gateway.http_api.responses_events import EventStream, output_items, response_object
 from gateway.tools.calls import constraint, tool_plan
 from gateway.tools.output import parsers
@@ -229,6 +229,10 @@ def add_responses_routes(app: FastAPI, models, metrics: GatewayMetrics) -> None:
             return rpc_error(e)
         r = ResponseRun(backend, req, plan, p, prompt, text, history + new, obs)
         if req.stream:
+            if p.tenant.limited:
+                r.source, refused = await after_first(backend, raw, r.deltas(), obs, r.usage)
+                if refused is not None:
+                    return refused if isinstance(refused, JSONResponse) else rpc_error(refused)
             return StreamingResponse(r.events(), media_type="text/event-stream")
         task = asyncio.ensure_future(r.run())
         if not await _kept(task, raw):
@@ -254,9 +258,11 @@ class ResponseRun:
         self.output_ids: list[int] = []
         self.output_text = ""
         self.finish: str | None = None
+        self.source = None
 
     def deltas(self):
-        return self.backend.generate(self.prompt, self.p, self.usage, self.obs)
+        """The answer's deltas: from the scheduler, or `source` where the route already awaited the first."""
+        return self.source or self.backend.generate(self.prompt, self.p, self.usage, self.obs)
 
     def shell(self, status: str, output: list[dict]) -> dict:
         return response_object(self, status, output)
