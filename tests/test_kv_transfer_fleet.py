@@ -106,7 +106,12 @@ def drain_first_executor_under_load(fleet: KVFleet, before_sigterm=lambda: None)
     fleet.stack.wait_until(lambda: all(len(t) >= 5 for t in streams.tokens), "five tokens on every stream", 60,
                            interval=0.005)
     before_sigterm()
+    # Frozen while the signal is sent: otherwise its requests could finish in the moment between the check above and
+    # the executor handling SIGTERM (the tiny model makes a token every few ms; on a loaded machine that moment
+    # once took all 55 left), and the drain would find nothing to drain.
+    fleet.stack.pause("executor-0")
     fleet.stack.terminate("executor-0")
+    fleet.stack.resume("executor-0")
     return streams
 
 
