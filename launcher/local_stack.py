@@ -36,7 +36,7 @@ from launcher.forked import Forked, stop_server
 from launcher.port_check import taken_ports
 from launcher.processes import Service, command, fork
 from launcher.tethered import ProcessGroup
-from stepwire.contract.settings import ServiceSettings, load
+from stepwire.contract.settings import ServiceSettings, comma_separated, load
 
 log = logging.getLogger("stepwire.serve")
 STOP_SECONDS = 30.0   # for the services to stop on SIGTERM (an executor drains first) before they are killed
@@ -104,7 +104,7 @@ class ServeSettings(ServiceSettings):
     @field_validator("model", mode="before")
     @classmethod
     def _comma_separated(cls, value):
-        return [m.strip() for m in value.split(",") if m.strip()] if isinstance(value, str) else value
+        return comma_separated(value)
 
     @field_validator("model")
     @classmethod

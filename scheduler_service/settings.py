@@ -16,6 +16,7 @@ from pydantic_settings import NoDecode, SettingsConfigDict
 from scheduler_service.core.config import CPU_STEP_DEFAULTS, GPU_STEP_DEFAULTS, SchedulerConfig, step_defaults
 from security.peer_roles import RoleSettings
 from stepwire.contract.limits import ADAPTER_NAME
+from stepwire.contract.settings import comma_separated
 
 MOST_STEPS_IN_FLIGHT = 4   # more only queues steps whose placeholders a stop or a preemption wastes
 
@@ -131,7 +132,7 @@ class SchedulerSettings(RoleSettings):
     @field_validator("executors", "lora_modules", mode="before")
     @classmethod
     def _comma_separated(cls, value):
-        return [a.strip() for a in value.split(",") if a.strip()] if isinstance(value, str) else value
+        return comma_separated(value)
 
     @field_validator("lora_modules")
     @classmethod

@@ -6,7 +6,6 @@ tiny models (their own directory names, the embedded tokenizer), two executors, 
 from __future__ import annotations
 
 import json
-import time
 
 import grpc
 import httpx
@@ -174,10 +173,20 @@ def test_a_gateway_whose_file_pairs_a_name_with_another_model_s_scheduler_never_
         two_models):
     two_models.start("gw-wrong")
     url = two_models["gw-wrong"].url
-    time.sleep(1.5)           # its scheduler (alpha's) serves: long enough to have compared the models
+    answers = []
+
+    def refused_for_the_mismatch() -> bool:
+        # From its first answer on, before it has heard from the scheduler too: never alpha's tokens as beta's.
+        try:
+            r = httpx.post(url + "/v1/completions", json={"model": "beta", "prompt": "x", "max_tokens": 2})
+        except httpx.ConnectError:
+            return False          # not listening yet
+        answers.append(r.status_code)
+        return "pairs them wrongly" in r.json()["error"]["message"]
+
+    two_models.wait_until(refused_for_the_mismatch, "the gateway to name the mismatch", 60)
+    assert set(answers) == {503}
     assert httpx.get(url + "/health").status_code == 503
-    r = httpx.post(url + "/v1/completions", json={"model": "beta", "prompt": "x", "max_tokens": 2})
-    assert r.status_code == 503 and "pairs them wrongly" in r.json()["error"]["message"]
     two_models.terminate("gw-wrong")
 
 

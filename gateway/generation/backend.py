@@ -51,7 +51,10 @@ class Backend:
         # With several models (served_models.py): the model directory name this one's scheduler must serve, and
         # why it does not (a models file that pairs the name with another model's scheduler), "" while it does.
         self.expect_model = expect_model
-        self.wrong_model = ""
+        # Until its scheduler has named its model, none is confirmed: a request then would reach whatever model the
+        # file's address leads to.
+        self.wrong_model = f"the scheduler for {model_name!r} has not said yet which model it serves" \
+            if expect_model else ""
         self.max_model_len = 0   # learned from the scheduler once it is connected
         self._serving = asyncio.Event()   # set while the scheduler serves (see `ready`)
         self.pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
@@ -89,10 +92,11 @@ class Backend:
             limits = await self.stub.Limits(scheduler_pb2.LimitsRequest(), timeout=2)
         except grpc.RpcError:
             return False
-        wrong = ""
-        if self.expect_model and limits.model and limits.model != self.expect_model:
-            wrong = (f"the scheduler for {self.model_name!r} serves {limits.model}, not {self.expect_model}: "
-                     f"the gateway's models file pairs them wrongly")
+        wrong = self.wrong_model       # a scheduler without executors names no model: nothing changes
+        if self.expect_model and limits.model:
+            wrong = "" if limits.model == self.expect_model else (
+                f"the scheduler for {self.model_name!r} serves {limits.model}, not {self.expect_model}: the "
+                f"gateway's models file pairs them wrongly")
         if wrong != self.wrong_model:
             self.wrong_model = wrong
             if wrong:
@@ -132,11 +136,7 @@ class Backend:
         limit = await self._text_limit()
 
         def encode() -> tuple[list[int], str]:
-            try:
-                text = self.tokenizer.render_chat(messages, True, tools)
-            except ChatTemplateError as e:
-                raise InvalidRequestError("messages", str(e)) from None
-            self.tokenizer.refuse_oversize(text, limit, "messages", self.max_model_len)
+            text = self._render_chat(messages, True, limit, tools)
             if prior is not None and prior[0] and text.startswith(prior[0]):
                 return list(prior[1]) + self.tokenizer.encode(text[len(prior[0]):], add_special_tokens=False), text
             return self.tokenizer.encode(text, add_special_tokens=False), text
@@ -153,13 +153,18 @@ class Backend:
         self.tokenizer.refuse_oversize(text, limit, "prompt", self.max_model_len)
         return self.tokenizer.encode(text, add_special_tokens)
 
-    def _encode_chat(self, messages: list[dict], add_generation_prompt: bool, add_special_tokens: bool,
-                     limit: int, tools: list[dict] | None = None) -> list[int]:
+    def _render_chat(self, messages: list[dict], add_generation_prompt: bool, limit: int,
+                     tools: list[dict] | None = None) -> str:
         try:
             text = self.tokenizer.render_chat(messages, add_generation_prompt, tools)
         except ChatTemplateError as e:
             raise InvalidRequestError("messages", str(e)) from None
         self.tokenizer.refuse_oversize(text, limit, "messages", self.max_model_len)
+        return text
+
+    def _encode_chat(self, messages: list[dict], add_generation_prompt: bool, add_special_tokens: bool,
+                     limit: int, tools: list[dict] | None = None) -> list[int]:
+        text = self._render_chat(messages, add_generation_prompt, limit, tools)
         # The rendered template already holds its special tokens, unless it is asked for more.
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 

@@ -10,7 +10,6 @@ invalid_request_error naming it.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import uuid
 from typing import Any
@@ -25,7 +24,7 @@ from gateway.generation.params import GenerationParams, Usage
 from gateway.generation.scheduler_session import SchedulerError
 from gateway.generation.structured_requests import one_constraint
 from gateway.generation.telemetry import GatewayMetrics, Observation
-from gateway.http_api.responses import _kept, after_first, rpc_error
+from gateway.http_api.responses import after_first, finished, rpc_error
 from gateway.tools.calls import constraint, tool_plan
 from gateway.tools.output import parsers
 from gateway.tools.parser import Delta, parse
@@ -93,7 +92,7 @@ def chat_messages(req: MessagesRequest) -> list[dict]:
         role = m.get("role")
         if role not in ("user", "assistant"):
             raise InvalidRequestError(f"{where}.role", "user or assistant")
-        text, calls = [], []
+        text, calls, results = [], [], False
         for j, b in enumerate(_blocks(m.get("content"), f"{where}.content")):
             kind = b.get("type") if isinstance(b, dict) else None
             at = f"{where}.content.{j}"
@@ -110,11 +109,11 @@ def chat_messages(req: MessagesRequest) -> list[dict]:
                 result = _text_of(b.get("content") or "", f"{at}.content")
                 out.append({"role": "tool", "tool_call_id": b["tool_use_id"],
                             "content": ("Error: " + result) if b.get("is_error") else result})
+                results = True
             else:
                 raise InvalidRequestError(at, f"content blocks of type {str(kind)[:40]!r} are not supported in a "
                                           f"{role} message")
-        if text or calls or not any(isinstance(b, dict) and b.get("type") == "tool_result"
-                                    for b in _blocks(m.get("content"), where)):
+        if text or calls or not results:        # a message of tool results alone is its tool messages
             message = {"role": role, "content": "".join(text)}
             if calls:
                 message["tool_calls"] = calls
@@ -144,9 +143,14 @@ def chat_tools(req: MessagesRequest) -> tuple[list[dict] | None, Any, bool | Non
     return tools, choice, parallel
 
 
-def _headers(response: JSONResponse) -> dict:
-    """The rate-limit headers (Retry-After, x-ratelimit-*) of an OpenAI-shaped refusal, for Anthropic's."""
-    return {k: v for k, v in response.headers.items() if k.startswith(("retry-after", "x-ratelimit"))}
+def _refusal(refused) -> JSONResponse:
+    """A 499, or a SchedulerError's answer in Anthropic's shape: its status and rate-limit headers (Retry-After,
+    x-ratelimit-*) as the OpenAI-shaped answer has them."""
+    if isinstance(refused, JSONResponse):
+        return refused
+    response = rpc_error(refused)
+    headers = {k: v for k, v in response.headers.items() if k.startswith(("retry-after", "x-ratelimit"))}
+    return anthropic_error(response.status_code, refused.details(), headers)
 
 
 def _usage(u: Usage) -> dict:
@@ -198,22 +202,11 @@ def add_messages_routes(app: FastAPI, models, metrics: GatewayMetrics) -> None:
         if req.stream:
             if p.tenant.limited:
                 run.source, refused = await after_first(backend, raw, run.deltas(), obs, run.usage)
-                if isinstance(refused, SchedulerError):
-                    response = rpc_error(refused)       # its status and rate-limit headers, in Anthropic's shape
-                    return anthropic_error(response.status_code, refused.details(), _headers(response))
                 if refused is not None:
-                    return refused
+                    return _refusal(refused)
             return StreamingResponse(run.events(), media_type="text/event-stream")
-        task = asyncio.ensure_future(run.whole())
-        if not await _kept(task, raw):
-            obs.end(499, run.usage, error="client disconnected")
-            return JSONResponse({}, status_code=499)
-        try:
-            return task.result()
-        except SchedulerError as e:
-            response = rpc_error(e)
-            obs.end(response.status_code, error=e.details())
-            return anthropic_error(response.status_code, e.details(), _headers(response))
+        message, refused = await finished(run.whole(), raw, obs, run.usage)
+        return message if refused is None else _refusal(refused)
 
 
 class MessageRun:

@@ -57,18 +57,10 @@ async def respond(backend: Backend, raw: Request, req, prompt: list[int], p: Gen
     texts = [""] * p.n
     finish: list[str | None] = [None] * p.n
     lps: list[list] = [[] for _ in range(p.n)]
-    gen = backend.generate(prompt, p, usage, obs)
-    task = asyncio.ensure_future(_collect(gen, texts, finish, lps))
-    # A client that hangs up on a non-streaming call still frees its blocks: watch for it.
-    if not await _kept(task, raw):
-        obs.end(499, usage, finish, error="client disconnected")
-        return JSONResponse({}, status_code=499)
-    try:
-        task.result()
-    except SchedulerError as e:
-        response = rpc_error(e)
-        obs.end(response.status_code, error=e.details())
-        return response
+    _, refused = await finished(_collect(backend.generate(prompt, p, usage, obs), texts, finish, lps), raw, obs,
+                                usage, finish)
+    if refused is not None:
+        return refused if isinstance(refused, JSONResponse) else rpc_error(refused)
     obs.end(200, usage, finish)
     choices = []
     for i in range(p.n):
@@ -84,6 +76,21 @@ async def respond(backend: Backend, raw: Request, req, prompt: list[int], p: Gen
                             "logprobs": _completion_lp(backend, lps[i]) if p.sampling.logprobs is not None else None})
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": p.adapter or backend.model_name, "choices": choices, "usage": _usage(usage)}
+
+
+async def finished(coro, raw: Request, obs: Observation, usage: Usage, finish=()):
+    """(what `coro` returns, None), or (None, why not): a 499 response if the client hung up first (a client that
+    hangs up on a non-streaming call still frees its blocks: its request is cancelled), or the SchedulerError that
+    ended it. Either way the request's span has ended."""
+    task = asyncio.ensure_future(coro)
+    if not await _kept(task, raw):
+        obs.end(499, usage, finish, error="client disconnected")
+        return None, JSONResponse({}, status_code=499)
+    try:
+        return task.result(), None
+    except SchedulerError as e:
+        obs.end(rpc_error(e).status_code, error=e.details())
+        return None, e
 
 
 async def after_first(backend, raw: Request, deltas, obs: Observation, usage: Usage, rid: str | None = None):

@@ -11,7 +11,6 @@ stepwire does not (hosted tools, background responses, reasoning settings, ...) 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
@@ -30,7 +29,7 @@ from gateway.generation.scheduler_session import SchedulerError
 from gateway.generation.structured_requests import SO, one_constraint
 from gateway.generation.telemetry import GatewayMetrics, Observation
 from gateway.http_api.bodies import documented
-from gateway.http_api.responses import _kept, after_first, rpc_error
+from gateway.http_api.responses import after_first, finished, rpc_error
 from gateway.http_api.responses_events import EventStream, output_items, response_object
 from gateway.tools.calls import constraint, tool_plan
 from gateway.tools.output import parsers
@@ -234,15 +233,10 @@ def add_responses_routes(app: FastAPI, models, metrics: GatewayMetrics) -> None:
                 if refused is not None:
                     return refused if isinstance(refused, JSONResponse) else rpc_error(refused)
             return StreamingResponse(r.events(), media_type="text/event-stream")
-        task = asyncio.ensure_future(r.run())
-        if not await _kept(task, raw):
-            obs.end(499, r.usage, error="client disconnected")
-            return JSONResponse({}, status_code=499)
-        try:
-            return task.result()
-        except SchedulerError as e:
-            obs.end(rpc_error(e).status_code, error=e.details())
-            return rpc_error(e)
+        response, refused = await finished(r.run(), raw, obs, r.usage)
+        if refused is not None:
+            return refused if isinstance(refused, JSONResponse) else rpc_error(refused)
+        return response
 
 
 class ResponseRun:
@@ -264,9 +258,6 @@ class ResponseRun:
         """The answer's deltas: from the scheduler, or `source` where the route already awaited the first."""
         return self.source or self.backend.generate(self.prompt, self.p, self.usage, self.obs)
 
-    def shell(self, status: str, output: list[dict]) -> dict:
-        return response_object(self, status, output)
-
     async def run(self) -> dict:
         async for c in self.deltas():
             self.output_text += c.text
@@ -276,7 +267,7 @@ class ResponseRun:
         items = output_items(self, self.output_text)
         await self.store(items)
         self.obs.end(200, self.usage, [self.finish])
-        return self.shell("incomplete" if self.finish == "length" else "completed", items)
+        return response_object(self, "incomplete" if self.finish == "length" else "completed", items)
 
     async def events(self):
         tool_parsers = parsers(self.plan, 1)

@@ -78,8 +78,8 @@ class EventStream:
 
     async def run(self):
         r = self.r
-        yield self.event("response.created", response=r.shell("in_progress", []))
-        yield self.event("response.in_progress", response=r.shell("in_progress", []))
+        yield self.event("response.created", response=response_object(r, "in_progress", []))
+        yield self.event("response.in_progress", response=response_object(r, "in_progress", []))
         async for c in r.deltas():
             r.output_text += c.text
             r.output_ids += c.token_ids
@@ -97,10 +97,10 @@ class EventStream:
             yield event
         status = "incomplete" if r.finish == "length" else "completed"
         await r.store(self.items)
-        yield self.event(f"response.{status}", response=r.shell(status, self.items))
+        yield self.event(f"response.{status}", response=response_object(r, status, self.items))
 
     def failed(self, e) -> str:
-        body = self.r.shell("failed", self.items)
+        body = response_object(self.r, "failed", self.items)
         body["error"] = {"code": "server_error", "message": e.details()}
         return self.event("response.failed", response=body)
 

@@ -18,6 +18,12 @@ class ServiceSettings(BaseSettings):
                                       extra="forbid", frozen=True)
 
 
+def comma_separated(value):
+    """A list setting given as one string (an environment variable, or a flag's comma-separated value): its
+    non-empty items, stripped; anything else as it is."""
+    return [item.strip() for item in value.split(",") if item.strip()] if isinstance(value, str) else value
+
+
 def load(cls: type[ServiceSettings], argv: list[str] | None = None) -> ServiceSettings:
     """Parse `argv` (the process's arguments when None); a bad value exits with the field named."""
     try:
