@@ -12,7 +12,6 @@ import pytest
 
 httpx = pytest.importorskip("httpx")
 
-from helpers import free_port  # noqa: E402
 
 from gateway.http_api.responses import rate_limit_headers  # noqa: E402
 from scheduler_service.fleet.tenant_limits import RateLimited, TenantLimits  # noqa: E402
@@ -154,7 +153,8 @@ def two_gateways(tmp_path_factory):
                                            "--max-num-seqs": 8, "--max-model-len": 256}),
                 Service("scheduler", flags={"--rate-limit-window-seconds": WINDOW}),
                 Service("gateway", "gateway-1", flags=dict(gateway)),
-                Service("gateway", "gateway-2", flags=dict(gateway, **{"--port": free_port()}))], tmp) as s:
+                # Its ports from the stack's one draw: a port drawn here and released could be drawn again there.
+                Service("gateway", "gateway-2", flags=dict(gateway))], tmp) as s:
         yield s["gateway-1"], s["gateway-2"], s["scheduler"].flags["--metrics-address"]
 
 
