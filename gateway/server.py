@@ -117,8 +117,9 @@ async def serve(s: GatewaySettings, entries: list[ModelEntry], api_keys: ApiKeys
     tracing.setup("stepwire-gateway")
     metrics = GatewayMetrics()
     several = bool(s.models_file)
-    backends = [Backend(scheduler_channel(s, m.scheduler), ModelTokenizer(m.model), m.name, metrics,
-                        s.scheduler_wait_seconds, expect_model=Path(m.model).name if several else "")
+    backends = [Backend(scheduler_channel(s, m.scheduler),
+                        ModelTokenizer(m.model, reasoning_parser=m.reasoning_parser or s.reasoning_parser), m.name,
+                        metrics, s.scheduler_wait_seconds, expect_model=Path(m.model).name if several else "")
                 for m in entries]
     models = ServedModels(backends)
     for backend in models:

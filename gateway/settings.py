@@ -3,6 +3,8 @@ and request size, time and connection limits."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
@@ -21,6 +23,10 @@ class GatewaySettings(TLSSettings):
                              "API: each with the name clients use, its model directory (tokenizer, chat template) "
                              "and the host:port of its own scheduler (docs/multimodel.md); set, it takes the place "
                              "of --model, --served-model-name and --scheduler. Read at start")
+    reasoning_parser: Literal["auto", "none", "think", "deepseek_r1", "qwen3"] = Field(
+        "auto", description="how a model's reasoning is told from its answer (docs/reasoning.md): think (also "
+        "deepseek_r1, qwen3) reads a <think>...</think> block into reasoning_content; none reads none; auto: think "
+        "for a chat template that writes such a block. A models file's entry may set its own")
     host: str = Field("127.0.0.1", description="HTTP listen address")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port (OpenAI-compatible API, /health, /metrics)")
     grpc_address: str = Field("127.0.0.1:50050", description="host:port of the public gRPC API (stepwire.v1)")

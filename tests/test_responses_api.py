@@ -112,7 +112,7 @@ def test_text_format_with_a_json_schema_gives_json_that_follows_it(http_stack):
 @pytest.mark.parametrize("extra, param", [
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"background": True}, "background"),
-    ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
     ({"input": [{"type": "image", "url": "x"}]}, "input[0].type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
     ({"text": {"format": {"type": "xml"}}}, "text.format.type"),

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from gateway.generation.chat_output import chat_outputs
 from gateway.tools.calls import tool_plan
-from gateway.tools.output import parsers
 from gateway.tools.parser import Delta, ToolCallParser, parse
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}}
@@ -145,8 +145,8 @@ def test_a_parser_fed_what_a_resumed_client_saw_at_once_answers_the_rest_as_the_
         for p in pieces[:cut]:
             first.feed(p)
         want = _merged([first.feed(p) for p in pieces[cut:]] + [first.finish()])
-        second = parsers(plan, 1, "chatcmpl-1", ["".join(pieces[:cut])])[0]
-        got = _merged([second.feed(p) for p in pieces[cut:]] + [second.finish()])
+        second = chat_outputs(plan, None, 1, "chatcmpl-1", ["".join(pieces[:cut])])[0]
+        got = _merged([second.feed(p)[1] for p in pieces[cut:]] + [second.feed("", last=True)[1]])
         assert got == want, cut
 
 

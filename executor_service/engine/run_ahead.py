@@ -27,6 +27,7 @@ import torch
 
 from executor_service.batch.sample_rows import logprob_lists, sample_rows
 from executor_service.batch.step import Step, StepResult, logprobs_of
+from executor_service.batch.structured_rows import watched
 from observability import tracing
 
 HOLE = -1   # a token sampled on the device that the host has not seen yet
@@ -85,7 +86,7 @@ def plain(runner, step: Step) -> bool:
         return False
     if step.lora_loads or step.lora_rows:   # refused where no adapters are served, on the path that checks them
         return False
-    if any(new.sampling.HasField("structured_output") for new in step.new):
+    if any(watched(new.sampling) for new in step.new):
         return False
     b = runner.batch
     if any(b.parked[h].grammar is not None for h, _, _ in step.resumed if h in b.parked):

@@ -17,7 +17,7 @@ from executor_service.batch.input_batch import InputBatch, RequestState, StepInp
 from executor_service.batch.sample_rows import sample_rows, step_result
 from executor_service.batch.sampler import Sampler
 from executor_service.batch.step import Step, StepResult, seed_of
-from executor_service.batch.structured_rows import StructuredRows
+from executor_service.batch.structured_rows import StructuredRows, watched
 from executor_service.engine.memory import keep_freed_memory
 from executor_service.engine.ranks import Ranks
 from executor_service.engine.run_ahead import filled
@@ -297,12 +297,12 @@ class ModelRunner:
                                   partial(self.spec.propose, self.batch) if self.spec.cfg.method == "ngram" else None)
 
     def _admit_constrained(self, step: Step) -> None:
-        """New rows with a grammar get a matcher, rebuilt from their output tokens: those the scheduler re-sent
-        (a move, a lost executor) and those a resubmission carries at the end of its prompt."""
+        """New rows with a grammar (or a reasoning budget) get a matcher, rebuilt from their output tokens: those
+        the scheduler re-sent (a move, a lost executor) and those a resubmission carries at the end of its prompt."""
         b = self.batch
         for new in step.new:
             sp = new.sampling
-            if sp.HasField("structured_output"):
+            if watched(sp):
                 row = b.row_of[new.handle]
                 n = b.num_tokens[row]
                 start = max(n - new.num_output - sp.prior_output_tokens, 0)

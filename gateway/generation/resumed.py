@@ -43,11 +43,12 @@ class Resumed:
 
 def context_of(chat: bool, stream_id: str, created: int, model: str, stop: list[str], stop_token_ids,
                include_usage: bool, prompt_tokens: int, logprobs: int | None = None,
-               tools: ToolPlan | None = None, n: int = 1) -> bytes:
+               tools: ToolPlan | None = None, n: int = 1, reasoning=None) -> bytes:
     return json.dumps({"chat": chat, "id": stream_id, "created": created, "model": model, "stop": stop,
                        "stop_token_ids": list(stop_token_ids), "include_usage": include_usage,
                        "prompt_tokens": prompt_tokens, "logprobs": logprobs,
-                       "tools": None if tools is None else tools.to_json(), "n": n}).encode()
+                       "tools": None if tools is None else tools.to_json(), "n": n,
+                       "reasoning": None if reasoning is None else reasoning.to_json()}).encode()
 
 
 async def resume(backend: Backend, stream_id: str, tenant: Tenant, seen: list[int] | None) -> Resumed:

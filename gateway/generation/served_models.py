@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Literal
 
 import grpc
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -37,6 +38,8 @@ class ModelEntry(BaseModel):
     name: str = Field(pattern=MODEL_NAME, description="the name clients put in `model`")
     model: str = Field(min_length=1, description="the model directory: tokenizer and chat template")
     scheduler: str = Field(min_length=3, description="host:port of this model's scheduler")
+    reasoning_parser: Literal["auto", "none", "think", "deepseek_r1", "qwen3"] | None = Field(
+        None, description="this model's --reasoning-parser (unset: the gateway's)")
 
 
 class ModelsFile(BaseModel):

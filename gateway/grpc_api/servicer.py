@@ -10,7 +10,9 @@ import grpc
 from gateway.access.auth import ApiKeys, grpc_tenant
 from gateway.generation.adapter_names import ModelNotFound
 from gateway.generation.backend import Backend
+from gateway.generation.chat_output import ReasoningPlan, chat_outputs, whole_output
 from gateway.generation.params import GenerationParams, Usage
+from gateway.generation.reasoning_requests import plan_reasoning
 from gateway.generation.resumed import context_of
 from gateway.generation.scheduler_session import SchedulerError
 from gateway.generation.served_models import ServedModels
@@ -18,8 +20,8 @@ from gateway.generation.structured_requests import from_v1, one_constraint
 from gateway.generation.telemetry import GatewayMetrics, Observation
 from gateway.http_api.responses import rate_limit_headers
 from gateway.tools.calls import ToolPlan, constraint, tool_plan
-from gateway.tools.output import finish_reason, parsers
-from gateway.tools.parser import Delta, parse
+from gateway.tools.output import finish_reason
+from gateway.tools.parser import Delta
 from gateway.tools.rendering import chat_for_template
 from stepwire.contract import InvalidRequestError, SamplingParams
 from stepwire.v1 import generation_pb2, generation_pb2_grpc
@@ -42,7 +44,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                            dict(context.invocation_metadata() or ()), request.model or self.models.first.model_name)
 
     async def _prepare(self, request, context, obs: Observation
-                       ) -> tuple[Backend, list[int], GenerationParams, ToolPlan]:
+                       ) -> tuple[Backend, list[int], GenerationParams, ToolPlan, ReasoningPlan | None]:
         try:
             params = _params(request)
             b, params.adapter = await self.models.pick(request.model)
@@ -50,6 +52,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             b.check_params(params)   # before tokenizing: a request refused anyway costs no tokenizer time
             which = request.WhichOneof("prompt")
             tools = tool_plan(*_tool_fields(request))
+            budget = request.params.max_reasoning_tokens if request.params.HasField("max_reasoning_tokens") else None
+            reasoning = None
             if tools is not None and which != "chat":
                 raise InvalidRequestError("tools", "tools need a chat prompt")
             so = from_v1(request.params)
@@ -62,8 +66,13 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             elif which == "chat":
                 messages, template_tools = chat_for_template(_messages(request.chat), tools, b.tokenizer.knows_tools)
                 prompt = await b.encode_chat(messages, tools=template_tools)
+                prompt, reasoning, params.sampling.reasoning = plan_reasoning(
+                    b.tokenizer, prompt, params.sampling.structured_output is not None, budget,
+                    "params.max_reasoning_tokens")
             else:
                 raise InvalidRequestError("prompt", "one of text, token_ids or chat is required")
+            if budget is not None and which != "chat":
+                raise InvalidRequestError("params.max_reasoning_tokens", "a reasoning budget needs a chat prompt")
             if not b.max_model_len:
                 await b.refresh()
             b.check(prompt, params)
@@ -71,7 +80,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             code = grpc.StatusCode.NOT_FOUND if isinstance(e, ModelNotFound) else grpc.StatusCode.INVALID_ARGUMENT
             obs.end(code.name, error=str(e))
             await context.abort(code, str(e))
-        return b, prompt, params, tools
+        return b, prompt, params, tools, reasoning
 
     @staticmethod
     def _logprobs(per_token, b: Backend) -> list:
@@ -86,7 +95,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
     async def Generate(self, request, context):
         obs = self._observe(context, "Generate", request)
-        b, prompt, params, tools = await self._prepare(request, context, obs)
+        b, prompt, params, tools, reasoning = await self._prepare(request, context, obs)
         usage = Usage()
         comps = [generation_pb2.Completion(index=i) for i in range(params.n)]
         finish: list[str | None] = [None] * params.n
@@ -100,9 +109,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                     finish[c.index] = c.finish_reason
                     comp.finish_reason = FINISH[c.finish_reason]
                     comp.stop = c.stop or ""
-            if tools is not None and tools.choice != "none":
-                for comp, reason in zip(comps, finish, strict=True):
-                    _with_calls(comp, reason, tools)
+            for comp, reason in zip(comps, finish, strict=True):
+                _read(comp, reason, tools, reasoning)
             obs.end("OK", usage, finish)
         except SchedulerError as e:
             obs.end(e.code().name, error=e.details())
@@ -115,16 +123,16 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
     async def GenerateStream(self, request, context):
         obs = self._observe(context, "GenerateStream", request)
-        b, prompt, params, tools = await self._prepare(request, context, obs)
+        b, prompt, params, tools, reasoning = await self._prepare(request, context, obs)
         usage = Usage()
         rid = f"gen-{uuid.uuid4().hex}"
         # A stream its client may resume (Resume), by this id.
         context_bytes = context_of(False, rid, 0, params.adapter or b.model_name, params.stop,
                                    params.sampling.stop_token_ids, True, len(prompt),
-                                   params.sampling.logprobs, tools, params.n)
+                                   params.sampling.logprobs, tools, params.n, reasoning)
         await context.send_initial_metadata((("x-stepwire-stream-id", rid),))
         deltas = b.generate(prompt, params, usage, obs, request_id=rid, resume_context=context_bytes)
-        async for message in self._stream(b, deltas, rid, params.n, usage, obs, context, tools):
+        async for message in self._stream(b, deltas, rid, params.n, usage, obs, context, tools, reasoning):
             yield message
 
     async def Resume(self, request, context):
@@ -141,14 +149,15 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             obs.end("OK", r.usage)
             return
         async for message in self._stream(b, r.chunks, request.id, r.context.get("n", 1), r.usage, obs, context,
-                                          r.tools, seen=seen, seen_text=r.seen_text):
+                                          r.tools, ReasoningPlan.from_json(r.context.get("reasoning")), seen=seen,
+                                          seen_text=r.seen_text):
             yield message
 
-    async def _stream(self, b: Backend, deltas, rid: str, n: int, usage: Usage, obs, context, tools,
+    async def _stream(self, b: Backend, deltas, rid: str, n: int, usage: Usage, obs, context, tools, reasoning,
                       seen: list[int] | None = None, seen_text: list[str] | None = None):
         """The stream's messages; each one held back until the next is known, so that usage rides on the last.
         `seen`: each completion's last sequence the client has (a resumed stream), `seen_text` their text."""
-        calls = parsers(tools, n, rid, seen_text)
+        readers = chat_outputs(tools, reasoning, n, rid, seen_text)
         sent = [0] * n if seen is None else [s // 2 for s in seen]
         last = None
         finish: list[str | None] = [None] * n
@@ -159,14 +168,13 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 if last is not None:
                     yield last
                 sent[c.index] += len(c.token_ids)
-                got, reason = Delta(c.text), c.finish_reason
-                if calls is not None:   # tool calls out of the text, and text held back in case it is one
-                    got = calls[c.index].feed(c.text)
-                    if reason is not None:
-                        reason = finish_reason(reason, calls[c.index].merge_finish(got))
+                # Reasoning and tool calls out of the text, and text held back in case it starts a marker or a call.
+                thought, got = readers[c.index].feed(c.text, last=c.finish_reason is not None)
+                reason = finish_reason(c.finish_reason, readers[c.index].called)
                 last = generation_pb2.GenerateStreamResponse(
-                    id=rid, index=c.index, text=got.content, token_ids=c.token_ids, finish_reason=FINISH[reason],
-                    stop=c.stop or "", logprobs=self._logprobs(c.logprobs, b), tool_calls=_pieces(got),
+                    id=rid, index=c.index, text=got.content, reasoning=thought, token_ids=c.token_ids,
+                    finish_reason=FINISH[reason], stop=c.stop or "", logprobs=self._logprobs(c.logprobs, b),
+                    tool_calls=_pieces(got),
                     sequence=2 * sent[c.index] + (c.finish_reason is not None))
             if last is not None:
                 last.usage.CopyFrom(_usage(usage))   # usage rides on the very last message
@@ -232,10 +240,13 @@ def _tool_fields(request) -> tuple[list[dict], object, bool | None]:
     return tools, choice, request.parallel_tool_calls if request.HasField("parallel_tool_calls") else None
 
 
-def _with_calls(comp: generation_pb2.Completion, reason: str | None, tools: ToolPlan) -> None:
-    content, calls = parse(comp.text, tools)
+def _read(comp: generation_pb2.Completion, reason: str | None, tools: ToolPlan | None,
+          reasoning: ReasoningPlan | None) -> None:
+    """A whole completion's text, read as its request asks: reasoning apart, calls apart."""
+    thought, content, calls = whole_output(comp.text, tools, reasoning)
+    comp.reasoning = thought or ""
+    comp.text = content or ""
     if calls:
-        comp.text = content or ""
         comp.tool_calls.extend(generation_pb2.ToolCall(index=i, id=c.id, name=c.name, arguments=c.arguments)
                                for i, c in enumerate(calls))
         comp.finish_reason = FINISH[finish_reason(reason, True)]

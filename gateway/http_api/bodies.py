@@ -61,6 +61,7 @@ class ChatMessage(Strict):
     annotations: list[Any] | None = None
     audio: dict[str, Any] | None = None
     parsed: Any = None
+    reasoning_content: str | None = None       # an assistant's earlier reasoning, for templates that render it
     function_call: None = None   # the deprecated form of tool_calls is not supported
 
 
@@ -122,6 +123,10 @@ class ChatRequest(Sampling):
     # with an answer clearer than a union's.
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None   # None: true, as OpenAI
+    # For a model that reasons: "none" ends its reasoning at once, the other efforts leave the length to it.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    # Beyond OpenAI: at most this many reasoning tokens; then the answer is forced.
+    max_reasoning_tokens: int | None = documented(None, minimum=0, maximum=UINT32_MAX)
 
 
 def tool_fields(req: ChatRequest) -> tuple[list[dict] | None, Any, bool | None]:
@@ -137,7 +142,8 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict]:
         d = {"role": m.role, "content": _text(m.content)}
         if m.tool_calls:
             d["tool_calls"] = [c.model_dump() for c in m.tool_calls]
-        d.update({k: v for k, v in (("tool_call_id", m.tool_call_id), ("name", m.name)) if v})
+        d.update({k: v for k, v in (("tool_call_id", m.tool_call_id), ("name", m.name),
+                                    ("reasoning_content", m.reasoning_content)) if v})
         out.append(d)
     return out
 

@@ -3,9 +3,10 @@ runs on the models stepwire serves: `system` and the messages' text, `tool_use` 
 chat messages; `tools` (with `input_schema`) and `tool_choice` (auto, any, tool, none) become chat tools; the
 answer comes back as text and `tool_use` content blocks, whole or as Anthropic's events (message_start,
 content_block_start, content_block_delta with text_delta or input_json_delta, content_block_stop, message_delta,
-message_stop). Errors have Anthropic's shape ({"type": "error", "error": {"type", "message"}}); the key may come as
-`x-api-key` (gateway.access.auth). What is not built (images, documents, extended thinking, server tools) is an
-invalid_request_error naming it.
+message_stop). A model that reasons answers a `thinking` block first (thinking_delta events), and `thinking` sets
+its budget; `output_config.format` constrains the answer to a JSON schema. Errors have Anthropic's shape
+({"type": "error", "error": {"type", "message"}}); the key may come as `x-api-key` (gateway.access.auth). What is
+not built (images, documents, server tools, thinking signatures) is an invalid_request_error naming it.
 """
 
 from __future__ import annotations
@@ -20,14 +21,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gateway.access.auth import tenant_of
 from gateway.generation.adapter_names import ModelNotFound
+from gateway.generation.chat_output import ReasoningPlan, chat_outputs, whole_output
 from gateway.generation.params import GenerationParams, Usage
+from gateway.generation.reasoning_requests import check_budget, plan_reasoning
 from gateway.generation.scheduler_session import SchedulerError
-from gateway.generation.structured_requests import one_constraint
+from gateway.generation.structured_requests import SO, one_constraint
 from gateway.generation.telemetry import GatewayMetrics, Observation
 from gateway.http_api.responses import after_first, finished, rpc_error
 from gateway.tools.calls import constraint, tool_plan
-from gateway.tools.output import parsers
-from gateway.tools.parser import Delta, parse
 from gateway.tools.rendering import chat_for_template
 from stepwire.contract import InvalidRequestError, SamplingParams
 from stepwire.contract.limits import UINT32_MAX
@@ -61,6 +62,7 @@ class MessagesRequest(BaseModel):
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
     thinking: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None     # format: a JSON schema the answer follows
     cache_control: dict[str, Any] | None = None     # prefix caching is automatic here
 
 
@@ -92,12 +94,17 @@ def chat_messages(req: MessagesRequest) -> list[dict]:
         role = m.get("role")
         if role not in ("user", "assistant"):
             raise InvalidRequestError(f"{where}.role", "user or assistant")
-        text, calls, results = [], [], False
+        text, calls, results, thought = [], [], False, []
         for j, b in enumerate(_blocks(m.get("content"), f"{where}.content")):
             kind = b.get("type") if isinstance(b, dict) else None
             at = f"{where}.content.{j}"
             if kind == "text" and isinstance(b.get("text"), str):
                 text.append(b["text"])
+            elif kind in ("thinking", "redacted_thinking") and role == "assistant":
+                # Its own earlier reasoning, sent back as the SDK keeps it: a template that renders reasoning gets
+                # it, the others drop it (as reasoning models' templates do with past turns).
+                if isinstance(b.get("thinking"), str):
+                    thought.append(b["thinking"])
             elif kind == "tool_use" and role == "assistant":
                 if not isinstance(b.get("id"), str) or not isinstance(b.get("name"), str):
                     raise InvalidRequestError(at, "tool_use needs an id and a name")
@@ -117,8 +124,41 @@ def chat_messages(req: MessagesRequest) -> list[dict]:
             message = {"role": role, "content": "".join(text)}
             if calls:
                 message["tool_calls"] = calls
+            if thought:
+                message["reasoning_content"] = "".join(thought)
             out.append(message)
     return out
+
+
+def thinking_budget(thinking: dict | None) -> int | None:
+    """`thinking` as a cap on reasoning tokens: "enabled" with its budget_tokens, "disabled" as none at all (the
+    end of the reasoning is forced at once), "adaptive" or absent as the model's own choice. It applies to a model
+    that reasons; for the others it changes nothing."""
+    if thinking is None:
+        return None
+    kind = thinking.get("type")
+    if kind == "enabled":
+        return check_budget(thinking.get("budget_tokens"), "thinking.budget_tokens")
+    if kind == "disabled":
+        return 0
+    if kind == "adaptive":
+        return None
+    raise InvalidRequestError("thinking.type", "enabled, disabled or adaptive")
+
+
+def output_format(config: dict | None) -> tuple[str, SO] | None:
+    """`output_config.format` as a constraint on the answer; `effort` is taken and has no effect here."""
+    if not config:
+        return None
+    unknown = set(config) - {"format", "effort"}
+    if unknown:
+        raise InvalidRequestError(f"output_config.{sorted(unknown)[0]}", "unknown field")
+    fmt = config.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise InvalidRequestError("output_config.format", '{"type": "json_schema", "schema": {...}}')
+    return "output_config.format", SO(json_schema=json.dumps(fmt["schema"]))
 
 
 def chat_tools(req: MessagesRequest) -> tuple[list[dict] | None, Any, bool | None]:
@@ -178,9 +218,8 @@ def add_messages_routes(app: FastAPI, models, metrics: GatewayMetrics) -> None:
                 where = ".".join(str(x) for x in first.get("loc", ()))
                 raise InvalidRequestError(where or "body", f"{where or 'body'}: {first.get('msg', 'not JSON')}"
                                           if first else "the body is not valid JSON") from None
-            if req.thinking and req.thinking.get("type") != "disabled":
-                raise InvalidRequestError("thinking", "extended thinking is not supported")
             backend, adapter = await models.pick(req.model)
+            budget = thinking_budget(req.thinking)
             plan = tool_plan(*chat_tools(req))
             sampling = SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
                                       top_p=1.0 if req.top_p is None else req.top_p,
@@ -188,9 +227,13 @@ def add_messages_routes(app: FastAPI, models, metrics: GatewayMetrics) -> None:
             p = GenerationParams(sampling, max_tokens=req.max_tokens, stop=list(req.stop_sequences or []),
                                  adapter=adapter)
             p.tenant = tenant_of(raw).for_model(backend.model_name)
-            p.sampling.structured_output = await one_constraint(None, constraint(plan), backend.tokenizer)
+            p.sampling.structured_output = await one_constraint(output_format(req.output_config), constraint(plan),
+                                                                backend.tokenizer)
             messages, template_tools = chat_for_template(chat_messages(req), plan, backend.tokenizer.knows_tools)
             prompt = await backend.encode_chat(messages, tools=template_tools)
+            prompt, reasoning, p.sampling.reasoning = plan_reasoning(
+                backend.tokenizer, prompt, p.sampling.structured_output is not None,
+                budget if backend.tokenizer.reasoning else None, "thinking.budget_tokens")
             if not backend.max_model_len:
                 await backend.refresh()
             backend.check(prompt, p)
@@ -198,7 +241,7 @@ def add_messages_routes(app: FastAPI, models, metrics: GatewayMetrics) -> None:
             status = 404 if isinstance(e, ModelNotFound) else 400
             obs.end(status, error=str(e))
             return anthropic_error(status, str(e))
-        run = MessageRun(backend, req, plan, p, prompt, obs)
+        run = MessageRun(backend, req, plan, p, prompt, obs, reasoning)
         if req.stream:
             if p.tenant.limited:
                 run.source, refused = await after_first(backend, raw, run.deltas(), obs, run.usage)
@@ -210,8 +253,10 @@ def add_messages_routes(app: FastAPI, models, metrics: GatewayMetrics) -> None:
 
 
 class MessageRun:
-    def __init__(self, backend, req: MessagesRequest, plan, p: GenerationParams, prompt: list[int], obs):
+    def __init__(self, backend, req: MessagesRequest, plan, p: GenerationParams, prompt: list[int], obs,
+                 reasoning: ReasoningPlan | None = None):
         self.backend, self.req, self.plan, self.p, self.prompt, self.obs = backend, req, plan, p, prompt, obs
+        self.reasoning = reasoning
         self.id = "msg_" + uuid.uuid4().hex
         self.usage = Usage()
         self.finish: str | None = None
@@ -241,10 +286,9 @@ class MessageRun:
             text += c.text
             if c.finish_reason is not None:
                 self.finish, self.stop = c.finish_reason, c.stop
-        calls = []
-        if self.plan is not None and self.plan.choice != "none":
-            text, calls = parse(text, self.plan)
-        content = ([{"type": "text", "text": text}] if text or not calls else []) + [
+        thought, text, calls = whole_output(text, self.plan, self.reasoning)
+        content = ([{"type": "thinking", "thinking": thought, "signature": ""}] if thought is not None else []) + \
+            ([{"type": "text", "text": text or ""}] if text or not calls else []) + [
             {"type": "tool_use", "id": c.id, "name": c.name, "input": _input(c.arguments)} for c in calls]
         self.obs.end(200, self.usage, [self.finish])
         return self.message(content, self.stop_reason(bool(calls)))
@@ -253,18 +297,23 @@ class MessageRun:
         def event(kind: str, **body) -> str:
             return f"event: {kind}\ndata: {json.dumps({'type': kind, **body}, ensure_ascii=False)}\n\n"
 
-        tool_parsers = parsers(self.plan, 1)
-        parser = tool_parsers[0] if tool_parsers else None
+        reader = chat_outputs(self.plan, self.reasoning, 1)[0]
         index, open_kind, called, error = -1, None, False, None
         yield event("message_start", message=self.message([], None) | {"usage": {"input_tokens": len(self.prompt),
                                                                                  "output_tokens": 0}})
         try:
             async for c in self.deltas():
-                got = Delta(c.text) if parser is None else parser.feed(c.text)
+                thought, got = reader.feed(c.text, last=c.finish_reason is not None)
                 if c.finish_reason is not None:
                     self.finish, self.stop = c.finish_reason, c.stop
-                    if parser is not None:
-                        called = parser.merge_finish(got)
+                    called = reader.called
+                if thought:
+                    if open_kind != "thinking":
+                        index, open_kind = index + 1, "thinking"    # reasoning comes first, if at all
+                        yield event("content_block_start", index=index,
+                                    content_block={"type": "thinking", "thinking": "", "signature": ""})
+                    yield event("content_block_delta", index=index, delta={"type": "thinking_delta",
+                                                                           "thinking": thought})
                 if got.content:
                     if open_kind != "text":
                         if open_kind is not None:

@@ -16,12 +16,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from gateway.access.auth import tenant_of
 from gateway.generation.backend import Backend
+from gateway.generation.chat_output import ReasoningPlan, chat_outputs, whole_output
 from gateway.generation.params import MAX_N, GenerationParams, Usage
 from gateway.generation.resumed import context_of
 from gateway.generation.scheduler_session import SchedulerError
 from gateway.generation.telemetry import Observation
 from gateway.tools.calls import ToolPlan
-from gateway.tools.output import chat_message, delta_dict, finish_reason, parsers
+from gateway.tools.output import chat_message, delta_dict, finish_reason
 
 
 def error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
@@ -31,8 +32,9 @@ def error(status: int, message: str, param: str | None = None, kind: str = "inva
 
 
 async def respond(backend: Backend, raw: Request, req, prompt: list[int], p: GenerationParams, chat: bool,
-                   obs: Observation, tools: ToolPlan | None = None):
-    """`tools`: the chat request's tools, whose calls are parsed out of the text (gateway.tools.output)."""
+                   obs: Observation, tools: ToolPlan | None = None, reasoning: ReasoningPlan | None = None):
+    """`tools`: the chat request's tools, whose calls are parsed out of the text (gateway.tools.output);
+    `reasoning`: how its reasoning is split off the answer, for a model that reasons."""
     if not backend.max_model_len:
         await backend.refresh()
     p.tenant = tenant_of(raw).for_model(backend.model_name)
@@ -44,14 +46,15 @@ async def respond(backend: Backend, raw: Request, req, prompt: list[int], p: Gen
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         # A stream its client may resume (GET /v1/streams/{id}).
         context = context_of(chat, rid, created, p.adapter or backend.model_name, p.stop, p.sampling.stop_token_ids,
-                             include_usage, len(prompt), p.sampling.logprobs, tools, p.n)
+                             include_usage, len(prompt), p.sampling.logprobs, tools, p.n, reasoning)
         deltas = backend.generate(prompt, p, usage, obs, request_id=rid, resume_context=context)
         if p.tenant.limited:
             deltas, refused = await after_first(backend, raw, deltas, obs, usage, rid)
             if refused is not None:
                 return refused if isinstance(refused, JSONResponse) else rpc_error(refused)
         # The stream's id before its first event: a client whose gateway dies before that can still resume it.
-        return StreamingResponse(_sse(backend, deltas, p, usage, rid, created, chat, include_usage, obs, tools),
+        return StreamingResponse(_sse(backend, deltas, p, usage, rid, created, chat, include_usage, obs, tools,
+                                      reasoning=reasoning),
                                  media_type="text/event-stream",
                                  headers={"X-Stepwire-Stream-Id": rid})
     texts = [""] * p.n
@@ -65,9 +68,7 @@ async def respond(backend: Backend, raw: Request, req, prompt: list[int], p: Gen
     choices = []
     for i in range(p.n):
         if chat:
-            message, called = {"role": "assistant", "content": texts[i]}, False
-            if tools is not None and tools.choice != "none":
-                message, called = chat_message(texts[i], tools)
+            message, called = chat_message(*whole_output(texts[i], tools, reasoning))
             choices.append({"index": i, "message": message,
                             "logprobs": _chat_lp(backend, lps[i]) if p.sampling.logprobs is not None else None,
                             "finish_reason": finish_reason(finish[i], called)})
@@ -144,7 +145,8 @@ async def _then(first, rest):
 
 
 async def _sse(backend, deltas, p, usage, rid, created, chat, include_usage, obs: Observation, tools=None,
-               seen: list[int] | None = None, seen_text: list[str] | None = None):
+               seen: list[int] | None = None, seen_text: list[str] | None = None,
+               reasoning: ReasoningPlan | None = None):
     """The stream's events. Each has an SSE id: twice the output tokens it covers, plus one once the completion
     has ended; with n completions, one such number for each, joined by dots. A client resuming from its
     Last-Event-ID (`seen`, those numbers) gets what follows it and nothing twice (resumed.py)."""
@@ -167,7 +169,7 @@ async def _sse(backend, deltas, p, usage, rid, created, chat, include_usage, obs
     # a client that had only that may get it twice, which changes nothing it builds).
     announced = [not chat or (seen is not None and (p.n == 1 or s > 0)) for s in (seen or [0] * p.n)]
     finish: list[str | None] = [None] * p.n
-    calls = parsers(tools, p.n, rid, seen_text) if chat else None
+    readers = chat_outputs(tools, reasoning, p.n, rid, seen_text) if chat else None
     error = None
     try:
         if all(ended):              # the client saw every completion end: what is left is the usage
@@ -182,13 +184,10 @@ async def _sse(backend, deltas, p, usage, rid, created, chat, include_usage, obs
                 finish[c.index] = c.finish_reason
                 ended[c.index] = True
             if chat:
-                delta, reason = {"content": c.text} if c.text else {}, c.finish_reason
-                if calls is not None:   # tool calls out of the text, and text held back in case it is one
-                    parser = calls[c.index]
-                    got = parser.feed(c.text)
-                    if c.finish_reason is not None:
-                        reason = finish_reason(c.finish_reason, parser.merge_finish(got))
-                    delta = delta_dict(got)
+                # Reasoning and tool calls out of the text, and text held back in case it starts a marker or a call.
+                reader = readers[c.index]
+                delta = delta_dict(*reader.feed(c.text, last=c.finish_reason is not None))
+                reason = finish_reason(c.finish_reason, reader.called)
                 choice = {"index": c.index, "delta": delta,
                           "logprobs": _chat_lp(backend, c.logprobs or []) if want_lp else None,
                           "finish_reason": reason}
@@ -237,7 +236,8 @@ async def resume_stream(models, raw: Request, stream_id: str, last: str | None, 
     if ctx.get("logprobs") is not None:
         p.sampling = replace(p.sampling, logprobs=ctx["logprobs"])
     return StreamingResponse(_sse(backend, r.chunks, p, r.usage, ctx["id"], ctx["created"], ctx["chat"],
-                                  ctx["include_usage"], obs, r.tools, seen, r.seen_text),
+                                  ctx["include_usage"], obs, r.tools, seen, r.seen_text,
+                                  ReasoningPlan.from_json(ctx.get("reasoning"))),
                              media_type="text/event-stream")
 
 

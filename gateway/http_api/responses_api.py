@@ -1,12 +1,12 @@
 """OpenAI's Responses API, `POST /v1/responses`, on the chat path: `instructions` and `input` (text, or items:
 messages, function calls and their outputs) become chat messages, function tools become chat tools, `text.format`
-becomes a response_format, and the answer comes back as output items (a message, function calls), whole or as
-the semantic events the openai SDK expects (responses_events.py).
+becomes a response_format, and the answer comes back as output items (a reasoning item from a model that reasons,
+a message, function calls), whole or as the semantic events the openai SDK expects (responses_events.py).
 
 `previous_response_id` continues a stored response (`store`, true by default): the scheduler keeps each stored
 response's conversation for its tenant (scheduler_service/api/response_store.py), with the exact token ids of its
 prompt and output, so the next turn's prompt starts with the tokens the prefix cache holds. What the API has and
-stepwire does not (hosted tools, background responses, reasoning settings, ...) is a 400 naming the field.
+stepwire does not (hosted tools, background responses, ...) is a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.access.auth import tenant_of
 from gateway.generation.adapter_names import ModelNotFound
+from gateway.generation.chat_output import ReasoningPlan, chat_outputs
 from gateway.generation.params import GenerationParams, Usage
+from gateway.generation.reasoning_requests import check_budget, plan_reasoning
 from gateway.generation.scheduler_session import SchedulerError
 from gateway.generation.structured_requests import SO, one_constraint
 from gateway.generation.telemetry import GatewayMetrics, Observation
@@ -32,7 +34,6 @@ from gateway.http_api.bodies import documented
 from gateway.http_api.responses import after_first, finished, rpc_error
 from gateway.http_api.responses_events import EventStream, output_items, response_object
 from gateway.tools.calls import constraint, tool_plan
-from gateway.tools.output import parsers
 from gateway.tools.rendering import chat_for_template
 from stepwire.contract import InvalidRequestError, SamplingParams
 from stepwire.contract.limits import FLOAT32_MAX, UINT32_MAX
@@ -72,9 +73,24 @@ class ResponsesRequest(BaseModel):
     safety_identifier: str | None = None
 
 
+def reasoning_budget(reasoning: dict | None) -> int | None:
+    """`reasoning` as a cap on reasoning tokens, for a model that reasons: effort "none" is none at all (the end of
+    the reasoning is forced at once), `max_tokens` a cap; the other efforts leave the length to the model, and
+    `summary` is taken (no summary is written: the reasoning itself comes back)."""
+    if not reasoning:
+        return None
+    unknown = set(reasoning) - {"effort", "summary", "generate_summary", "max_tokens"}
+    if unknown:
+        raise InvalidRequestError(f"reasoning.{sorted(unknown)[0]}", "unknown field")
+    effort = reasoning.get("effort")
+    if effort not in (None, "none", "minimal", "low", "medium", "high", "xhigh"):
+        raise InvalidRequestError("reasoning.effort", "none, minimal, low, medium, high or xhigh")
+    if reasoning.get("max_tokens") is not None:
+        return check_budget(reasoning["max_tokens"], "reasoning.max_tokens")
+    return 0 if effort == "none" else None
+
+
 def _refuse_unsupported(req: ResponsesRequest) -> None:
-    if req.reasoning:
-        raise InvalidRequestError("reasoning", "reasoning settings are not supported")
     if req.include:
         raise InvalidRequestError("include", "include is not supported")
     if req.background:
@@ -121,13 +137,15 @@ def input_messages(items: str | list[dict]) -> list[dict]:
                 out[-1]["tool_calls"].append(call)
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "reasoning":
+            continue    # an earlier answer's reasoning, sent back as the SDK keeps it: templates drop past reasoning
         elif kind == "function_call_output":
             output = item.get("output")
             out.append({"role": "tool", "tool_call_id": _str(item, "call_id", where),
                         "content": output if isinstance(output, str) else _text(output, f"{where}.output")})
         else:
             raise InvalidRequestError(f"{where}.type", f"input items of type {str(kind)[:40]!r} are not supported "
-                                      "(message, function_call and function_call_output are)")
+                                      "(message, reasoning, function_call and function_call_output are)")
     return out
 
 
@@ -217,6 +235,10 @@ def add_responses_routes(app: FastAPI, models, metrics: GatewayMetrics) -> None:
             rendered, template_tools = chat_for_template(messages + new, plan, backend.tokenizer.knows_tools)
             prior = (stored["text"], stored["ids"]) if stored and not req.instructions else None
             prompt, text = await backend.encode_chat_continuing(rendered, template_tools, prior)
+            budget = reasoning_budget(req.reasoning)
+            prompt, reasoning, p.sampling.reasoning = plan_reasoning(
+                backend.tokenizer, prompt, p.sampling.structured_output is not None,
+                budget if backend.tokenizer.reasoning else None, "reasoning")
             if not backend.max_model_len:
                 await backend.refresh()
             backend.check(prompt, p)
@@ -226,7 +248,7 @@ def add_responses_routes(app: FastAPI, models, metrics: GatewayMetrics) -> None:
         except SchedulerError as e:
             obs.end(503, error=e.details())
             return rpc_error(e)
-        r = ResponseRun(backend, req, plan, p, prompt, text, history + new, obs)
+        r = ResponseRun(backend, req, plan, p, prompt, text, history + new, obs, reasoning)
         if req.stream:
             if p.tenant.limited:
                 r.source, refused = await after_first(backend, raw, r.deltas(), obs, r.usage)
@@ -243,8 +265,10 @@ class ResponseRun:
     """One response being made: its generation, its output items, and its storing."""
 
     def __init__(self, backend, req: ResponsesRequest, plan, p: GenerationParams, prompt: list[int], text: str,
-                 conversation: list[dict], obs: Observation):
+                 conversation: list[dict], obs: Observation, reasoning: ReasoningPlan | None = None):
         self.backend, self.req, self.plan, self.p, self.obs = backend, req, plan, p, obs
+        self.reasoning = reasoning
+        self.reasoning_tokens = 0
         self.prompt, self.text, self.conversation = prompt, text, conversation
         self.id = "resp_" + uuid.uuid4().hex
         self.created = int(time.time())
@@ -270,8 +294,7 @@ class ResponseRun:
         return response_object(self, "incomplete" if self.finish == "length" else "completed", items)
 
     async def events(self):
-        tool_parsers = parsers(self.plan, 1)
-        stream = EventStream(self, tool_parsers[0] if tool_parsers else None)
+        stream = EventStream(self, chat_outputs(self.plan, self.reasoning, 1)[0])
         error = None
         try:
             async for event in stream.run():

@@ -3,6 +3,7 @@ the stream of semantic events the openai SDK folds into one (`client.responses.s
 
     response.created, response.in_progress,
     per item: response.output_item.added,
+      a reasoning: response.reasoning_text.delta..., response.reasoning_text.done;
       a message: response.content_part.added, response.output_text.delta..., response.output_text.done,
                  response.content_part.done;
       a call: response.function_call_arguments.delta..., response.function_call_arguments.done;
@@ -18,12 +19,14 @@ from __future__ import annotations
 import json
 import uuid
 
-from gateway.tools.parser import Delta, parse
+from gateway.generation.chat_output import whole_output
+from gateway.tools.parser import Delta
 
 
-def _usage(u) -> dict:
+def _usage(run) -> dict:
+    u = run.usage
     return {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_prompt_tokens},
-            "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": run.reasoning_tokens},
             "total_tokens": u.prompt_tokens + u.completion_tokens}
 
 
@@ -38,8 +41,8 @@ def response_object(run, status: str, output: list[dict]) -> dict:
         "store": req.store, "temperature": sampling.temperature, "top_p": sampling.top_p,
         "tool_choice": req.tool_choice or "auto", "tools": req.tools or [],
         "text": req.text or {"format": {"type": "text"}}, "truncation": "disabled", "metadata": req.metadata or {},
-        "user": req.user, "reasoning": None,
-        "usage": _usage(run.usage) if status in ("completed", "incomplete") else None,
+        "user": req.user, "reasoning": req.reasoning,
+        "usage": _usage(run) if status in ("completed", "incomplete") else None,
     }
 
 
@@ -53,19 +56,25 @@ def call_item(call_id: str, name: str, arguments: str, status: str = "completed"
             "arguments": arguments, "status": status}
 
 
+def reasoning_item(text: str, status: str = "completed") -> dict:
+    return {"type": "reasoning", "id": "rs_" + uuid.uuid4().hex, "status": status, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}]}
+
+
 def output_items(run, text: str) -> list[dict]:
-    """A whole answer's items: its text as a message (there is always one unless calls are all it made), then its
-    calls."""
-    if run.plan is None or run.plan.choice == "none":
-        return [message_item(text)]
-    content, calls = parse(text, run.plan)
-    items = [message_item(content)] if content or not calls else []
+    """A whole answer's items: its reasoning (from a model that reasons), its text as a message (there is always one
+    unless calls are all it made), then its calls."""
+    thought, content, calls = whole_output(text, run.plan, run.reasoning)
+    items = [reasoning_item(thought)] if thought is not None else []
+    if thought:
+        run.reasoning_tokens = len(run.backend.tokenizer.encode(thought, add_special_tokens=False))
+    items += [message_item(content or "")] if content or not calls else []
     return items + [call_item(c.id, c.name, c.arguments) for c in calls]
 
 
 class EventStream:
-    def __init__(self, run, parser):
-        self.r, self.parser = run, parser
+    def __init__(self, run, reader):
+        self.r, self.reader = run, reader
         self.seq = 0
         self.items: list[dict] = []        # in output_index order, as they end up
         self.open: dict | None = None      # the item being streamed
@@ -83,12 +92,10 @@ class EventStream:
         async for c in r.deltas():
             r.output_text += c.text
             r.output_ids += c.token_ids
-            got = Delta(c.text) if self.parser is None else self.parser.feed(c.text)
+            thought, got = self.reader.feed(c.text, last=c.finish_reason is not None)
             if c.finish_reason is not None:
                 r.finish = c.finish_reason
-                if self.parser is not None:
-                    self.parser.merge_finish(got)
-            for event in self.deliver(got):
+            for event in self.deliver(thought, got):
                 yield event
         if not self.items and self.open is None:
             for event in self._open(message_item("", "in_progress")):      # an empty answer is an empty message
@@ -104,7 +111,14 @@ class EventStream:
         body["error"] = {"code": "server_error", "message": e.details()}
         return self.event("response.failed", response=body)
 
-    def deliver(self, got: Delta):
+    def deliver(self, thought: str, got: Delta):
+        if thought:
+            if self.open is None or self.open["type"] != "reasoning":
+                yield from self._close()
+                yield from self._open(reasoning_item("", "in_progress"))
+            self.text += thought
+            yield self.event("response.reasoning_text.delta", item_id=self.open["id"], output_index=len(self.items),
+                             content_index=0, delta=thought)
         if got.content:
             if self.open is None or self.open["type"] != "message":
                 yield from self._close()
@@ -124,7 +138,7 @@ class EventStream:
     def _open(self, item: dict):
         self.open, self.text = item, ""
         # A message opens with no content: its part is added by the next event, as OpenAI sends it.
-        shown = {**item, "content": []} if item["type"] == "message" else item
+        shown = {**item, "content": []} if item["type"] in ("message", "reasoning") else item
         yield self.event("response.output_item.added", output_index=len(self.items), item=shown)
         if item["type"] == "message":
             yield self.event("response.content_part.added", item_id=item["id"], output_index=len(self.items),
@@ -142,6 +156,12 @@ class EventStream:
             yield self.event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
                              part=part)
             item = {**item, "status": "completed", "content": [part]}
+        elif item["type"] == "reasoning":
+            yield self.event("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0,
+                             text=self.text)
+            item = {**item, "status": "completed", "content": [{"type": "reasoning_text", "text": self.text}]}
+            if self.text:
+                self.r.reasoning_tokens = len(self.r.backend.tokenizer.encode(self.text, add_special_tokens=False))
         else:
             yield self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                              name=item["name"], arguments=item["arguments"])

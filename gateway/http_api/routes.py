@@ -17,6 +17,7 @@ from gateway.access.body_limit import BodyLimit
 from gateway.generation.adapter_names import ModelNotFound
 from gateway.generation.backend import Backend
 from gateway.generation.params import GenerationParams
+from gateway.generation.reasoning_requests import check_budget, plan_reasoning
 from gateway.generation.served_models import ServedModels
 from gateway.generation.structured_requests import one_constraint, requested
 from gateway.generation.telemetry import GatewayMetrics, Observation
@@ -175,7 +176,10 @@ def build_app(models: ServedModels | Backend, metrics: GatewayMetrics, api_keys:
             messages, template_tools = chat_for_template(message_dicts(req.messages), tools,
                                                          backend.tokenizer.knows_tools)
             prompt = await backend.encode_chat(messages, tools=template_tools)
-            return await respond(backend, raw, req, prompt, p, True, obs, tools)
+            prompt, reasoning, p.sampling.reasoning = plan_reasoning(
+                backend.tokenizer, prompt, p.sampling.structured_output is not None,
+                reasoning_cap(backend.tokenizer, req), "max_reasoning_tokens")
+            return await respond(backend, raw, req, prompt, p, True, obs, tools, reasoning)
         except InvalidRequestError as e:
             obs.end(404 if isinstance(e, ModelNotFound) else 400, error=str(e))
             raise
@@ -199,6 +203,14 @@ def _refused(conn, exc: KeyRefused) -> JSONResponse:
     if conn.url.path == "/v1/messages":         # Anthropic's clients read Anthropic's error shape
         return anthropic_error(401, str(exc))
     return error(401, str(exc), code=exc.code, headers={"WWW-Authenticate": "Bearer"})
+
+
+def reasoning_cap(tokenizer, req: ChatRequest) -> int | None:
+    """max_reasoning_tokens, or reasoning_effort "none" (no reasoning), for a model that reasons. The effort is
+    what clients send to any model, so for one that does not reason it changes nothing."""
+    if req.max_reasoning_tokens is not None:
+        return check_budget(req.max_reasoning_tokens, "max_reasoning_tokens")
+    return 0 if req.reasoning_effort == "none" and tokenizer.reasoning else None
 
 
 def _params(backend: Backend, req: Sampling, max_tokens: int | None, logprobs: int | None) -> GenerationParams:

@@ -11,6 +11,7 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from gateway.text.reasoning import reasoning_format
 from stepwire.contract import InvalidRequestError
 
 
@@ -23,7 +24,7 @@ def _raise(message: str):
 
 
 class ModelTokenizer:
-    def __init__(self, model_dir: str | Path):
+    def __init__(self, model_dir: str | Path, reasoning_parser: str = "auto"):
         model_dir = Path(model_dir)
         self.path = model_dir / "tokenizer.json"   # also read by the grammar compiler (structured output)
         self.tokenizer = Tokenizer.from_file(str(self.path))
@@ -44,6 +45,8 @@ class ModelTokenizer:
         # Whether the template renders tools itself (it reads the `tools` variable); gateway.tools.rendering
         # renders them into the system prompt for one that does not.
         self.knows_tools = bool(template) and "tools" in meta.find_undeclared_variables(env.parse(template))
+        # Whether the output is read for a <think> block (gateway.text.reasoning): the flag, or the template's.
+        self.reasoning = reasoning_format(template, reasoning_parser)
         self.max_token_bytes = _longest_token_bytes(self.tokenizer)
 
     @property

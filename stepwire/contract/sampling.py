@@ -45,6 +45,9 @@ class SamplingParams:
     structured_output: sampling_pb2.StructuredOutput | None = None
     # The prompt's last n tokens are earlier output (a resubmission): a constrained request's matcher reads them.
     prior_output_tokens: int = 0
+    # A reasoning model's end-of-reasoning marker and budget, when the executor must watch for it (a constraint
+    # binds only the answer; a budget forces the end). None: the executor treats all output as the answer.
+    reasoning: sampling_pb2.Reasoning | None = None
 
     def validate(self) -> SamplingParams:
         check_sampling(self)
@@ -61,6 +64,8 @@ class SamplingParams:
             msg.logprobs = self.logprobs
         if self.structured_output is not None:
             msg.structured_output.CopyFrom(self.structured_output)
+        if self.reasoning is not None:
+            msg.reasoning.CopyFrom(self.reasoning)
         return msg
 
 
@@ -91,6 +96,16 @@ def check_sampling(sp) -> None:
     so = structured_of(sp)
     if so is not None:
         check_structured_size(so)
+    reasoning = sp.reasoning if not isinstance(sp, sampling_pb2.SamplingParams) else \
+        (sp.reasoning if sp.HasField("reasoning") else None)
+    if reasoning is not None:
+        if not 1 <= len(reasoning.end_token_ids) <= MAX_REASONING_END:
+            raise InvalidRequestError("reasoning.end_token_ids", f"1 to {MAX_REASONING_END} token ids, got "
+                                                                 f"{len(reasoning.end_token_ids)}")
+
+
+# The end of a reasoning is a marker of a few tokens (`</think>`), never a text.
+MAX_REASONING_END = 16
 
 
 # A grammar crosses to the scheduler and the executor once per request and is compiled there; the cap keeps

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cstepwire/v1/generation.proto\x12\x0bstepwire.v1\"M\n\rResumeRequest\x12\n\n\x02id\x18\x01 \x01(\t\x12\x12\n\x05\x61\x66ter\x18\x02 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nafter_each\x18\x03 \x03(\x04\x42\x08\n\x06_after\"{\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12)\n\ntool_calls\x18\x14 \x03(\x0b\x32\x15.stepwire.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x15 \x01(\t\x12\x0c\n\x04name\x18\x16 \x01(\t\"2\n\x04\x43hat\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.stepwire.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xa0\x03\n\x12SamplingParameters\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x15\n\x08logprobs\x18\x0b \x01(\rH\x06\x88\x01\x01\x12\x0e\n\x01n\x18\x0c \x01(\rH\x07\x88\x01\x01\x12:\n\x12structured_outputs\x18\r \x01(\x0b\x32\x1e.stepwire.v1.StructuredOutputsB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x04\n\x02_n\"\x98\x01\n\x11StructuredOutputs\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12)\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x17.stepwire.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xea\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.stepwire.v1.TokenIdsH\x00\x12!\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x11.stepwire.v1.ChatH\x00\x12/\n\x06params\x18\x05 \x01(\x0b\x32\x1f.stepwire.v1.SamplingParameters\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12 \n\x05tools\x18\x14 \x03(\x0b\x32\x11.stepwire.v1.Tool\x12,\n\x0btool_choice\x18\x15 \x01(\x0b\x32\x17.stepwire.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\x16 \x01(\x08H\x01\x88\x01\x01\x42\x08\n\x06promptB\x16\n\x14_parallel_tool_calls\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\":\n\nToolChoice\x12\x0e\n\x04mode\x18\x01 \x01(\tH\x00\x12\x12\n\x08\x66unction\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"F\n\x08ToolCall\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"@\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"^\n\x08Logprobs\x12*\n\x07sampled\x18\x01 \x01(\x0b\x32\x19.stepwire.v1.TokenLogprob\x12&\n\x03top\x18\x02 \x03(\x0b\x32\x19.stepwire.v1.TokenLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xd0\x01\n\nCompletion\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.stepwire.v1.FinishReason\x12\x0c\n\x04stop\x18\x05 \x01(\t\x12\'\n\x08logprobs\x18\x06 \x03(\x0b\x32\x15.stepwire.v1.Logprobs\x12)\n\ntool_calls\x18\x14 \x03(\x0b\x32\x15.stepwire.v1.ToolCall\"~\n\x10GenerateResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12,\n\x0b\x63ompletions\x18\x03 \x03(\x0b\x32\x17.stepwire.v1.Completion\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.stepwire.v1.Usage\"\x9d\x02\n\x16GenerateStreamResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.stepwire.v1.FinishReason\x12\x0c\n\x04stop\x18\x06 \x01(\t\x12\'\n\x08logprobs\x18\x07 \x03(\x0b\x32\x15.stepwire.v1.Logprobs\x12!\n\x05usage\x18\x08 \x01(\x0b\x32\x12.stepwire.v1.Usage\x12\x10\n\x08sequence\x18\t \x01(\x04\x12)\n\ntool_calls\x18\x14 \x03(\x0b\x32\x15.stepwire.v1.ToolCall\"x\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12!\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x11.stepwire.v1.ChatH\x00\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08\x42\x07\n\x05input\"<\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"!\n\x10ModelInfoRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\x95\x01\n\x11ModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\x19\n\x11has_chat_template\x18\x06 \x01(\x08*\x96\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x04\x32\x8e\x03\n\nGeneration\x12G\n\x08Generate\x12\x1c.stepwire.v1.GenerateRequest\x1a\x1d.stepwire.v1.GenerateResponse\x12U\n\x0eGenerateStream\x12\x1c.stepwire.v1.GenerateRequest\x1a#.stepwire.v1.GenerateStreamResponse0\x01\x12G\n\x08Tokenize\x12\x1c.stepwire.v1.TokenizeRequest\x1a\x1d.stepwire.v1.TokenizeResponse\x12J\n\tModelInfo\x12\x1d.stepwire.v1.ModelInfoRequest\x1a\x1e.stepwire.v1.ModelInfoResponse\x12K\n\x06Resume\x12\x1a.stepwire.v1.ResumeRequest\x1a#.stepwire.v1.GenerateStreamResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cstepwire/v1/generation.proto\x12\x0bstepwire.v1\"M\n\rResumeRequest\x12\n\n\x02id\x18\x01 \x01(\t\x12\x12\n\x05\x61\x66ter\x18\x02 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nafter_each\x18\x03 \x03(\x04\x42\x08\n\x06_after\"{\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12)\n\ntool_calls\x18\x14 \x03(\x0b\x32\x15.stepwire.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x15 \x01(\t\x12\x0c\n\x04name\x18\x16 \x01(\t\"2\n\x04\x43hat\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.stepwire.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xdc\x03\n\x12SamplingParameters\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x15\n\x08logprobs\x18\x0b \x01(\rH\x06\x88\x01\x01\x12\x0e\n\x01n\x18\x0c \x01(\rH\x07\x88\x01\x01\x12:\n\x12structured_outputs\x18\r \x01(\x0b\x32\x1e.stepwire.v1.StructuredOutputs\x12!\n\x14max_reasoning_tokens\x18\x0e \x01(\rH\x08\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x04\n\x02_nB\x17\n\x15_max_reasoning_tokens\"\x98\x01\n\x11StructuredOutputs\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12)\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x17.stepwire.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xea\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.stepwire.v1.TokenIdsH\x00\x12!\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x11.stepwire.v1.ChatH\x00\x12/\n\x06params\x18\x05 \x01(\x0b\x32\x1f.stepwire.v1.SamplingParameters\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12 \n\x05tools\x18\x14 \x03(\x0b\x32\x11.stepwire.v1.Tool\x12,\n\x0btool_choice\x18\x15 \x01(\x0b\x32\x17.stepwire.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\x16 \x01(\x08H\x01\x88\x01\x01\x42\x08\n\x06promptB\x16\n\x14_parallel_tool_calls\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\":\n\nToolChoice\x12\x0e\n\x04mode\x18\x01 \x01(\tH\x00\x12\x12\n\x08\x66unction\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"F\n\x08ToolCall\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"@\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"^\n\x08Logprobs\x12*\n\x07sampled\x18\x01 \x01(\x0b\x32\x19.stepwire.v1.TokenLogprob\x12&\n\x03top\x18\x02 \x03(\x0b\x32\x19.stepwire.v1.TokenLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xe3\x01\n\nCompletion\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.stepwire.v1.FinishReason\x12\x0c\n\x04stop\x18\x05 \x01(\t\x12\'\n\x08logprobs\x18\x06 \x03(\x0b\x32\x15.stepwire.v1.Logprobs\x12)\n\ntool_calls\x18\x14 \x03(\x0b\x32\x15.stepwire.v1.ToolCall\x12\x11\n\treasoning\x18\x15 \x01(\t\"~\n\x10GenerateResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12,\n\x0b\x63ompletions\x18\x03 \x03(\x0b\x32\x17.stepwire.v1.Completion\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.stepwire.v1.Usage\"\xb0\x02\n\x16GenerateStreamResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.stepwire.v1.FinishReason\x12\x0c\n\x04stop\x18\x06 \x01(\t\x12\'\n\x08logprobs\x18\x07 \x03(\x0b\x32\x15.stepwire.v1.Logprobs\x12!\n\x05usage\x18\x08 \x01(\x0b\x32\x12.stepwire.v1.Usage\x12\x10\n\x08sequence\x18\t \x01(\x04\x12)\n\ntool_calls\x18\x14 \x03(\x0b\x32\x15.stepwire.v1.ToolCall\x12\x11\n\treasoning\x18\x15 \x01(\t\"x\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12!\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x11.stepwire.v1.ChatH\x00\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08\x42\x07\n\x05input\"<\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"!\n\x10ModelInfoRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\x95\x01\n\x11ModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\x19\n\x11has_chat_template\x18\x06 \x01(\x08*\x96\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x04\x32\x8e\x03\n\nGeneration\x12G\n\x08Generate\x12\x1c.stepwire.v1.GenerateRequest\x1a\x1d.stepwire.v1.GenerateResponse\x12U\n\x0eGenerateStream\x12\x1c.stepwire.v1.GenerateRequest\x1a#.stepwire.v1.GenerateStreamResponse0\x01\x12G\n\x08Tokenize\x12\x1c.stepwire.v1.TokenizeRequest\x1a\x1d.stepwire.v1.TokenizeResponse\x12J\n\tModelInfo\x12\x1d.stepwire.v1.ModelInfoRequest\x1a\x1e.stepwire.v1.ModelInfoResponse\x12K\n\x06Resume\x12\x1a.stepwire.v1.ResumeRequest\x1a#.stepwire.v1.GenerateStreamResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'stepwire.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2741
-  _globals['_FINISHREASON']._serialized_end=2891
+  _globals['_FINISHREASON']._serialized_start=2839
+  _globals['_FINISHREASON']._serialized_end=2989
   _globals['_RESUMEREQUEST']._serialized_start=45
   _globals['_RESUMEREQUEST']._serialized_end=122
   _globals['_CHATMESSAGE']._serialized_start=124
@@ -42,39 +42,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=301
   _globals['_TOKENIDS']._serialized_end=324
   _globals['_SAMPLINGPARAMETERS']._serialized_start=327
-  _globals['_SAMPLINGPARAMETERS']._serialized_end=743
-  _globals['_STRUCTUREDOUTPUTS']._serialized_start=746
-  _globals['_STRUCTUREDOUTPUTS']._serialized_end=898
-  _globals['_CHOICELIST']._serialized_start=900
-  _globals['_CHOICELIST']._serialized_end=929
-  _globals['_GENERATEREQUEST']._serialized_start=932
-  _globals['_GENERATEREQUEST']._serialized_end=1294
-  _globals['_TOOL']._serialized_start=1296
-  _globals['_TOOL']._serialized_end=1357
-  _globals['_TOOLCHOICE']._serialized_start=1359
-  _globals['_TOOLCHOICE']._serialized_end=1417
-  _globals['_TOOLCALL']._serialized_start=1419
-  _globals['_TOOLCALL']._serialized_end=1489
-  _globals['_TOKENLOGPROB']._serialized_start=1491
-  _globals['_TOKENLOGPROB']._serialized_end=1555
-  _globals['_LOGPROBS']._serialized_start=1557
-  _globals['_LOGPROBS']._serialized_end=1651
-  _globals['_USAGE']._serialized_start=1653
-  _globals['_USAGE']._serialized_end=1740
-  _globals['_COMPLETION']._serialized_start=1743
-  _globals['_COMPLETION']._serialized_end=1951
-  _globals['_GENERATERESPONSE']._serialized_start=1953
-  _globals['_GENERATERESPONSE']._serialized_end=2079
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=2082
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=2367
-  _globals['_TOKENIZEREQUEST']._serialized_start=2369
-  _globals['_TOKENIZEREQUEST']._serialized_end=2489
-  _globals['_TOKENIZERESPONSE']._serialized_start=2491
-  _globals['_TOKENIZERESPONSE']._serialized_end=2551
-  _globals['_MODELINFOREQUEST']._serialized_start=2553
-  _globals['_MODELINFOREQUEST']._serialized_end=2586
-  _globals['_MODELINFORESPONSE']._serialized_start=2589
-  _globals['_MODELINFORESPONSE']._serialized_end=2738
-  _globals['_GENERATION']._serialized_start=2894
-  _globals['_GENERATION']._serialized_end=3292
+  _globals['_SAMPLINGPARAMETERS']._serialized_end=803
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=806
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=958
+  _globals['_CHOICELIST']._serialized_start=960
+  _globals['_CHOICELIST']._serialized_end=989
+  _globals['_GENERATEREQUEST']._serialized_start=992
+  _globals['_GENERATEREQUEST']._serialized_end=1354
+  _globals['_TOOL']._serialized_start=1356
+  _globals['_TOOL']._serialized_end=1417
+  _globals['_TOOLCHOICE']._serialized_start=1419
+  _globals['_TOOLCHOICE']._serialized_end=1477
+  _globals['_TOOLCALL']._serialized_start=1479
+  _globals['_TOOLCALL']._serialized_end=1549
+  _globals['_TOKENLOGPROB']._serialized_start=1551
+  _globals['_TOKENLOGPROB']._serialized_end=1615
+  _globals['_LOGPROBS']._serialized_start=1617
+  _globals['_LOGPROBS']._serialized_end=1711
+  _globals['_USAGE']._serialized_start=1713
+  _globals['_USAGE']._serialized_end=1800
+  _globals['_COMPLETION']._serialized_start=1803
+  _globals['_COMPLETION']._serialized_end=2030
+  _globals['_GENERATERESPONSE']._serialized_start=2032
+  _globals['_GENERATERESPONSE']._serialized_end=2158
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=2161
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=2465
+  _globals['_TOKENIZEREQUEST']._serialized_start=2467
+  _globals['_TOKENIZEREQUEST']._serialized_end=2587
+  _globals['_TOKENIZERESPONSE']._serialized_start=2589
+  _globals['_TOKENIZERESPONSE']._serialized_end=2649
+  _globals['_MODELINFOREQUEST']._serialized_start=2651
+  _globals['_MODELINFOREQUEST']._serialized_end=2684
+  _globals['_MODELINFORESPONSE']._serialized_start=2687
+  _globals['_MODELINFORESPONSE']._serialized_end=2836
+  _globals['_GENERATION']._serialized_start=2992
+  _globals['_GENERATION']._serialized_end=3390
 # @@protoc_insertion_point(module_scope)
