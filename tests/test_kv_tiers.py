@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("torch")
 
 from fleet_stack import Fleet, Streams, deterministic_flags, reference_greedy  # noqa: E402
-from tiny_model import kv_bytes  # noqa: E402
+from tiny_model import executor_dtype, kv_bytes  # noqa: E402
 
 from launcher.processes import free_ports  # noqa: E402
 
@@ -18,6 +18,11 @@ pytestmark = pytest.mark.processes
 PROMPT = [3 + (i * 7) % 90 for i in range(48)]             # 12 blocks of 4
 OTHERS = [[50 + j + (i * 11) % 40 for i in range(48)] for j in range(8)]
 HOST, DISK = 0, 1
+
+
+def of_blocks(n: int) -> int:
+    """Bytes of n blocks in the executors' dtype: the pool, the host tier and the disk are counted in blocks."""
+    return kv_bytes(n, dtype=executor_dtype())
 
 
 def run(fleet, prompt, tokens=8) -> list[int]:
@@ -35,7 +40,8 @@ def tier(fleet):
 def test_evicted_prefixes_come_back_from_host_and_disk_and_a_restarted_executor_comes_back_warm(tmp_path):
     disk = tmp_path / "kv-disk"
     metrics = free_ports(1)[0]
-    flags = ("--kv-host-memory", kv_bytes(16), "--kv-disk-dir", disk, "--kv-disk-bytes", kv_bytes(400),
+    flags = ("--kv-cache-memory", of_blocks(64), "--kv-host-memory", of_blocks(16), "--kv-disk-dir", disk,
+             "--kv-disk-bytes", of_blocks(400),
              "--metrics-address", f"127.0.0.1:{metrics}", *deterministic_flags())
     fleet = Fleet(tmp_path, 1, executor_flags=flags)
     try:
@@ -55,7 +61,7 @@ def test_evicted_prefixes_come_back_from_host_and_disk_and_a_restarted_executor_
         for name in [name for name, n in zip(("host", "disk"), hits, strict=True) if n]:
             n = float(hits[name == "disk"])
             assert f'stepwire:executor_kv_tier_loaded_blocks_total{{tier="{name}"}} {n}' in scraped
-            assert f'stepwire:executor_kv_tier_bytes_total{{direction="in",tier="{name}"}} {n * kv_bytes(1)}' \
+            assert f'stepwire:executor_kv_tier_bytes_total{{direction="in",tier="{name}"}} {n * of_blocks(1)}' \
                 in scraped
 
         # Started again on the same directory: its disk blocks are announced, and the first request hits them.

@@ -13,10 +13,11 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("torch")
 
+from fleet_stack import deterministic_flags  # noqa: E402
 from gateway_stack import tiny_model_with_tokenizer  # noqa: E402
 from tiny_model import kv_bytes  # noqa: E402
 
-from launcher.processes import Service, Stack  # noqa: E402
+from launcher.processes import Service, Stack, flag_dict  # noqa: E402
 
 pytestmark = pytest.mark.processes
 
@@ -55,7 +56,9 @@ def stack(tmp_path_factory):
     # A stream still open a fraction of a second after SIGTERM is cut (and kept for its client to resume).
     gateway = {"--model": model, "--tenants-file": tmp / "tenants.json", "--shutdown-grace-seconds": 0.3}
     services = [Service("executor", flags={"--model": model, "--block-size": 4, "--kv-cache-memory": kv_bytes(1024),
-                                           "--max-num-seqs": 8, "--max-model-len": 1024, "--threads": 1}),
+                                           "--max-num-seqs": 8, "--max-model-len": 1024, "--threads": 1,
+                                           # a resubmitted stream is recomputed in a batch of another shape
+                                           **flag_dict(deterministic_flags())}),
                 # Long enough for a gateway killed under a loaded machine to come back (its client resumes there).
                 Service("scheduler", flags={"--resume-grace-seconds": GRACE}),
                 Service("gateway", "a", flags=dict(gateway)), Service("gateway", "b", flags=dict(gateway))]
