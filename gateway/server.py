@@ -118,11 +118,13 @@ async def serve(s: GatewaySettings, entries: list[ModelEntry], api_keys: ApiKeys
     metrics = GatewayMetrics()
     several = bool(s.models_file)
     backends = [Backend(scheduler_channel(s, m.scheduler),
-                        ModelTokenizer(m.model, reasoning_parser=m.reasoning_parser or s.reasoning_parser), m.name,
+                        ModelTokenizer(m.model, reasoning_parser=m.reasoning_parser or s.reasoning_parser,
+                                       tool_call_parser=m.tool_call_parser or s.tool_call_parser), m.name,
                         metrics, s.scheduler_wait_seconds, expect_model=Path(m.model).name if several else "")
                 for m in entries]
     models = ServedModels(backends)
     for backend in models:
+        log.info("%s: tool calls in the %s format", backend.model_name, backend.tokenizer.tool_format)
         # The grammar compiler's tokenizer is built now, not on the first constrained request.
         compiler_for(str(backend.tokenizer.path), timeout_s=s.structured_compile_seconds)
     # The key first, so a caller without one costs no decoding; the health service stays open to probes

@@ -27,6 +27,11 @@ class GatewaySettings(TLSSettings):
         "auto", description="how a model's reasoning is told from its answer (docs/reasoning.md): think (also "
         "deepseek_r1, qwen3) reads a <think>...</think> block into reasoning_content; none reads none; auto: think "
         "for a chat template that writes such a block. A models file's entry may set its own")
+    tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral"] = Field(
+        "auto", description="the format a model writes its tool calls in, which tool_choice \"auto\" asks for and "
+        "reads back (docs/tool_calling.md): hermes (<tool_call> blocks), llama3_json ({\"name\": ..., "
+        "\"parameters\": ...}), mistral ([TOOL_CALLS][...]); auto: the chat template's, hermes for one that does "
+        "not render tools. A models file's entry may set its own")
     host: str = Field("127.0.0.1", description="HTTP listen address")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port (OpenAI-compatible API, /health, /metrics)")
     grpc_address: str = Field("127.0.0.1:50050", description="host:port of the public gRPC API (stepwire.v1)")

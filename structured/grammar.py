@@ -83,7 +83,12 @@ def _tags(tags: sampling_pb2.StructuralTags) -> str:
     lines = ["%llguidance {}", "start: (" + " | ".join(f"tag_{i}" for i in range(len(tags.tags))) + ")* TEXT",
              f"TEXT: {TEXT}"]
     for k, trigger in enumerate(triggers):
-        lines.append(f"trigger_{k}[lazy]: TEXT {json.dumps(trigger)}")
+        if trigger in tags.special_triggers:
+            # A special token's trigger is that token, by id. Free text cannot hold a special token, so the text
+            # ends where it comes: no lazy rule (llguidance takes no special token in one) is needed.
+            lines.append(f"trigger_{k}: TEXT <[{tags.special_triggers[trigger]}]>")
+        else:
+            lines.append(f"trigger_{k}[lazy]: TEXT {json.dumps(trigger)}")
     for i, tag in enumerate(tags.tags):
         k = next((k for k, t in enumerate(triggers) if tag.begin.startswith(t)), None)
         if k is None:

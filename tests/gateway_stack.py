@@ -4,6 +4,7 @@ tokenizer: a stack that starts in seconds, for tests of the gateway's edge rathe
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -44,11 +45,16 @@ def tiny_model_with_tokenizer(path: Path, **overrides) -> Path:
 
 @contextlib.contextmanager
 def tiny_stack(tmp: Path, gateway_args: list[str] = (), env: dict | None = None, max_model_len: int = MAX_MODEL_LEN,
-               executor_flags: dict | None = None, kv_blocks: int = 256, scheduler_flags: dict | None = None):
+               executor_flags: dict | None = None, kv_blocks: int = 256, scheduler_flags: dict | None = None,
+               chat_template: str | None = None):
     """Executor (with extra `executor_flags`), scheduler (with `scheduler_flags`) and gateway (with `gateway_args`
     and extra environment `env`), ready; stopped on exit, failing if one of them died meanwhile. The KV cache
-    holds `kv_blocks` blocks of 4 tokens, in the executor's dtype."""
+    holds `kv_blocks` blocks of 4 tokens, in the executor's dtype. `chat_template`: the model's, in place of the
+    embedded model's."""
     model = tiny_model_with_tokenizer(tmp / "model", max_position_embeddings=max(max_model_len, 256))
+    if chat_template is not None:
+        config = json.loads((model / "tokenizer_config.json").read_text())
+        (model / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": chat_template}))
     dtype = (executor_flags or {}).get("--dtype") or executor_dtype()
     executor = {"--model": model, "--block-size": 4, "--kv-cache-memory": kv_bytes(kv_blocks, dtype=dtype),
                 "--max-num-seqs": 8, "--max-model-len": max_model_len, **(executor_flags or {})}

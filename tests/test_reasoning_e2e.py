@@ -23,7 +23,8 @@ pytestmark = pytest.mark.processes
 
 THINKS = ("{% for m in messages %}<|im_start|>{{ m.role }}\n"
           "{% if m.reasoning_content %}<think>\n{{ m.reasoning_content }}\n</think>\n\n{% endif %}"
-          "{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+          "{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+          "{% if enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
 # Every value one of a few, so that a random model under the schema ends its answer quickly.
 SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"],
           "additionalProperties": False}
@@ -202,3 +203,16 @@ def test_a_stream_cut_mid_reasoning_is_resumed_with_the_reasoning_and_answer_eac
     reasoning, content = parts(first + sse(rest.text.splitlines()))
     assert "</think>" not in reasoning
     json_answer(content)
+
+
+def test_a_template_variable_switches_thinking_off_and_the_schema_binds_from_the_first_token(client):
+    on = client.chat.completions.create(model="model", messages=ASK, max_tokens=2, temperature=0)
+    r = client.chat.completions.create(**{**constrained(), "extra_body": {
+        "chat_template_kwargs": {"enable_thinking": False}}})
+    message = r.choices[0].message
+    assert getattr(message, "reasoning_content", None) is None    # the prompt closed the block: no reasoning
+    json_answer(message.content)
+    assert r.usage.prompt_tokens > on.usage.prompt_tokens             # the closed block is in the prompt
+    with pytest.raises(openai.BadRequestError, match="chat_template_kwargs.messages"):
+        client.chat.completions.create(model="model", messages=ASK, max_tokens=2,
+                                       extra_body={"chat_template_kwargs": {"messages": []}})

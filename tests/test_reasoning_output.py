@@ -125,3 +125,16 @@ def test_a_budget_for_a_model_that_does_not_reason_is_refused_naming_its_field()
     with pytest.raises(InvalidRequestError, match="does not reason") as e:
         plan_reasoning(tok, prompt_of(tok), constrained=False, budget=5, field="max_reasoning_tokens")
     assert e.value.field == "max_reasoning_tokens"
+
+
+def test_an_assistants_earlier_reasoning_reaches_a_template_that_renders_it(tmp_path):
+    from gateway.tools.rendering import chat_for_template
+    template = ("{% for m in messages %}{{ m.role }}:{% if m.reasoning_content %}<think>{{ m.reasoning_content }}"
+                "</think>{% endif %}{{ m.content }}\n{% endfor %}")
+    tok = model_dir(tmp_path, template)
+    history = [{"role": "user", "content": "2+2?"},
+               {"role": "assistant", "content": "4", "reasoning_content": "two and two"},
+               {"role": "user", "content": "Sure?"}]
+    for plan in (None, tool_plan(WEATHER, "auto", None)):      # stepwire's own tools rendering keeps it too
+        messages, tools = chat_for_template(history, plan, tok.knows_tools)
+        assert "assistant:<think>two and two</think>4\n" in tok.render_chat(messages, tools=tools)

@@ -126,13 +126,6 @@ def test_text_that_may_start_a_tag_is_held_back_until_it_is_clear():
     assert [(c.index, c.id, c.arguments) for c in third.calls] == [(0, None, 'ty": "X"}')]
 
 
-def _merged(deltas):
-    out = Delta()
-    for d in deltas:
-        out.merge(d)
-    return out
-
-
 @pytest.mark.parametrize("choice, text", CASES)
 @pytest.mark.parametrize("size", [1, 3, 8])
 def test_a_parser_fed_what_a_resumed_client_saw_at_once_answers_the_rest_as_the_first_one_would(choice, text, size):
@@ -144,9 +137,9 @@ def test_a_parser_fed_what_a_resumed_client_saw_at_once_answers_the_rest_as_the_
         first = ToolCallParser(plan, call_ids="chatcmpl-1")
         for p in pieces[:cut]:
             first.feed(p)
-        want = _merged([first.feed(p) for p in pieces[cut:]] + [first.finish()])
+        want = Delta.joined([first.feed(p) for p in pieces[cut:]] + [first.finish()])
         second = chat_outputs(plan, None, 1, "chatcmpl-1", ["".join(pieces[:cut])])[0]
-        got = _merged([second.feed(p)[1] for p in pieces[cut:]] + [second.feed("", last=True)[1]])
+        got = Delta.joined([second.feed(p)[1] for p in pieces[cut:]] + [second.feed("", last=True)[1]])
         assert got == want, cut
 
 

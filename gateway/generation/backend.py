@@ -121,10 +121,11 @@ class Backend:
         return await self._off_loop(self._encode, text, add_special_tokens, await self._text_limit())
 
     async def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                          add_special_tokens: bool = False, tools: list[dict] | None = None) -> list[int]:
+                          add_special_tokens: bool = False, tools: list[dict] | None = None,
+                          template_kwargs: dict | None = None) -> list[int]:
         check_chat(messages)   # `tools`: the template's variable (gateway.tools.rendering)
         return await self._off_loop(self._encode_chat, messages, add_generation_prompt, add_special_tokens,
-                                    await self._text_limit(), tools)
+                                    await self._text_limit(), tools, template_kwargs)
 
     async def encode_chat_continuing(self, messages: list[dict], tools: list[dict] | None,
                                      prior: tuple[str, list[int]] | None) -> tuple[list[int], str]:
@@ -154,17 +155,17 @@ class Backend:
         return self.tokenizer.encode(text, add_special_tokens)
 
     def _render_chat(self, messages: list[dict], add_generation_prompt: bool, limit: int,
-                     tools: list[dict] | None = None) -> str:
+                     tools: list[dict] | None = None, template_kwargs: dict | None = None) -> str:
         try:
-            text = self.tokenizer.render_chat(messages, add_generation_prompt, tools)
+            text = self.tokenizer.render_chat(messages, add_generation_prompt, tools, template_kwargs)
         except ChatTemplateError as e:
             raise InvalidRequestError("messages", str(e)) from None
         self.tokenizer.refuse_oversize(text, limit, "messages", self.max_model_len)
         return text
 
     def _encode_chat(self, messages: list[dict], add_generation_prompt: bool, add_special_tokens: bool,
-                     limit: int, tools: list[dict] | None = None) -> list[int]:
-        text = self._render_chat(messages, add_generation_prompt, limit, tools)
+                     limit: int, tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
+        text = self._render_chat(messages, add_generation_prompt, limit, tools, template_kwargs)
         # The rendered template already holds its special tokens, unless it is asked for more.
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 

@@ -40,6 +40,8 @@ class ModelEntry(BaseModel):
     scheduler: str = Field(min_length=3, description="host:port of this model's scheduler")
     reasoning_parser: Literal["auto", "none", "think", "deepseek_r1", "qwen3"] | None = Field(
         None, description="this model's --reasoning-parser (unset: the gateway's)")
+    tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral"] | None = Field(
+        None, description="this model's --tool-call-parser (unset: the gateway's)")
 
 
 class ModelsFile(BaseModel):

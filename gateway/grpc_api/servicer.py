@@ -51,14 +51,15 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             params.tenant = grpc_tenant(self.keys, context).for_model(b.model_name)
             b.check_params(params)   # before tokenizing: a request refused anyway costs no tokenizer time
             which = request.WhichOneof("prompt")
-            tools = tool_plan(*_tool_fields(request))
+            tools = tool_plan(*_tool_fields(request), fmt=b.tokenizer.tool_format)
             budget = request.params.max_reasoning_tokens if request.params.HasField("max_reasoning_tokens") else None
             reasoning = None
             if tools is not None and which != "chat":
                 raise InvalidRequestError("tools", "tools need a chat prompt")
             so = from_v1(request.params)
             params.sampling.structured_output = await one_constraint(
-                ("structured_outputs", so) if so is not None else None, constraint(tools), b.tokenizer)
+                ("structured_outputs", so) if so is not None else None, constraint(tools, b.tokenizer.special_markers),
+                b.tokenizer)
             if which == "text":
                 prompt = await b.encode(request.text)
             elif which == "token_ids":

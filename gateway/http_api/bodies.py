@@ -127,6 +127,8 @@ class ChatRequest(Sampling):
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     # Beyond OpenAI: at most this many reasoning tokens; then the answer is forced.
     max_reasoning_tokens: int | None = documented(None, minimum=0, maximum=UINT32_MAX)
+    # As vLLM: more variables for the chat template (Qwen3's {"enable_thinking": false}).
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 def tool_fields(req: ChatRequest) -> tuple[list[dict] | None, Any, bool | None]:

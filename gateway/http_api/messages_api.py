@@ -220,14 +220,15 @@ def add_messages_routes(app: FastAPI, models, metrics: GatewayMetrics) -> None:
                                           if first else "the body is not valid JSON") from None
             backend, adapter = await models.pick(req.model)
             budget = thinking_budget(req.thinking)
-            plan = tool_plan(*chat_tools(req))
+            plan = tool_plan(*chat_tools(req), fmt=backend.tokenizer.tool_format)
             sampling = SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
                                       top_p=1.0 if req.top_p is None else req.top_p,
                                       top_k=-1 if not req.top_k else req.top_k)
             p = GenerationParams(sampling, max_tokens=req.max_tokens, stop=list(req.stop_sequences or []),
                                  adapter=adapter)
             p.tenant = tenant_of(raw).for_model(backend.model_name)
-            p.sampling.structured_output = await one_constraint(output_format(req.output_config), constraint(plan),
+            calls = constraint(plan, backend.tokenizer.special_markers)
+            p.sampling.structured_output = await one_constraint(output_format(req.output_config), calls,
                                                                 backend.tokenizer)
             messages, template_tools = chat_for_template(chat_messages(req), plan, backend.tokenizer.knows_tools)
             prompt = await backend.encode_chat(messages, tools=template_tools)

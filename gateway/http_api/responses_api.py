@@ -225,12 +225,13 @@ def add_responses_routes(app: FastAPI, models, metrics: GatewayMetrics) -> None:
             messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + history
             new = input_messages(req.input)
             tools_json, choice = chat_tools(req)
-            plan = tool_plan(tools_json, choice, req.parallel_tool_calls)
+            plan = tool_plan(tools_json, choice, req.parallel_tool_calls, fmt=backend.tokenizer.tool_format)
             sampling = SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
                                       top_p=1.0 if req.top_p is None else req.top_p)
             p = GenerationParams(sampling, max_tokens=req.max_output_tokens, adapter=adapter)
             p.tenant = tenant
-            p.sampling.structured_output = await one_constraint(text_format(req.text), constraint(plan),
+            calls = constraint(plan, backend.tokenizer.special_markers)
+            p.sampling.structured_output = await one_constraint(text_format(req.text), calls,
                                                                 backend.tokenizer)
             rendered, template_tools = chat_for_template(messages + new, plan, backend.tokenizer.knows_tools)
             prior = (stored["text"], stored["ids"]) if stored and not req.instructions else None

@@ -12,6 +12,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from gateway.text.reasoning import reasoning_format
+from gateway.text.tool_family import marker_ids, resolve
 from stepwire.contract import InvalidRequestError
 
 
@@ -23,8 +24,23 @@ def _raise(message: str):
     raise ChatTemplateError(message)
 
 
+# The variables the gateway itself gives a template: a request's chat_template_kwargs may not set them.
+RENDER_VARIABLES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"})
+
+
+def check_template_kwargs(kwargs: dict | None, field: str = "chat_template_kwargs") -> dict | None:
+    """A request's extra template variables: names that are identifiers and not the gateway's own."""
+    if not kwargs:
+        return None
+    for name in kwargs:
+        if not name.isidentifier() or name in RENDER_VARIABLES:
+            raise InvalidRequestError(f"{field}.{name[:40]}", "a template variable of the request's own (not "
+                                      f"{', '.join(sorted(RENDER_VARIABLES))})")
+    return kwargs
+
+
 class ModelTokenizer:
-    def __init__(self, model_dir: str | Path, reasoning_parser: str = "auto"):
+    def __init__(self, model_dir: str | Path, reasoning_parser: str = "auto", tool_call_parser: str = "auto"):
         model_dir = Path(model_dir)
         self.path = model_dir / "tokenizer.json"   # also read by the grammar compiler (structured output)
         self.tokenizer = Tokenizer.from_file(str(self.path))
@@ -47,6 +63,11 @@ class ModelTokenizer:
         self.knows_tools = bool(template) and "tools" in meta.find_undeclared_variables(env.parse(template))
         # Whether the output is read for a <think> block (gateway.text.reasoning): the flag, or the template's.
         self.reasoning = reasoning_format(template, reasoning_parser)
+        # The family whose format "auto" tool calls are asked for and read in (gateway.text.tool_family): the
+        # flag's, or the template's; and the special token of that format the detokenizer must not skip.
+        self.tool_format = resolve(template, self.knows_tools, tool_call_parser)
+        self.kept_token_ids = marker_ids(self.tokenizer, self.tool_format)
+        self.special_markers = {self.token_text(i): i for i in self.kept_token_ids}   # by text, for the constraint
         self.max_token_bytes = _longest_token_bytes(self.tokenizer)
 
     @property
@@ -87,11 +108,14 @@ class ModelTokenizer:
                                              f"a text of {size} bytes cannot fit it (at most {limit} bytes can)")
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None) -> str:
+                    tools: list[dict] | None = None, extra: dict | None = None) -> str:
+        """`extra`: a request's chat_template_kwargs (checked by check_template_kwargs), more variables for the
+        template (Qwen3's enable_thinking)."""
         if self.chat_template is None:
             raise ChatTemplateError("the model has no chat template; use completions instead")
         try:
-            return self.chat_template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+            return self.chat_template.render(**(extra or {}), messages=messages,
+                                             add_generation_prompt=add_generation_prompt,
                                              bos_token=self.bos_token or "", eos_token=self.eos_token or "",
                                              tools=tools)
         except TemplateError as e:   # the sandbox's refusals included

@@ -2,8 +2,9 @@
 edge (the same for HTTP and gRPC), and the constraint on the output that each choice asks for.
 
 The output formats (docs/tool_calling.md), and what the gateway parses back into calls:
-  "auto"      text, in which each call is `<tool_call>\\n{"name": "<name>", "arguments": {...}}\\n</tool_call>`
-              (the Hermes / Qwen2.5 format): a structural-tags constraint, triggered by "<tool_call>".
+  "auto"      text with calls in the model family's format (gateway.tools.formats; Hermes / Qwen2.5's
+              `<tool_call>\\n{"name": "<name>", "arguments": {...}}\\n</tool_call>` by default): a structural-tags
+              constraint, triggered by the format's trigger.
   "required"  a JSON array of one or more {"name": ..., "arguments": {...}} objects; with
               parallel_tool_calls false, exactly one such object (no array).
   named       only the named function's arguments, a JSON object: the call's name is already known.
@@ -17,6 +18,7 @@ import json
 import re
 from dataclasses import dataclass
 
+from gateway.tools.formats import FORMATS, HERMES
 from gateway.tools.schema import check_parameters, relocated
 from stepwire.contract import InvalidRequestError
 from stepwire.contract.sampling import check_structured_size
@@ -26,7 +28,8 @@ from stepwire.internal import sampling_pb2
 MAX_TOOLS = 128
 NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 MODES = ("none", "auto", "required")
-TRIGGER = "<tool_call>"
+# The Hermes format's tags (gateway.tools.formats has every family's).
+TRIGGER = HERMES.trigger
 END = "</tool_call>"
 NO_ARGUMENTS = {"type": "object", "properties": {}}
 
@@ -41,12 +44,14 @@ class Tool:
 @dataclass(frozen=True)
 class ToolPlan:
     """What a request asked of tools. `choice` is "none", "auto", "required" or "named" (then `function`
-    names the function to call)."""
+    names the function to call). `format` names the family whose call format "auto" asks for and reads
+    (gateway.tools.formats): the served model's."""
 
     tools: tuple[Tool, ...]
     choice: str
     function: str | None = None
     parallel: bool = True
+    format: str = HERMES.name
 
     @property
     def names(self) -> frozenset[str]:
@@ -61,17 +66,22 @@ class ToolPlan:
         """What a gateway resuming the stream needs to parse its calls as the first one did: names, not schemas
         (the constraint on the output is the executor's, and goes on with the request)."""
         return {"names": sorted(self.names), "choice": self.choice, "function": self.function,
-                "parallel": self.parallel}
+                "parallel": self.parallel, "format": self.format}
 
     @classmethod
     def from_json(cls, d: dict) -> ToolPlan:
+        # A stream journaled before formats were (no "format") was a Hermes one.
         return cls(tuple(Tool(name, "", NO_ARGUMENTS) for name in d["names"]), d["choice"], d["function"],
-                   d["parallel"])
+                   d["parallel"], d.get("format", HERMES.name))
 
 
-def tool_plan(tools: list[dict] | None, tool_choice, parallel_tool_calls: bool | None) -> ToolPlan | None:
+def tool_plan(tools: list[dict] | None, tool_choice, parallel_tool_calls: bool | None,
+              fmt: str = HERMES.name) -> ToolPlan | None:
     """Check a request's tool fields, in OpenAI's shapes (the gRPC edge converts to them). None: the request
-    has no tools, so nothing about it changes. Raises InvalidRequestError naming the bad field."""
+    has no tools, so nothing about it changes. Raises InvalidRequestError naming the bad field. `fmt`: the
+    served model's call format (ModelTokenizer.tool_format)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"no tool-call format {fmt!r}")   # the gateway's own mistake, not the client's
     if tool_choice is not None and not isinstance(tool_choice, str | dict):
         raise InvalidRequestError("tool_choice", 'must be "none", "auto", "required" or {"type": "function", '
                                                  '"function": {"name": ...}}')
@@ -88,7 +98,8 @@ def tool_plan(tools: list[dict] | None, tool_choice, parallel_tool_calls: bool |
             raise InvalidRequestError(f"tools[{i}].function.name", f"the name {checked[-1].name!r} is used by two "
                                                                    "tools; each tool needs a name of its own")
     choice, function = _choice(tool_choice, {t.name for t in checked})
-    plan = ToolPlan(tuple(checked), choice, function, True if parallel_tool_calls is None else parallel_tool_calls)
+    plan = ToolPlan(tuple(checked), choice, function, True if parallel_tool_calls is None else parallel_tool_calls,
+                    fmt)
     so = constraint(plan)
     if so is not None:
         try:
@@ -133,8 +144,10 @@ def _choice(tool_choice, names: set[str]) -> tuple[str, str | None]:
     return "named", name
 
 
-def constraint(plan: ToolPlan | None) -> sampling_pb2.StructuredOutput | None:
-    """The constraint that makes the output one of the formats above (module docstring)."""
+def constraint(plan: ToolPlan | None, special: dict[str, int] | None = None) -> sampling_pb2.StructuredOutput | None:
+    """The constraint that makes the output one of the formats above (module docstring). `special`: the model's
+    special tokens by text (ModelTokenizer.special_markers); a format's trigger among them is asked for as that
+    token, the only way the model writes it."""
     if plan is None or plan.choice == "none":
         return None
     if plan.choice == "named":
@@ -142,17 +155,20 @@ def constraint(plan: ToolPlan | None) -> sampling_pb2.StructuredOutput | None:
         return sampling_pb2.StructuredOutput(json_schema=_dumps(tool.parameters))
     if plan.choice == "required":
         return sampling_pb2.StructuredOutput(json_schema=_dumps(required_schema(plan)))
-    tags = [sampling_pb2.StructuralTag(begin=call_begin(t.name), json_schema=_dumps(t.parameters), end=CALL_END)
+    fmt = FORMATS[plan.format]
+    tags = [sampling_pb2.StructuralTag(begin=fmt.tag_begin(t.name), json_schema=_dumps(t.parameters), end=fmt.end)
             for t in plan.tools]
-    return sampling_pb2.StructuredOutput(tags=sampling_pb2.StructuralTags(tags=tags, triggers=[TRIGGER]))
+    marked = {fmt.trigger: special[fmt.trigger]} if special and fmt.trigger in special else {}
+    return sampling_pb2.StructuredOutput(tags=sampling_pb2.StructuralTags(tags=tags, triggers=[fmt.trigger],
+                                                                          special_triggers=marked))
 
 
 def call_begin(name: str) -> str:
-    # Spaced as json.dumps spaces it, so that a model that learned the format (Qwen2.5) meets what it knows.
-    return f'{TRIGGER}\n{{"name": "{name}", "arguments": '
+    """A Hermes tag's begin (formats.HERMES)."""
+    return HERMES.tag_begin(name)
 
 
-CALL_END = f"}}\n{END}"
+CALL_END = HERMES.end
 
 
 def required_schema(plan: ToolPlan) -> dict:

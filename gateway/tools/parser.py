@@ -1,10 +1,11 @@
 """Tool calling, the response side: model text, as it streams, turned into content and tool calls.
 
-One incremental parser serves streams and whole responses, for the three formats of gateway.tools.calls. A call
-is announced (id, name) once its name is read, and its arguments go out piece by piece as generated: only JSON
-nesting and strings are tracked, to see where they end. Text that might start "<tool_call>" is held back until
-it is clear. A whole response is checked at the end: if any call is malformed, all of the text is content (as
-vLLM answers); a stream cannot take back what it sent (with the constraint on, no call is malformed)."""
+One incremental parser serves streams and whole responses, for the three formats of gateway.tools.calls, "auto"
+in the model family's format (gateway.tools.formats). A call is announced (id, name) once its name is read, and its
+arguments go out piece by piece as generated: only JSON nesting and strings are tracked, to see where they end.
+Text that might start a call ("<tool_call>", "[TOOL_CALLS]", Llama's `{"name"`) is held back until it is clear.
+A whole response is checked at the end: if any call is malformed, all of the text is content (as vLLM answers); a
+stream cannot take back what it sent (with the constraint on, no call is malformed)."""
 
 from __future__ import annotations
 
@@ -14,13 +15,21 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-from gateway.tools.calls import END, TRIGGER, ToolPlan
+from gateway.tools.calls import END, ToolPlan
+from gateway.tools.formats import FORMATS, HERMES, LLAMA3_JSON, MISTRAL, PYTHON_TAG
 
 # {"name": "<name>", "arguments": ; "parameters" is read too (Llama 3.1 templates ask for that key).
 HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"([a-zA-Z0-9_-]{1,64})"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 # A call's header that has not matched after this many characters never will.
 MAX_HEADER = 256
 CLOSE = re.compile(r"\s*\}\s*" + re.escape(END))
+# A Llama call ends with its object; the start of one that went that far, to tell a cut-off call from text.
+LLAMA_CLOSE = re.compile(r"\s*\}")
+LLAMA_START = re.compile(r'\s*\{\s*"name"')
+NAME_RUN = re.compile(r"[a-zA-Z0-9_-]*")
+# HEADER part by part, for telling whether text may still become one: blanks may come before each part, except
+# inside the name's quotes (None: the name).
+HEADER_PARTS = (("{",), ('"name"',), (":",), ('"',), None, ('"',), (",",), ('"arguments"', '"parameters"'), (":",))
 
 
 @dataclass
@@ -37,6 +46,14 @@ class CallDelta:
 class Delta:
     content: str = ""
     calls: list[CallDelta] = field(default_factory=list)
+
+    @classmethod
+    def joined(cls, deltas) -> Delta:
+        """The deltas as one: what a client that joins the pieces ends up with."""
+        out = cls()
+        for d in deltas:
+            out.merge(d)
+        return out
 
     def merge(self, other: Delta) -> Delta:
         self.content += other.content
@@ -94,8 +111,9 @@ class JsonObjectEnd:
 
 class ToolCallParser:
     """Fed the text of one completion as it comes; each feed answers what may be passed on to the client.
-    States: "auto" text -> header -> args -> close -> text; "required" opening -> header -> args -> close_item
-    -> separator -> header ... -> rest; named: named -> args -> rest."""
+    States: "auto" Hermes and Llama text -> header -> args -> close -> text; "auto" Mistral text -> opening ->
+    header -> args -> close_item -> separator -> header ... -> text; "required" opening -> header -> args ->
+    close_item -> separator -> header ... -> rest; named: named -> args -> rest."""
 
     def __init__(self, plan: ToolPlan, call_ids: str | None = None):
         """`call_ids`: the calls' ids follow from it and their order (a resumable stream's id, so that the
@@ -111,6 +129,9 @@ class ToolCallParser:
         self.muted = False      # a call past the first one when parallel calls are off: read, never sent
         self.scanner: JsonObjectEnd | None = None
         self.state = {"auto": "text", "required": "opening", "named": "named"}[plan.choice]
+        self.fmt = FORMATS[plan.format] if plan.choice == "auto" else None   # only "auto" is in a family's format
+        self.listed = plan.choice == "required" or self.fmt is MISTRAL      # calls as items of a JSON array
+        self.after_call = False   # a Llama call just ended: a ";" may join the next one to it
 
     def merge_finish(self, out: Delta) -> bool:
         """finish() merged into `out` (the last feed's delta); whether any call was made."""
@@ -127,6 +148,9 @@ class ToolCallParser:
     def finish(self) -> Delta:
         """The end of the text: what was held back, and which calls were cut off."""
         out = Delta()
+        if self.fmt is LLAMA3_JSON and self.state == "header" and not LLAMA_START.match(self.buf):
+            text, self.buf = self.raw + self.buf, ""
+            self._not_a_call(out, text)   # a "{" at the end, not a call cut off
         self.broken |= self.state not in ("text", "rest")   # cut off (max_tokens, a stop string) mid-format
         if self.state in ("header", "named", "opening") and (self.raw or self.buf.strip()):
             self._give_back(out)
@@ -140,27 +164,58 @@ class ToolCallParser:
     # ---- the states: each reads from self.buf, and returns True to be called again --------------------------
 
     def _text(self, out: Delta) -> bool:
-        at = self.buf.find(TRIGGER)
+        if self.fmt is LLAMA3_JSON:
+            return self._llama_text(out)
+        trigger = self.fmt.trigger
+        at = self.buf.find(trigger)
         if at >= 0:
             self._content(out, self.buf[:at])
-            self.raw, self.buf, self.state = TRIGGER, self.buf[at + len(TRIGGER):], "header"
+            self.raw, self.buf = trigger, self.buf[at + len(trigger):]
+            self.state = "opening" if self.fmt is MISTRAL else "header"
             return True
-        keep = next((n for n in range(min(len(TRIGGER) - 1, len(self.buf)), 0, -1)
-                     if TRIGGER.startswith(self.buf[-n:])), 0)
-        self._content(out, self.buf[:len(self.buf) - keep])
-        self.buf = self.buf[len(self.buf) - keep:]
+        self._hold(out, trigger)
         return False
+
+    def _llama_text(self, out: Delta) -> bool:
+        # A call is an object that starts {"name": anywhere (the constraint's trigger), maybe after <|python_tag|>.
+        if self.after_call:
+            rest = self.buf.lstrip()
+            if not rest:
+                return False
+            if rest[0] == ";":
+                self.buf = rest[1:]
+            self.after_call = False
+        found = [i for i in (self.buf.find("{"), self.buf.find(PYTHON_TAG)) if i >= 0]
+        if not found:
+            self._hold(out, PYTHON_TAG)
+            return False
+        at = min(found)
+        self._content(out, self.buf[:at])
+        tag = self.buf.startswith(PYTHON_TAG, at)
+        self.raw, self.buf = (PYTHON_TAG, self.buf[at + len(PYTHON_TAG):]) if tag else ("", self.buf[at:])
+        self.state = "header"
+        return True
 
     def _header(self, out: Delta) -> bool:
         m = HEADER.match(self.buf)
-        if m is None or m.group(1) not in self.plan.names:
+        if m is not None and m.group(1) in self.plan.names:
+            self.buf = self.buf[m.end():]
+            self._start(out, m.group(1))
+            return True
+        if self.fmt is None or self.fmt is HERMES:
             lead = self.buf.lstrip()[:1]
-            if m is not None or lead not in ("", "{") or END in self.buf or len(self.buf) > MAX_HEADER:
-                self._give_back(out)
-                return True
-            return False   # not decided yet
-        self.buf = self.buf[m.end():]
-        self._start(out, m.group(1))
+            undecided = m is None and lead in ("", "{") and END not in self.buf
+        else:
+            undecided = m is None and may_become_header(self.buf)
+        if undecided and len(self.buf) <= MAX_HEADER:
+            return False
+        if self.fmt is LLAMA3_JSON and m is None:
+            # Not a call's shape (an example of JSON, code): text, which may hold a call further on.
+            taken = self.raw or self.buf[:1]
+            self.buf = self.buf[len(taken) - len(self.raw):]
+            self._not_a_call(out, taken)
+            return True
+        self._give_back(out)   # after a call's start, or a call of no tool of the request: malformed
         return True
 
     def _named(self, out: Delta) -> bool:
@@ -180,7 +235,7 @@ class ToolCallParser:
             return False
         self.array = rest[0] == "["
         self.buf = rest[1:] if self.array else rest
-        self.raw, self.state = ("[" if self.array else ""), "header"
+        self.raw, self.state = self.raw + ("[" if self.array else ""), "header"
         return True
 
     def _args(self, out: Delta) -> bool:
@@ -200,17 +255,19 @@ class ToolCallParser:
         if self.plan.choice == "named":
             self._end_call(complete=True)
         else:
-            self.state = "close" if self.plan.choice == "auto" else "close_item"
+            self.state = "close_item" if self.listed else "close"
         return True
 
     def _close(self, out: Delta) -> bool:
-        m = CLOSE.match(self.buf)
+        llama = self.fmt is LLAMA3_JSON
+        m = (LLAMA_CLOSE if llama else CLOSE).match(self.buf)
         if m is not None:
             self.buf = self.buf[m.end():]
             self._end_call(complete=True)
+            self.after_call = llama
             return True
         rest = self.buf.lstrip()
-        if rest[:1] in ("", "}") and END.startswith(rest[1:].lstrip()):
+        if rest[:1] in ("", "}") and ("" if llama else END).startswith(rest[1:].lstrip()):
             return False   # the closing may still come
         self.broken = True
         self._end_call(complete=False)
@@ -232,7 +289,7 @@ class ToolCallParser:
         if not rest:
             return False
         self.buf = rest[1:] if rest[0] in ",]" else rest
-        self.state = "header" if rest[0] == "," else "rest"
+        self.state = "header" if rest[0] == "," else self._after()
         self.broken |= rest[0] not in ",]"
         return True
 
@@ -263,18 +320,34 @@ class ToolCallParser:
             self.calls.pop()   # read and dropped: parallel calls are off
             self.muted = False
         self.scanner = None
-        self.state = "text" if self.plan.choice == "auto" else "rest"
+        self.state = self._after()
+
+    def _after(self) -> str:
+        """The state after a call: in "auto", text that may hold more calls; otherwise the rest is plain text."""
+        return "text" if self.plan.choice == "auto" else "rest"
+
+    def _hold(self, out: Delta, start: str) -> None:
+        """All of self.buf is content, but what may be the beginning of `start`: held until it is clear."""
+        keep = next((n for n in range(min(len(start) - 1, len(self.buf)), 0, -1) if start.startswith(self.buf[-n:])), 0)
+        self._content(out, self.buf[:len(self.buf) - keep])
+        self.buf = self.buf[len(self.buf) - keep:]
 
     def _give_back(self, out: Delta) -> None:
-        """What was read as the start of a call is not one: that text is content after all."""
-        if self.plan.choice == "auto" and END in self.buf:
+        """What was read as the start of a call is not a valid one: that text is content after all, and the
+        response is malformed."""
+        if self.fmt is HERMES and END in self.buf:
             end = self.buf.index(END) + len(END)
             text, self.buf = self.raw + self.buf[:end], self.buf[end:]
         else:
             text, self.buf = self.raw + self.buf, ""
         self.broken = True
         self._content(out, text)
-        self.raw, self.state = "", "text" if self.plan.choice == "auto" else "rest"
+        self.raw, self.state = "", self._after()
+
+    def _not_a_call(self, out: Delta, text: str) -> None:
+        """`text` (already taken from self.buf), which looked like a Llama call's start, is plain content."""
+        self._content(out, text)
+        self.raw, self.state = "", "text"
 
     def _content(self, out: Delta, text: str, final: bool = False) -> None:
         # Whitespace waits for the next words: between calls or after the last one it is no content at all.
@@ -283,6 +356,31 @@ class ToolCallParser:
         self.space = text[len(body):]
         if body.strip() or (final and not self.calls):
             out.content += body
+
+
+def may_become_header(text: str) -> bool:
+    """Whether `text` is the beginning of a call's header (HEADER), all of it or what has come of it so far."""
+    rest = text
+    for i, part in enumerate(HEADER_PARTS):
+        if i not in (4, 5):
+            rest = rest.lstrip()
+        if not rest:
+            return True
+        if part is None:
+            n = NAME_RUN.match(rest).end()
+            if n == len(rest):
+                return n <= 64
+            if not 1 <= n <= 64:
+                return False
+            rest = rest[n:]
+            continue
+        if any(p.startswith(rest) for p in part):
+            return True
+        hit = next((p for p in part if rest.startswith(p)), None)
+        if hit is None:
+            return False
+        rest = rest[len(hit):]
+    return True
 
 
 def parse(text: str, plan: ToolPlan) -> tuple[str | None, list[Call]]:

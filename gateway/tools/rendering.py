@@ -5,14 +5,16 @@ A template that reads the `tools` variable (Qwen2.5, Llama 3.1, Hermes) gets the
 Hugging Face templates take them, and renders them its own way. A template that does not (the embedded
 SmolLM2) would drop them silently, so stepwire renders them itself (docs/tool_calling.md): the tools go into
 the system prompt with the exact format of a call, and the history is rewritten into plain messages: an
-assistant's calls become `<tool_call>` blocks of its text, tool results `<tool_response>` blocks of a user
+assistant's calls become its text, written as the model's family writes them (`<tool_call>` blocks unless
+--tool-call-parser names another family: gateway.tools.formats), tool results `<tool_response>` blocks of a user
 message (templates that insist on user/assistant turns accept that)."""
 
 from __future__ import annotations
 
 import json
 
-from gateway.tools.calls import END, TRIGGER, ToolPlan
+from gateway.tools.calls import ToolPlan
+from gateway.tools.formats import FORMATS, HERMES
 from gateway.tools.schema import check_nesting
 from stepwire.contract import InvalidRequestError
 
@@ -23,13 +25,26 @@ Functions you can call are listed below, one JSON object each: its name, what it
 of its arguments.
 {tools}
 
-When a function would help, call it by writing its name and arguments as one JSON object between \
-{trigger} and {end} tags, each call on its own:
-{trigger}
-{{"name": "<function name>", "arguments": {{<arguments, following the schema>}}}}
-{end}
+{how}
 Each result comes back between <tool_response> and </tool_response> tags. When no function is needed, \
 answer in plain text."""
+# How to call, in each family's format (gateway.tools.formats).
+HOW = {
+    "hermes": """\
+When a function would help, call it by writing its name and arguments as one JSON object between \
+<tool_call> and </tool_call> tags, each call on its own:
+<tool_call>
+{"name": "<function name>", "arguments": {<arguments, following the schema>}}
+</tool_call>""",
+    "llama3_json": """\
+When a function would help, call it by writing its name and arguments as one JSON object and nothing else; \
+join several calls with "; ":
+{"name": "<function name>", "parameters": {<arguments, following the schema>}}""",
+    "mistral": """\
+When a function would help, call it by writing [TOOL_CALLS] and then a JSON array of calls, each its name and \
+arguments as one object:
+[TOOL_CALLS][{"name": "<function name>", "arguments": {<arguments, following the schema>}}]""",
+}
 
 
 def chat_for_template(messages: list[dict], plan: ToolPlan | None, template_knows_tools: bool
@@ -39,11 +54,12 @@ def chat_for_template(messages: list[dict], plan: ToolPlan | None, template_know
     messages = [_checked(m, i) for i, m in enumerate(messages)]
     if template_knows_tools:
         return messages, plan.template_tools() if plan is not None else None
+    fmt = FORMATS[plan.format] if plan is not None else HERMES   # without tools, no family was asked for
     plain = []
     for m in messages:
         if m["role"] == "assistant" and m.get("tool_calls"):
-            blocks = [_call_block(c["function"]) for c in m["tool_calls"]]
-            plain.append({"role": "assistant", "content": "\n".join(([m["content"]] if m["content"] else []) + blocks)})
+            calls = fmt.written([_written(c["function"]) for c in m["tool_calls"]])
+            plain.append({"role": "assistant", "content": f"{m['content']}\n{calls}" if m["content"] else calls})
         elif m["role"] == "tool":
             block = f"<tool_response>\n{m['content']}\n</tool_response>"
             if plain and plain[-1].get("tool_results"):   # results of one turn's calls share a message
@@ -51,7 +67,7 @@ def chat_for_template(messages: list[dict], plan: ToolPlan | None, template_know
             else:
                 plain.append({"role": "user", "content": block, "tool_results": True})
         else:
-            plain.append({"role": m["role"], "content": m["content"]})
+            plain.append({k: v for k, v in m.items() if k in ("role", "content", "reasoning_content")})
     for m in plain:
         m.pop("tool_results", None)
     if plan is not None:
@@ -62,7 +78,7 @@ def chat_for_template(messages: list[dict], plan: ToolPlan | None, template_know
 def default_tools_prompt(plan: ToolPlan) -> str:
     listed = "\n".join(json.dumps({"name": t.name, **({"description": t.description} if t.description else {}),
                                    "parameters": t.parameters}, ensure_ascii=False) for t in plan.tools)
-    return TOOLS_PROMPT.format(tools=listed, trigger=TRIGGER, end=END)
+    return TOOLS_PROMPT.format(tools=listed, how=HOW[plan.format])
 
 
 def _with_tools_prompt(messages: list[dict], plan: ToolPlan) -> list[dict]:
@@ -73,9 +89,8 @@ def _with_tools_prompt(messages: list[dict], plan: ToolPlan) -> list[dict]:
     return [{"role": "system", "content": prompt}, *messages]
 
 
-def _call_block(function: dict) -> str:
-    call = {"name": function["name"], "arguments": function["arguments"]}
-    return f"{TRIGGER}\n{json.dumps(call, ensure_ascii=False)}\n{END}"
+def _written(function: dict) -> dict:
+    return {"name": function["name"], "arguments": function["arguments"]}
 
 
 def _checked(m: dict, i: int) -> dict:
@@ -87,7 +102,9 @@ def _checked(m: dict, i: int) -> dict:
         raise InvalidRequestError(f"messages[{i}].tool_calls", "only assistant messages carry tool calls")
     if calls:
         out["tool_calls"] = [_call(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(calls)]
-    for key in ("tool_call_id", "name"):
+    # reasoning_content: an assistant's earlier reasoning, for a template that renders it (Qwen3's, for the turn
+    # of a call); the others drop it.
+    for key in ("tool_call_id", "name", "reasoning_content"):
         if m.get(key):
             out[key] = m[key]
     return out

@@ -24,13 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n stepwire/internal/sampling.proto\x12\x11stepwire.internal\"\xa2\x03\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x12\n\nmin_tokens\x18\t \x01(\r\x12\x15\n\x08logprobs\x18\n \x01(\rH\x01\x88\x01\x01\x12\x43\n\x11structured_output\x18\x0b \x01(\x0b\x32#.stepwire.internal.StructuredOutputH\x02\x88\x01\x01\x12\x1b\n\x13prior_output_tokens\x18\x0c \x01(\r\x12\x34\n\treasoning\x18\r \x01(\x0b\x32\x1c.stepwire.internal.ReasoningH\x03\x88\x01\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x14\n\x12_structured_outputB\x0c\n\n_reasoning\"B\n\tReasoning\x12\x15\n\rend_token_ids\x18\x01 \x03(\r\x12\x13\n\x06\x62udget\x18\x02 \x01(\rH\x00\x88\x01\x01\x42\t\n\x07_budget\"\xcd\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12,\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x1a.stepwire.internal.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x31\n\x04tags\x18\x06 \x01(\x0b\x32!.stepwire.internal.StructuralTagsH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"@\n\rStructuralTag\x12\r\n\x05\x62\x65gin\x18\x01 \x01(\t\x12\x13\n\x0bjson_schema\x18\x02 \x01(\t\x12\x0b\n\x03\x65nd\x18\x03 \x01(\t\"R\n\x0eStructuralTags\x12.\n\x04tags\x18\x01 \x03(\x0b\x32 .stepwire.internal.StructuralTag\x12\x10\n\x08triggers\x18\x02 \x03(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n stepwire/internal/sampling.proto\x12\x11stepwire.internal\"\xa2\x03\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x12\n\nmin_tokens\x18\t \x01(\r\x12\x15\n\x08logprobs\x18\n \x01(\rH\x01\x88\x01\x01\x12\x43\n\x11structured_output\x18\x0b \x01(\x0b\x32#.stepwire.internal.StructuredOutputH\x02\x88\x01\x01\x12\x1b\n\x13prior_output_tokens\x18\x0c \x01(\r\x12\x34\n\treasoning\x18\r \x01(\x0b\x32\x1c.stepwire.internal.ReasoningH\x03\x88\x01\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x14\n\x12_structured_outputB\x0c\n\n_reasoning\"B\n\tReasoning\x12\x15\n\rend_token_ids\x18\x01 \x03(\r\x12\x13\n\x06\x62udget\x18\x02 \x01(\rH\x00\x88\x01\x01\x42\t\n\x07_budget\"\xcd\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12,\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x1a.stepwire.internal.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x31\n\x04tags\x18\x06 \x01(\x0b\x32!.stepwire.internal.StructuralTagsH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"@\n\rStructuralTag\x12\r\n\x05\x62\x65gin\x18\x01 \x01(\t\x12\x13\n\x0bjson_schema\x18\x02 \x01(\t\x12\x0b\n\x03\x65nd\x18\x03 \x01(\t\"\xdc\x01\n\x0eStructuralTags\x12.\n\x04tags\x18\x01 \x03(\x0b\x32 .stepwire.internal.StructuralTag\x12\x10\n\x08triggers\x18\x02 \x03(\t\x12P\n\x10special_triggers\x18\x03 \x03(\x0b\x32\x36.stepwire.internal.StructuralTags.SpecialTriggersEntry\x1a\x36\n\x14SpecialTriggersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'stepwire.internal.sampling_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_STRUCTURALTAGS_SPECIALTRIGGERSENTRY']._loaded_options = None
+  _globals['_STRUCTURALTAGS_SPECIALTRIGGERSENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=56
   _globals['_SAMPLINGPARAMS']._serialized_end=474
   _globals['_REASONING']._serialized_start=476
@@ -41,6 +43,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHOICES']._serialized_end=778
   _globals['_STRUCTURALTAG']._serialized_start=780
   _globals['_STRUCTURALTAG']._serialized_end=844
-  _globals['_STRUCTURALTAGS']._serialized_start=846
-  _globals['_STRUCTURALTAGS']._serialized_end=928
+  _globals['_STRUCTURALTAGS']._serialized_start=847
+  _globals['_STRUCTURALTAGS']._serialized_end=1067
+  _globals['_STRUCTURALTAGS_SPECIALTRIGGERSENTRY']._serialized_start=1013
+  _globals['_STRUCTURALTAGS_SPECIALTRIGGERSENTRY']._serialized_end=1067
 # @@protoc_insertion_point(module_scope)

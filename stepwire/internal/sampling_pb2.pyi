@@ -77,9 +77,18 @@ class StructuralTag(_message.Message):
     def __init__(self, begin: _Optional[str] = ..., json_schema: _Optional[str] = ..., end: _Optional[str] = ...) -> None: ...
 
 class StructuralTags(_message.Message):
-    __slots__ = ("tags", "triggers")
+    __slots__ = ("tags", "triggers", "special_triggers")
+    class SpecialTriggersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     TAGS_FIELD_NUMBER: _ClassVar[int]
     TRIGGERS_FIELD_NUMBER: _ClassVar[int]
+    SPECIAL_TRIGGERS_FIELD_NUMBER: _ClassVar[int]
     tags: _containers.RepeatedCompositeFieldContainer[StructuralTag]
     triggers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, tags: _Optional[_Iterable[_Union[StructuralTag, _Mapping]]] = ..., triggers: _Optional[_Iterable[str]] = ...) -> None: ...
+    special_triggers: _containers.ScalarMap[str, int]
+    def __init__(self, tags: _Optional[_Iterable[_Union[StructuralTag, _Mapping]]] = ..., triggers: _Optional[_Iterable[str]] = ..., special_triggers: _Optional[_Mapping[str, int]] = ...) -> None: ...
