@@ -8,6 +8,8 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from gateway.text.reasoning import PARSERS as REASONING_PARSERS
+from gateway.text.tool_family import PARSERS as TOOL_CALL_PARSERS
 from security.tls import TLSSettings
 
 
@@ -23,11 +25,12 @@ class GatewaySettings(TLSSettings):
                              "API: each with the name clients use, its model directory (tokenizer, chat template) "
                              "and the host:port of its own scheduler (docs/multimodel.md); set, it takes the place "
                              "of --model, --served-model-name and --scheduler. Read at start")
-    reasoning_parser: Literal["auto", "none", "think", "deepseek_r1", "qwen3"] = Field(
+    reasoning_parser: Literal[REASONING_PARSERS] = Field(
         "auto", description="how a model's reasoning is told from its answer (docs/reasoning.md): think (also "
         "deepseek_r1, qwen3) reads a <think>...</think> block into reasoning_content; none reads none; auto: think "
-        "for a chat template that writes such a block. A models file's entry may set its own")
-    tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral"] = Field(
+        "for a chat template whose generation prompt thinks (opens the block, or closes it when thinking is off). "
+        "A models file's entry may set its own")
+    tool_call_parser: Literal[TOOL_CALL_PARSERS] = Field(
         "auto", description="the format a model writes its tool calls in, which tool_choice \"auto\" asks for and "
         "reads back (docs/tool_calling.md): hermes (<tool_call> blocks), llama3_json ({\"name\": ..., "
         "\"parameters\": ...}), mistral ([TOOL_CALLS][...]); auto: the chat template's, hermes for one that does "

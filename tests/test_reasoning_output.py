@@ -69,24 +69,35 @@ def test_a_stream_resumed_anywhere_goes_on_as_the_first_gateway_would_have(cut):
     assert a[0] == b[0] and a[1] == b[1] and first.called and second.called
 
 
-def test_reasoning_is_read_by_flag_or_from_a_template_that_writes_the_block():
-    assert reasoning_format(OPENS) and reasoning_format(LEAVES)
-    assert not reasoning_format("{{ messages }}") and not reasoning_format(None)
-    assert reasoning_format("{{ messages }}", "deepseek_r1") and not reasoning_format(OPENS, "none")
+# A non-thinking model's template that only strips old blocks from past answers: both markers, no thinking.
+STRIPS = CHATML.replace("{PREFILL}", "").replace("{{ m.content }}",
+                                                 "{{ m.content.split('</think>')[-1] if '<think>' in m.content "
+                                                 "else m.content }}")
+
+
+def test_reasoning_is_read_by_flag_or_from_a_generation_prompt_that_thinks(tmp_path):
+    def reads(template, choice="auto", name="m"):
+        return model_dir(tmp_path / name, template, choice).reasoning
+    assert reads(OPENS, name="a") and reads(LEAVES, name="b")
+    assert not reads(STRIPS, name="c") and not reads("{{ messages }}", name="d")
+    assert reads("{{ messages }}", "deepseek_r1", name="e") and not reads(OPENS, "none", name="f")
+    assert not reasoning_format(None)
     with pytest.raises(ValueError, match="--reasoning-parser"):
-        reasoning_format(OPENS, "harmony")
+        reasoning_format(None, "harmony")
 
 
 def test_only_an_open_block_at_the_prompts_end_leaves_the_model_inside():
     assert opens_inside("<|im_start|>assistant\n<think>\n")
     assert not opens_inside("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert not opens_inside("<|im_start|>assistant\n")
+    assert not opens_inside("<|im_start|>user\nWhat does <think> do?<|im_end|>\n<|im_start|>assistant\n")
 
 
-def model_dir(tmp_path, template):
+def model_dir(tmp_path, template, reasoning_parser="auto"):
+    tmp_path.mkdir(parents=True, exist_ok=True)
     shutil.copy(MODEL / "tokenizer.json", tmp_path / "tokenizer.json")
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "chat_template": template}))
-    return ModelTokenizer(tmp_path)
+    return ModelTokenizer(tmp_path, reasoning_parser=reasoning_parser)
 
 
 def prompt_of(tok, **kw):
@@ -114,10 +125,33 @@ def test_a_constraint_or_budget_opens_the_block_for_a_template_that_leaves_it_to
 
 
 def test_a_prompt_that_closed_the_block_binds_the_constraint_from_the_first_token(tmp_path):
-    tok = model_dir(tmp_path, LEAVES.replace("enable_thinking is false", "true"))
+    # Always closed: auto takes it for a model that does not think; named, its closed block is read so.
+    assert not model_dir(tmp_path / "auto", LEAVES.replace("enable_thinking is false", "true")).reasoning
+    tok = model_dir(tmp_path, LEAVES.replace("enable_thinking is false", "true"), "think")
     prompt = prompt_of(tok)
     sent, plan, wire = plan_reasoning(tok, prompt, constrained=True, budget=None, field="f")
     assert sent == prompt and plan == ReasoningPlan(False) and wire is None
+
+
+def test_a_marker_in_the_users_text_does_not_put_the_output_inside_a_block(tmp_path):
+    tok = model_dir(tmp_path, LEAVES)
+    prompt = tok.encode(tok.render_chat([{"role": "user", "content": "What does <think> do?"}]),
+                        add_special_tokens=False)
+    sent, plan, wire = plan_reasoning(tok, prompt, constrained=False, budget=None, field="f")
+    assert plan == ReasoningPlan(False) and wire is None
+    sent, plan, wire = plan_reasoning(tok, prompt, constrained=True, budget=None, field="f")
+    assert tok.decode(sent, skip_special_tokens=False).endswith("<|im_start|>assistant\n<think>\n") and wire
+
+
+def test_template_kwargs_may_not_replace_the_gateways_variables_or_globals_and_a_bad_value_is_the_clients(tmp_path):
+    from gateway.text.tokenizer import ChatTemplateError
+    tok = model_dir(tmp_path, "{% set ns = namespace(n=0) %}{% for i in range(n) %}x{% endfor %}{{ messages }}")
+    for name in ("messages", "tools", "namespace", "range", "raise_exception", "not an identifier"):
+        with pytest.raises(InvalidRequestError, match="template variable"):
+            tok.check_template_kwargs({name: 1})
+    assert tok.check_template_kwargs({"enable_thinking": False}) == {"enable_thinking": False}
+    with pytest.raises(ChatTemplateError, match="TypeError"):     # a 400 at the edge, never a 500
+        tok.render_chat([{"role": "user", "content": "x"}], extra={"n": "three"})
 
 
 def test_a_budget_for_a_model_that_does_not_reason_is_refused_naming_its_field():
@@ -125,6 +159,8 @@ def test_a_budget_for_a_model_that_does_not_reason_is_refused_naming_its_field()
     with pytest.raises(InvalidRequestError, match="does not reason") as e:
         plan_reasoning(tok, prompt_of(tok), constrained=False, budget=5, field="max_reasoning_tokens")
     assert e.value.field == "max_reasoning_tokens"
+    # Where clients send it to every model (Anthropic's thinking), it is ignored instead.
+    assert plan_reasoning(tok, [1, 2], constrained=False, budget=5, field="f", strict=False) == ([1, 2], None, None)
 
 
 def test_an_assistants_earlier_reasoning_reaches_a_template_that_renders_it(tmp_path):

@@ -68,9 +68,9 @@ def test_the_marker_is_found_however_the_reasoning_led_up_to_it():
 def test_a_grammar_does_not_bind_the_reasoning_and_binds_the_answer_after_the_marker(rows):
     st = row(rows, 1, CHOICE)
     at, ok = allowed(rows, [st])
-    assert at == [0] and ok[0].sum() == VOCAB          # thinking: every token allowed
+    assert at == [0] and ok[0].sum() == VOCAB - 1 and not ok[0][EOS]   # thinking: any token but the end
     step(rows, st, ids(rows, "Let me think. no wait"))
-    assert allowed(rows, [st])[1][0].sum() == VOCAB
+    assert allowed(rows, [st])[1][0].sum() == VOCAB - 1
     step(rows, st, ids(rows, "</think>"))
     _, ok = allowed(rows, [st])
     kept = np.flatnonzero(ok[0]).tolist()
@@ -109,7 +109,7 @@ def test_proposals_that_cross_the_marker_are_masked_by_the_grammar_past_it(rows)
     drafts = [np.array([], dtype=np.int64), np.array(end[:-1]), np.array(end)]
     at, ok = allowed(rows, [st, st, st], drafts)
     assert at == [0, 1, 2]
-    assert ok[0].sum() == VOCAB and ok[1].sum() == VOCAB   # still thinking at these positions
+    assert ok[0].sum() == VOCAB - 1 and ok[1].sum() == VOCAB - 1   # still thinking at these positions
     assert 0 < ok[2].sum() < 10                            # the answer's first position: the grammar's mask
 
 
@@ -136,4 +136,4 @@ def test_an_end_marker_outside_the_vocabulary_ends_that_row_alone(rows):
     good = row(rows, 9, CHOICE)
     _, ok = allowed(rows, [bad, good])
     assert np.flatnonzero(ok[0]).tolist() == [EOS]
-    assert ok[1].sum() == VOCAB
+    assert ok[1].sum() == VOCAB - 1

@@ -113,6 +113,7 @@ def test_text_format_with_a_json_schema_gives_json_that_follows_it(http_stack):
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"background": True}, "background"),
     ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
+    ({"reasoning": {"max_tokens": 5}}, "reasoning.max_tokens"),     # the embedded model does not reason
     ({"input": [{"type": "image", "url": "x"}]}, "input[0].type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
     ({"text": {"format": {"type": "xml"}}}, "text.format.type"),

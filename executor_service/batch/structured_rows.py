@@ -189,7 +189,9 @@ class StructuredRows:
             if g.thinking is not None and g.refused is None:
                 phase, arg = g.thinking.after(ahead)
                 if phase == "free" or (phase == "answer" and g.future is None):
-                    bits[k] = -1            # reasoning, or an answer no grammar binds: every token allowed
+                    bits[k] = -1            # reasoning, or an answer no grammar binds: every token allowed,
+                    if phase == "free" and g.future is not None:
+                        self._no_eos(bits[k])   # but the end, while a grammar's answer has not been written
                     continue
                 if phase == "forced":       # the budget is spent: the marker's next token, and nothing else
                     bits[k] = 0
@@ -217,6 +219,11 @@ class StructuredRows:
         words[:] = 0
         for eos in self.eos_token_ids or (self.compiler.eos_token,):
             words[eos // 32] |= np.uint32(1 << (eos % 32))
+
+    def _no_eos(self, row: np.ndarray) -> None:
+        words = row.view(np.uint32)
+        for eos in self.eos_token_ids or (self.compiler.eos_token,):
+            words[eos // 32] &= ~np.uint32(1 << (eos % 32))
 
     def apply(self, logits: torch.Tensor, pending: cf.Future) -> None:
         """Mask the logits of the constrained rows in place (waits for the masks)."""

@@ -26,12 +26,13 @@ def check_budget(budget, field: str) -> int | None:
     return budget
 
 
-def plan_reasoning(tokenizer, prompt: list[int], constrained: bool, budget: int | None, field: str
-                   ) -> tuple[list[int], ReasoningPlan | None, sampling_pb2.Reasoning | None]:
+def plan_reasoning(tokenizer, prompt: list[int], constrained: bool, budget: int | None, field: str,
+                   strict: bool = True) -> tuple[list[int], ReasoningPlan | None, sampling_pb2.Reasoning | None]:
     """(the prompt to send, how to read the output, what the executor must watch). `budget` is the request's cap
-    on reasoning tokens, named `field` in its API; a model that does not reason refuses one."""
+    on reasoning tokens, named `field` in its API. A model that does not reason refuses a cap (`strict`), or
+    ignores it where clients send it to every model (Anthropic's `thinking`)."""
     if not tokenizer.reasoning:
-        if budget is not None:
+        if budget is not None and strict:
             raise InvalidRequestError(field, "this model does not reason (its template writes no <think> block; "
                                              "see --reasoning-parser)")
         return prompt, None, None

@@ -27,6 +27,8 @@ from gateway.generation.adapter_names import ModelNotFound
 from gateway.generation.backend import Backend
 from gateway.generation.resumed import Resumed, resume
 from gateway.generation.scheduler_session import SchedulerError
+from gateway.text.reasoning import PARSERS as REASONING_PARSERS
+from gateway.text.tool_family import PARSERS as TOOL_CALL_PARSERS
 from stepwire.contract import InvalidRequestError
 
 MODEL_NAME = r"^[A-Za-z0-9._][A-Za-z0-9._:/@+-]{0,127}$"
@@ -38,9 +40,9 @@ class ModelEntry(BaseModel):
     name: str = Field(pattern=MODEL_NAME, description="the name clients put in `model`")
     model: str = Field(min_length=1, description="the model directory: tokenizer and chat template")
     scheduler: str = Field(min_length=3, description="host:port of this model's scheduler")
-    reasoning_parser: Literal["auto", "none", "think", "deepseek_r1", "qwen3"] | None = Field(
+    reasoning_parser: Literal[REASONING_PARSERS] | None = Field(
         None, description="this model's --reasoning-parser (unset: the gateway's)")
-    tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral"] | None = Field(
+    tool_call_parser: Literal[TOOL_CALL_PARSERS] | None = Field(
         None, description="this model's --tool-call-parser (unset: the gateway's)")
 
 

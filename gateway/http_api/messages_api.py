@@ -234,7 +234,7 @@ def add_messages_routes(app: FastAPI, models, metrics: GatewayMetrics) -> None:
             prompt = await backend.encode_chat(messages, tools=template_tools)
             prompt, reasoning, p.sampling.reasoning = plan_reasoning(
                 backend.tokenizer, prompt, p.sampling.structured_output is not None,
-                budget if backend.tokenizer.reasoning else None, "thinking.budget_tokens")
+                budget, "thinking.budget_tokens", strict=False)
             if not backend.max_model_len:
                 await backend.refresh()
             backend.check(prompt, p)
@@ -288,8 +288,10 @@ class MessageRun:
             if c.finish_reason is not None:
                 self.finish, self.stop = c.finish_reason, c.stop
         thought, text, calls = whole_output(text, self.plan, self.reasoning)
-        content = ([{"type": "thinking", "thinking": thought, "signature": ""}] if thought is not None else []) + \
-            ([{"type": "text", "text": text or ""}] if text or not calls else []) + [
+        # Blocks as the stream opens them: thinking only for some reasoning, an (empty) text block only when
+        # nothing else was said.
+        content = ([{"type": "thinking", "thinking": thought, "signature": ""}] if thought else []) + \
+            ([{"type": "text", "text": text or ""}] if text or not (calls or thought) else []) + [
             {"type": "tool_use", "id": c.id, "name": c.name, "input": _input(c.arguments)} for c in calls]
         self.obs.end(200, self.usage, [self.finish])
         return self.message(content, self.stop_reason(bool(calls)))

@@ -239,7 +239,7 @@ def add_responses_routes(app: FastAPI, models, metrics: GatewayMetrics) -> None:
             budget = reasoning_budget(req.reasoning)
             prompt, reasoning, p.sampling.reasoning = plan_reasoning(
                 backend.tokenizer, prompt, p.sampling.structured_output is not None,
-                budget if backend.tokenizer.reasoning else None, "reasoning")
+                budget, "reasoning.max_tokens", strict=(req.reasoning or {}).get("max_tokens") is not None)
             if not backend.max_model_len:
                 await backend.refresh()
             backend.check(prompt, p)

@@ -65,10 +65,12 @@ def output_items(run, text: str) -> list[dict]:
     """A whole answer's items: its reasoning (from a model that reasons), its text as a message (there is always one
     unless calls are all it made), then its calls."""
     thought, content, calls = whole_output(text, run.plan, run.reasoning)
-    items = [reasoning_item(thought)] if thought is not None else []
+    # Items as the stream opens them: a reasoning item only for some reasoning, and an (empty) message only when
+    # nothing else was said.
+    items = [reasoning_item(thought)] if thought else []
     if thought:
         run.reasoning_tokens = len(run.backend.tokenizer.encode(thought, add_special_tokens=False))
-    items += [message_item(content or "")] if content or not calls else []
+    items += [message_item(content or "")] if content or not (calls or thought) else []
     return items + [call_item(c.id, c.name, c.arguments) for c in calls]
 
 

@@ -27,7 +27,6 @@ from gateway.http_api.messages_api import add_messages_routes, anthropic_error
 from gateway.http_api.responses import error, respond, resume_stream
 from gateway.http_api.responses_api import add_responses_routes
 from gateway.http_api.tokenize_routes import add_tokenize_routes
-from gateway.text.tokenizer import check_template_kwargs
 from gateway.tools.calls import constraint, tool_plan
 from gateway.tools.rendering import chat_for_template
 from stepwire.contract import InvalidRequestError, SamplingParams
@@ -178,7 +177,8 @@ def build_app(models: ServedModels | Backend, metrics: GatewayMetrics, api_keys:
             messages, template_tools = chat_for_template(message_dicts(req.messages), tools,
                                                          backend.tokenizer.knows_tools)
             prompt = await backend.encode_chat(messages, tools=template_tools,
-                                               template_kwargs=check_template_kwargs(req.chat_template_kwargs))
+                                               template_kwargs=backend.tokenizer.check_template_kwargs(
+                                                   req.chat_template_kwargs))
             prompt, reasoning, p.sampling.reasoning = plan_reasoning(
                 backend.tokenizer, prompt, p.sampling.structured_output is not None,
                 reasoning_cap(backend.tokenizer, req), "max_reasoning_tokens")

@@ -18,18 +18,29 @@ START, END = "<think>", "</think>"
 PARSERS = ("auto", "none", "think", "deepseek_r1", "qwen3")
 
 
-def reasoning_format(template: str | None, choice: str = "auto") -> bool:
-    """Whether the model's output is read for a reasoning block: the flag, or (auto) a template that writes one."""
+def reasoning_format(render, choice: str = "auto") -> bool:
+    """Whether the model's output is read for a reasoning block: the flag, or (auto) a template whose generation
+    prompt thinks. `render(**variables)`: the template's generation prompt for a one-message chat (None: no
+    template). Markers elsewhere in a template prove nothing (a non-thinking model's template may strip old
+    <think> blocks from past turns); the generation prompt does: it opens the block (DeepSeek-R1), or closes one
+    when thinking is switched off (Qwen3's enable_thinking), which leaves the model to open it otherwise."""
     if choice not in PARSERS:
         raise ValueError(f"--reasoning-parser: one of {', '.join(PARSERS)}, got {choice!r}")
     if choice != "auto":
         return choice != "none"
-    return bool(template) and START in template and END in template
+    if render is None:
+        return False
+    try:
+        thinking, off = render(), render(enable_thinking=False)
+    except Exception:   # noqa: BLE001 — a template that cannot render a plain chat says nothing either way
+        return False
+    return opens_inside(thinking) or (off != thinking and off.rstrip().endswith(END))
 
 
-def opens_inside(prompt_tail: str) -> bool:
-    """Whether a prompt (its rendered end) leaves the model inside an open reasoning block."""
-    return prompt_tail.rfind(START) > prompt_tail.rfind(END)
+def opens_inside(prompt: str) -> bool:
+    """Whether a prompt leaves the model inside an open reasoning block: it ends with the opening marker (and
+    blank lines). Only its very end counts: a marker in a message's text opens nothing."""
+    return prompt.rstrip().endswith(START)
 
 
 @dataclass

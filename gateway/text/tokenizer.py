@@ -24,19 +24,9 @@ def _raise(message: str):
     raise ChatTemplateError(message)
 
 
-# The variables the gateway itself gives a template: a request's chat_template_kwargs may not set them.
+# The variables the gateway itself gives a template: a request's chat_template_kwargs may not set them (nor the
+# environment's globals: range, namespace, raise_exception...).
 RENDER_VARIABLES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"})
-
-
-def check_template_kwargs(kwargs: dict | None, field: str = "chat_template_kwargs") -> dict | None:
-    """A request's extra template variables: names that are identifiers and not the gateway's own."""
-    if not kwargs:
-        return None
-    for name in kwargs:
-        if not name.isidentifier() or name in RENDER_VARIABLES:
-            raise InvalidRequestError(f"{field}.{name[:40]}", "a template variable of the request's own (not "
-                                      f"{', '.join(sorted(RENDER_VARIABLES))})")
-    return kwargs
 
 
 class ModelTokenizer:
@@ -58,11 +48,12 @@ class ModelTokenizer:
         # for HTML, which would put "\u003c" in front of the model instead of "<").
         env.filters["tojson"] = _tojson
         self.chat_template = env.from_string(template) if template else None
+        self.reserved = RENDER_VARIABLES | frozenset(env.globals)
         # Whether the template renders tools itself (it reads the `tools` variable); gateway.tools.rendering
         # renders them into the system prompt for one that does not.
         self.knows_tools = bool(template) and "tools" in meta.find_undeclared_variables(env.parse(template))
         # Whether the output is read for a <think> block (gateway.text.reasoning): the flag, or the template's.
-        self.reasoning = reasoning_format(template, reasoning_parser)
+        self.reasoning = reasoning_format(self._sample_prompt if template else None, reasoning_parser)
         # The family whose format "auto" tool calls are asked for and read in (gateway.text.tool_family): the
         # flag's, or the template's; and the special token of that format the detokenizer must not skip.
         self.tool_format = resolve(template, self.knows_tools, tool_call_parser)
@@ -107,6 +98,20 @@ class ModelTokenizer:
             raise InvalidRequestError(field, f"this model's maximum context length is {max_model_len} tokens; "
                                              f"a text of {size} bytes cannot fit it (at most {limit} bytes can)")
 
+    def check_template_kwargs(self, kwargs: dict | None, field: str = "chat_template_kwargs") -> dict | None:
+        """A request's extra template variables: identifiers, none of them the gateway's own or a global."""
+        if not kwargs:
+            return None
+        for name in kwargs:
+            if not name.isidentifier() or name in self.reserved:
+                raise InvalidRequestError(f"{field}.{name[:40]}", "a template variable of the request's own, not "
+                                          f"one of {', '.join(sorted(self.reserved))}")
+        return kwargs
+
+    def _sample_prompt(self, **extra) -> str:
+        """The generation prompt of a one-message chat: what the template writes where the model starts."""
+        return self.render_chat([{"role": "user", "content": "Hi"}], extra=extra)
+
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     tools: list[dict] | None = None, extra: dict | None = None) -> str:
         """`extra`: a request's chat_template_kwargs (checked by check_template_kwargs), more variables for the
@@ -120,6 +125,11 @@ class ModelTokenizer:
                                              tools=tools)
         except TemplateError as e:   # the sandbox's refusals included
             raise ChatTemplateError(f"the chat template failed: {e}") from None
+        except ChatTemplateError:
+            raise                       # the template's own raise_exception
+        except Exception as e:  # noqa: BLE001 — a template's own code failing on a request's values (a variable of
+            # the wrong type) is the request's to fix, not a crash of the gateway
+            raise ChatTemplateError(f"the chat template failed: {type(e).__name__}: {str(e)[:200]}") from None
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         # The rendered template already holds its special tokens.
