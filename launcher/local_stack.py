@@ -31,6 +31,8 @@ import httpx
 from pydantic import Field, field_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
 
+from gateway.text.reasoning import PARSERS as REASONING_PARSERS
+from gateway.text.tool_family import PARSERS as TOOL_CALL_PARSERS
 from launcher.announce import announce
 from launcher.forked import Forked, stop_server
 from launcher.port_check import taken_ports
@@ -90,6 +92,12 @@ class ServeSettings(ServiceSettings):
                           "path")
     tenants_file: str = Field("", description="the gateway's tenants: API keys and weights in the scheduler's fair "
                               "sharing (docs/tenants.md)")
+    reasoning_parser: Literal[REASONING_PARSERS] = Field(
+        "auto", description="the gateway's --reasoning-parser: how a model's reasoning is told from its answer "
+        "(docs/reasoning.md)")
+    tool_call_parser: Literal[TOOL_CALL_PARSERS] = Field(
+        "auto", description="the gateway's --tool-call-parser: the format of tool_choice \"auto\" calls "
+        "(docs/tool_calling.md)")
     scheduler_metrics_port: int = Field(9091, description="Prometheus /metrics of the scheduler")
     executor_metrics_port: int = Field(9092, description="Prometheus /metrics of the first executor (then +1)")
     tls: bool = Field(True, description="mTLS between the services, with a development CA (--no-tls: plaintext "
@@ -230,7 +238,9 @@ def children(a: ServeSettings, certs: Path | None = None, models: list[ServedMod
         *schedulers,
         *(child("gateway", "gateway" if a.gateway_workers == 1 else f"gateway-{i}", route | {
             "--port": a.port, "--grpc-address": f"127.0.0.1:{a.grpc_port}",
-            "--tenants-file": a.tenants_file or None, "--reuse-port": a.gateway_workers > 1})
+            "--tenants-file": a.tenants_file or None, "--reuse-port": a.gateway_workers > 1,
+            "--reasoning-parser": None if a.reasoning_parser == "auto" else a.reasoning_parser,
+            "--tool-call-parser": None if a.tool_call_parser == "auto" else a.tool_call_parser})
           for i in range(a.gateway_workers)),
     ]
     return executors, stack

@@ -232,3 +232,14 @@ def test_serve_beside_a_process_holding_its_port_starts_nothing_and_names_the_po
     assert f"port {grpc_port} is taken" in done.stderr and "--grpc-port" in done.stderr
     assert f"held by pid {os.getpid()}" in done.stderr
     assert "nothing was started" in done.stderr and "starting it again" not in done.stderr
+
+
+def test_serve_hands_the_reasoning_and_tool_call_parsers_to_every_gateway():
+    _, stack = children(load(ServeSettings, ["--gateway-workers", "2", "--reasoning-parser", "qwen3",
+                                             "--tool-call-parser", "mistral"]))
+    gateways = [c for c in stack if c.name.startswith("gateway")]
+    assert len(gateways) == 2
+    assert all(_flag(g.command, "--reasoning-parser") == "qwen3" for g in gateways)
+    assert all(_flag(g.command, "--tool-call-parser") == "mistral" for g in gateways)
+    _, stack = children(load(ServeSettings, []))   # auto: the gateway's own default, not passed
+    assert "--reasoning-parser" not in next(c for c in stack if c.name == "gateway").command
