@@ -217,13 +217,16 @@ class StructuredRows:
             log.warning("request %d: structured output refused (%s); it ends at once", handle, g.refused)
         words = row.view(np.uint32)
         words[:] = 0
-        for eos in self.eos_token_ids or (self.compiler.eos_token,):
+        for eos in self._eos_ids():
             words[eos // 32] |= np.uint32(1 << (eos % 32))
 
     def _no_eos(self, row: np.ndarray) -> None:
         words = row.view(np.uint32)
-        for eos in self.eos_token_ids or (self.compiler.eos_token,):
+        for eos in self._eos_ids():
             words[eos // 32] &= ~np.uint32(1 << (eos % 32))
+
+    def _eos_ids(self) -> tuple[int, ...]:
+        return self.eos_token_ids or (self.compiler.eos_token,)
 
     def apply(self, logits: torch.Tensor, pending: cf.Future) -> None:
         """Mask the logits of the constrained rows in place (waits for the masks)."""

@@ -18,6 +18,15 @@ from stepwire.internal import sampling_pb2
 TAIL_TOKENS = 16
 
 
+# The reasoning efforts OpenAI's APIs take. "none" is no reasoning at all (the end of the block is forced at
+# once); the others leave its length to the model.
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+
+def effort_budget(effort: str | None) -> int | None:
+    return 0 if effort == "none" else None
+
+
 def check_budget(budget, field: str) -> int | None:
     if budget is None:
         return None

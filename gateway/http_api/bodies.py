@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.generation.params import MAX_N
+from gateway.generation.reasoning_requests import EFFORTS
 from gateway.generation.structured_requests import StructuredFields
 from gateway.tools.calls import MAX_TOOLS
 from stepwire.contract import InvalidRequestError
@@ -124,7 +125,7 @@ class ChatRequest(Sampling):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None   # None: true, as OpenAI
     # For a model that reasons: "none" ends its reasoning at once, the other efforts leave the length to it.
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    reasoning_effort: Literal[EFFORTS] | None = None
     # Beyond OpenAI: at most this many reasoning tokens; then the answer is forced.
     max_reasoning_tokens: int | None = documented(None, minimum=0, maximum=UINT32_MAX)
     # As vLLM: more variables for the chat template (Qwen3's {"enable_thinking": false}).

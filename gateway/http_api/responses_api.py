@@ -26,7 +26,7 @@ from gateway.access.auth import tenant_of
 from gateway.generation.adapter_names import ModelNotFound
 from gateway.generation.chat_output import ReasoningPlan, chat_outputs
 from gateway.generation.params import GenerationParams, Usage
-from gateway.generation.reasoning_requests import check_budget, plan_reasoning
+from gateway.generation.reasoning_requests import EFFORTS, check_budget, effort_budget, plan_reasoning
 from gateway.generation.scheduler_session import SchedulerError
 from gateway.generation.structured_requests import SO, one_constraint
 from gateway.generation.telemetry import GatewayMetrics, Observation
@@ -83,11 +83,11 @@ def reasoning_budget(reasoning: dict | None) -> int | None:
     if unknown:
         raise InvalidRequestError(f"reasoning.{sorted(unknown)[0]}", "unknown field")
     effort = reasoning.get("effort")
-    if effort not in (None, "none", "minimal", "low", "medium", "high", "xhigh"):
-        raise InvalidRequestError("reasoning.effort", "none, minimal, low, medium, high or xhigh")
+    if effort is not None and effort not in EFFORTS:
+        raise InvalidRequestError("reasoning.effort", ", ".join(EFFORTS))
     if reasoning.get("max_tokens") is not None:
         return check_budget(reasoning["max_tokens"], "reasoning.max_tokens")
-    return 0 if effort == "none" else None
+    return effort_budget(effort)
 
 
 def _refuse_unsupported(req: ResponsesRequest) -> None:

@@ -56,6 +56,11 @@ def call_item(call_id: str, name: str, arguments: str, status: str = "completed"
             "arguments": arguments, "status": status}
 
 
+def count_reasoning(run, text: str) -> None:
+    """usage.output_tokens_details.reasoning_tokens: the reasoning's text counted in the model's tokens."""
+    run.reasoning_tokens = len(run.backend.tokenizer.encode(text, add_special_tokens=False))
+
+
 def reasoning_item(text: str, status: str = "completed") -> dict:
     return {"type": "reasoning", "id": "rs_" + uuid.uuid4().hex, "status": status, "summary": [],
             "content": [{"type": "reasoning_text", "text": text}]}
@@ -69,7 +74,7 @@ def output_items(run, text: str) -> list[dict]:
     # nothing else was said.
     items = [reasoning_item(thought)] if thought else []
     if thought:
-        run.reasoning_tokens = len(run.backend.tokenizer.encode(thought, add_special_tokens=False))
+        count_reasoning(run, thought)
     items += [message_item(content or "")] if content or not (calls or thought) else []
     return items + [call_item(c.id, c.name, c.arguments) for c in calls]
 
@@ -163,7 +168,7 @@ class EventStream:
                              text=self.text)
             item = {**item, "status": "completed", "content": [{"type": "reasoning_text", "text": self.text}]}
             if self.text:
-                self.r.reasoning_tokens = len(self.r.backend.tokenizer.encode(self.text, add_special_tokens=False))
+                count_reasoning(self.r, self.text)
         else:
             yield self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                              name=item["name"], arguments=item["arguments"])

@@ -17,7 +17,7 @@ from gateway.access.body_limit import BodyLimit
 from gateway.generation.adapter_names import ModelNotFound
 from gateway.generation.backend import Backend
 from gateway.generation.params import GenerationParams
-from gateway.generation.reasoning_requests import check_budget, plan_reasoning
+from gateway.generation.reasoning_requests import check_budget, effort_budget, plan_reasoning
 from gateway.generation.served_models import ServedModels
 from gateway.generation.structured_requests import one_constraint, requested
 from gateway.generation.telemetry import GatewayMetrics, Observation
@@ -179,9 +179,12 @@ def build_app(models: ServedModels | Backend, metrics: GatewayMetrics, api_keys:
             prompt = await backend.encode_chat(messages, tools=template_tools,
                                                template_kwargs=backend.tokenizer.check_template_kwargs(
                                                    req.chat_template_kwargs))
+            # A numeric cap is refused by a model that does not reason; an effort, sent to any model, is not.
+            cap = check_budget(req.max_reasoning_tokens, "max_reasoning_tokens")
             prompt, reasoning, p.sampling.reasoning = plan_reasoning(
                 backend.tokenizer, prompt, p.sampling.structured_output is not None,
-                reasoning_cap(backend.tokenizer, req), "max_reasoning_tokens")
+                effort_budget(req.reasoning_effort) if cap is None else cap, "max_reasoning_tokens",
+                strict=cap is not None)
             return await respond(backend, raw, req, prompt, p, True, obs, tools, reasoning)
         except InvalidRequestError as e:
             obs.end(404 if isinstance(e, ModelNotFound) else 400, error=str(e))
@@ -206,14 +209,6 @@ def _refused(conn, exc: KeyRefused) -> JSONResponse:
     if conn.url.path == "/v1/messages":         # Anthropic's clients read Anthropic's error shape
         return anthropic_error(401, str(exc))
     return error(401, str(exc), code=exc.code, headers={"WWW-Authenticate": "Bearer"})
-
-
-def reasoning_cap(tokenizer, req: ChatRequest) -> int | None:
-    """max_reasoning_tokens, or reasoning_effort "none" (no reasoning), for a model that reasons. The effort is
-    what clients send to any model, so for one that does not reason it changes nothing."""
-    if req.max_reasoning_tokens is not None:
-        return check_budget(req.max_reasoning_tokens, "max_reasoning_tokens")
-    return 0 if req.reasoning_effort == "none" and tokenizer.reasoning else None
 
 
 def _params(backend: Backend, req: Sampling, max_tokens: int | None, logprobs: int | None) -> GenerationParams:
