@@ -7,19 +7,20 @@ The trace, in token ids through the scheduler's Submit (what the gateway sends i
 conversations, each opened by one of three shared system prompts (256 tokens), run `--turns` (4) turns; a turn
 adds a user message (48 tokens) after the history and the answer (32 tokens, greedy) to it. Turns go round
 the conversations (every conversation's turn 1, then every turn 2...), `--clients` (8) at a time, so a
-conversation's history has been pushed out of the pool by the others' before its next turn. The pool is
-`--pool-blocks` (160 blocks of 16 tokens: 2560 tokens, about a sixth of the ~15k tokens of history); the host
-tier 4x the pool, the disk tier the rest. The executor runs in deterministic mode, so that every run answers
-every turn with the same tokens (`identical`), whatever hit.
+conversation's history has been pushed out of the pool by the others' before its next turn. Before each turn
+its user thinks (`--think`, exponential with a mean of 1 s, seeded: the same in every run). The pool is
+`--pool-blocks` (160 blocks of 16 tokens: 2560 tokens, about a fifth of the ~13.8k tokens of history); the
+host tier as big as the pool, the disk tier twice the working set. The executor runs in deterministic mode,
+so that every run answers every turn with the same tokens (`identical`), whatever hit.
 
 hit_ratio: prompt tokens served from the prefix cache or a tier over prompt tokens, with host and disk.
-ttft_p50_ratio and throughput_ratio (generated tokens per second of the whole trace): with host and disk over
-without tiers. warm_restart_ttft_ratio: TTFT p50 of the turn after the restart (the first turn of a restarted
-executor), warm over cold.
+ttft_p50_ratio and throughput_ratio (generated tokens per second of the whole trace, the users' think time
+included, which draws the ratio toward 1): with host and disk over without tiers. warm_restart_ttft_ratio: TTFT
+p50 of the turn after the restart (the first turn of a restarted executor), warm over cold.
 
 Prints a table and `RESULT kv_tiers hit_ratio=<...> ttft_p50_ratio=<...> throughput_ratio=<...>
 warm_restart_ttft_ratio=<...> identical=<yes|no>`.
-Usage: bench/kv_tiers.py [--conversations 24] [--turns 4] [--clients 8] [--pool-blocks 160]
+Usage: bench/kv_tiers.py [--conversations 24] [--turns 4] [--clients 8] [--pool-blocks 160] [--think 1.0]
 """
 
 from __future__ import annotations
@@ -61,12 +62,17 @@ def block_bytes() -> int:
 class Trace:
     """The conversations' token ids: shared system prompts, and each turn's user message."""
 
-    def __init__(self, conversations: int, turns: int, seed: int = 0):
+    def __init__(self, conversations: int, turns: int, think: float = 1.0, seed: int = 0):
         rng = random.Random(seed)
         systems = [[rng.randrange(100, 40000) for _ in range(SYSTEM)] for _ in range(3)]
         self.turns = turns
         self.system = [systems[c % 3] for c in range(conversations)]
         self.users = [[[rng.randrange(100, 40000) for _ in range(USER)] for _ in range(turns)]
+                      for _ in range(conversations)]
+        # A user reads the answer before writing the next turn: seconds before each turn is sent, the same in
+        # every run. Without them the clients ran in lockstep, groups of seven arriving together and sharing
+        # one prefill step, so a request's TTFT was its group's prefill rather than its own.
+        self.think = [[rng.expovariate(1 / think) if think > 0 else 0.0 for _ in range(turns)]
                       for _ in range(conversations)]
 
 
@@ -99,6 +105,7 @@ def run(stack: Stack, trace: Trace, clients: int, restart_after: int | None = No
                     if not todo:
                         return
                     c = todo.pop(0)
+                time.sleep(trace.think[c][turn])
                 prompt = history[c] + trace.users[c][turn]
                 start, first, out = time.monotonic(), None, []
                 for o in stub.Submit(scheduler_pb2.SubmitRequest(request_id=f"c{c}-t{turn}-{time.time_ns()}",
@@ -152,10 +159,11 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--pool-blocks", type=int, default=160)
+    ap.add_argument("--think", type=float, default=1.0, help="mean seconds a user waits before a turn (0: none)")
     a = ap.parse_args()
     if not (MODEL / "config.json").exists():
         sys.exit("the embedded model is not prepared: make model")
-    trace = Trace(a.conversations, a.turns)
+    trace = Trace(a.conversations, a.turns, a.think)
     working = sum(SYSTEM + a.turns * (USER + ANSWER) for _ in range(a.conversations))
     rows, results = [], {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -177,7 +185,7 @@ def main() -> None:
                          tier_hits, share))
     print(f"cpu: {cpu_model()}  model: SmolLM2-135M-Instruct, deterministic  pool: {a.pool_blocks} blocks of "
           f"{BLOCK} (working set ~{working} tokens, {working / (a.pool_blocks * BLOCK):.1f}x the pool)  "
-          f"conversations: {a.conversations}  turns: {a.turns}  clients: {a.clients}")
+          f"conversations: {a.conversations}  turns: {a.turns}  clients: {a.clients}  think: {a.think}s")
     print(f"{'run':<16} {'ttft p50 ms':>12} {'tok/s':>8} {'hit ratio':>10} {'tier hits (host, disk)':>24} "
           f"{'tier moves / step time':>23}")
     for name, ttft, tput, hit, tier_hits, share in rows:
