@@ -91,6 +91,10 @@ class ExecutorSettings(RoleSettings):
     kv_host_memory: int = Field(0, ge=0, description="bytes of host memory for a KV tier under the cache: blocks the "
                                 "pool evicts are copied there and come back on a prefix hit instead of being "
                                 "computed again (docs/kv_tiers.md); 0: none")
+    kv_host_shared: str = Field("", description="a name: the host tier (--kv-host-memory) is a file of that name "
+                                "in --kv-shared-memory-dir that the executors of one host started with the same "
+                                "name share, so one's evicted prefixes serve the others' hits (docs/kv_tiers.md); "
+                                "empty: the host tier is this executor's own")
     kv_disk_dir: str = Field("", description="a directory for a KV tier on disk, under the host tier (or under the "
                              "cache, without one); an executor started again on it comes back with its blocks; "
                              "empty: none")

@@ -96,3 +96,34 @@ def run_ref(fleet, prompt):
     if key not in REFS:
         REFS[key] = reference_greedy(fleet.model, [prompt], 8)[0]
     return REFS[key]
+
+
+def test_one_executors_evicted_prefix_serves_another_executors_hit_through_the_shared_host_tier(tmp_path):
+    """Two executors share a host tier (--kv-host-shared): the prompt's blocks that the first one's pool evicted
+    are loaded by the second, once the first is killed, with the tokens the first computed."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    flags = ("--kv-cache-memory", of_blocks(40), "--kv-host-memory", of_blocks(300), "--kv-host-shared", "host0",
+             "--kv-shared-memory-dir", shm, *deterministic_flags())
+    fleet = Fleet(tmp_path, 2, executor_flags=flags, started=1)      # the second starts later
+    try:
+        want = run(fleet, PROMPT)
+        for other in OTHERS:                      # 8 x 14 blocks through a pool of 39: PROMPT's are evicted
+            run(fleet, other)
+        assert fleet.stats().executors[0].kv_tier_blocks[HOST] > 0
+        fleet.start_executor(1)
+        fleet.wait_connected(fleet.addresses)
+        stats = fleet.stats().executors
+        assert stats[1].kv_tier_blocks[HOST] == stats[0].kv_tier_blocks[HOST], "one tier, one index"
+        fleet.stack.kill("executor-0")
+        fleet.wait_connected(fleet.addresses[1:])
+        assert run(fleet, PROMPT) == want
+        second = fleet.stats().executors[1]
+        assert list(second.kv_tier_hits) == [11, 0] and second.kv_tier_hit_tokens == 44, \
+            "every full block but the last token's, from what the killed executor wrote"
+        assert second.num_recomputed_tokens == 0
+        assert "refused" not in (tmp_path / "executor-1.log").read_text()
+        assert len(list(shm.glob("stepwire-kvhost-host0"))) == 1
+    finally:
+        fleet.stop()
+    assert not list(shm.glob("stepwire-kvhost-*")), "the last executor to stop removes the shared segment"

@@ -333,5 +333,5 @@ def _tiers(t: dict | None) -> dict:
     """DescribeResponse's KV tier fields from the runner's describe()."""
     if t is None:
         return {}
-    return {"kv_host_blocks": t["host_blocks"], "kv_disk_blocks": t["disk_blocks"],
+    return {"kv_host_blocks": t["host_blocks"], "kv_disk_blocks": t["disk_blocks"], "kv_host_shared": t["host_shared"],
             "kv_tier_blocks": [executor_pb2.TierBlock(tier=tier, slot=slot, hash=h) for tier, slot, h in t["held"]]}

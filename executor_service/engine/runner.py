@@ -37,6 +37,7 @@ from executor_service.engine.runner_config import (
 from executor_service.kernels import fixed_order
 from executor_service.kernels.attention import GatherScratch, build_attention_metadata
 from executor_service.kv.blocks import layout
+from executor_service.kv.shared_host_tier import open_shared
 from executor_service.kv.tensors import allocate_shared, layer_views, num_blocks_for_budget
 from executor_service.kv.tiers import KVTiers
 from executor_service.lora.manager import LoraManager
@@ -184,6 +185,8 @@ class ModelRunner:
         """Stop the other ranks (rank 0) and leave the group; the runner is unusable afterwards."""
         if self.ranks is not None:
             self.ranks.close()
+        if self.tiers is not None:
+            self.tiers.close()
         if self.comm.size > 1:
             leave()
 
@@ -200,7 +203,8 @@ class ModelRunner:
                 "quantization": self.quantization, "fused_kernels": self.model.fused,
                 "kv_tiers": None if self.tiers is None else
                 {"host_blocks": self.tiers.host.shape[0], "disk_blocks": self.tiers.disk_blocks,
-                 "held": self.tiers.held()},
+                 "held": self.tiers.held(),
+                 "host_shared": "" if self.tiers.shared_host is None else self.tiers.shared_host.key},
                 "speculative": {"method": self.spec.cfg.method, "num_tokens": self.max_spec_tokens,
                                 **({"quantization": self.draft.quantization} if self.draft is not None else {})},
                 **(self.lora.describe() if self.lora is not None else {})}
@@ -340,8 +344,17 @@ def kv_tiers(cfg, kv_blocks: torch.Tensor, kv_layout: str) -> KVTiers | None:
         log.warning("KV tiers are off: with tensor parallelism a block is not one layout")
         return None
     block_bytes = kv_blocks[0].numel() * kv_blocks.element_size()
-    tiers = KVTiers(kv_blocks, kv_layout, cfg.kv_host_memory // block_bytes, cfg.kv_disk_dir or None,
-                    cfg.kv_disk_bytes // block_bytes)
-    log.info("KV tiers: %d blocks in host memory, %d on disk%s", tiers.host.shape[0], tiers.disk_blocks,
+    host_blocks = cfg.kv_host_memory // block_bytes
+    shared = None
+    if cfg.kv_host_shared and host_blocks:
+        if cfg.kv_shared_memory_dir:
+            shared = open_shared(cfg.kv_shared_memory_dir, cfg.kv_host_shared, kv_layout.encode(), host_blocks,
+                                 block_bytes)
+        else:
+            log.warning("KV host tier not shared: --kv-host-shared needs --kv-shared-memory-dir")
+    tiers = KVTiers(kv_blocks, kv_layout, host_blocks, cfg.kv_disk_dir or None, cfg.kv_disk_bytes // block_bytes,
+                    shared)
+    log.info("KV tiers: %d blocks in host memory%s, %d on disk%s", tiers.host.shape[0],
+             f" (shared: {shared.path})" if shared is not None else "", tiers.disk_blocks,
              f" ({cfg.kv_disk_dir}, {len(tiers.held())} held)" if tiers.disk_blocks else "")
     return tiers

@@ -94,6 +94,7 @@ class RunnerConfig:
     kv_shared_memory_dir: str = ""           # the CPU cache as a file there, read in place by peers (shared_cache.py)
     kv_host_memory: int = 0                  # KV tiers (kv/tiers.py): host memory for evicted blocks, in bytes
     kv_disk_dir: str = ""                    # and a directory for them on disk
+    kv_host_shared: str = ""                 # the host tier's name in kv_shared_memory_dir, shared on the host
     kv_disk_bytes: int = 8 << 30
     block_size: int = 16
     max_num_seqs: int = 256

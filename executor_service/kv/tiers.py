@@ -13,7 +13,7 @@ recomputes rather than use it. A disk slot is one file, written to a temporary n
 that dies mid-write leaves either the old file or none, never a partial one; its header names the layout
 (model, weights, dtype, quantization, block shape), so a directory written by another model is never read as
 this one's. At start the directory is scanned and what it holds is announced (`held`): a restarted executor
-comes back warm.
+comes back warm. The host tier may be slots shared with the executors of one host (shared_host_tier.py).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import xxhash
 
+from executor_service.kv.shared_host_tier import SharedHostSlots
 from stepwire.contract.kv_tiers import DISK, DOWN, HASH_BYTES, HOST, TO_DISK, TO_HOST
 
 log = logging.getLogger("stepwire.executor")
@@ -76,12 +77,18 @@ def _hashes(run: bytes, n: int) -> list[bytes]:
 
 class KVTiers:
     def __init__(self, kv_blocks: torch.Tensor, layout: str, host_blocks: int, disk_dir: str | None,
-                 disk_blocks: int):
+                 disk_blocks: int, shared_host: SharedHostSlots | None = None):
         self.kv = kv_blocks.view(kv_blocks.shape[0], -1).view(torch.uint8)    # one row of bytes per block
         self.block_bytes = self.kv.shape[1]
         self.layout = layout.encode()
-        self.host = torch.empty((host_blocks, self.block_bytes), dtype=torch.uint8)
-        self.host_meta: list[tuple[bytes, int] | None] = [None] * host_blocks     # (hash, digest) per slot
+        # The host tier: this executor's own memory, or slots it shares with the executors of its host
+        # (shared_host_tier.py), whose (hash, digest) per slot live beside their bytes.
+        self.shared_host = shared_host
+        if shared_host is not None:
+            self.host, self.host_meta = shared_host.data, shared_host
+        else:
+            self.host = torch.empty((host_blocks, self.block_bytes), dtype=torch.uint8)
+            self.host_meta: list[tuple[bytes, int] | None] = [None] * host_blocks     # (hash, digest) per slot
         self.disk_dir = Path(disk_dir) if disk_dir else None
         self.disk_blocks = disk_blocks if self.disk_dir is not None else 0
         self.disk_meta: list[tuple[bytes, int] | None] = [None] * self.disk_blocks
@@ -153,13 +160,19 @@ class KVTiers:
         for kind, src, dst, block_hash in ops.moves:
             if kind == DOWN:
                 meta = self.host_meta[src]
-                if meta is not None and meta[0] == block_hash:
-                    self._queue_write(dst, meta[0], meta[1], self.host[src].numpy().tobytes())
+                data = self.host[src].numpy().tobytes() if meta is not None and meta[0] == block_hash else None
+                # A shared slot is checked as it is copied: a block that is not whole never reaches the disk.
+                if data is not None and (self.shared_host is None or xxhash.xxh3_64_intdigest(data) == meta[1]):
+                    self._queue_write(dst, meta[0], meta[1], data)
                 continue
             row = self.kv[src]
             if kind == TO_HOST:
+                # The digest is of the block as the cache holds it, not of the slot: a slot that another writer
+                # tore meanwhile (a shared tier's) then fails it, whatever meta it ends with.
+                digest = xxhash.xxh3_64_intdigest(row.numpy())
+                self.host_meta[dst] = None      # while it is written, a reader (of a shared tier) finds no block
                 self.host[dst].copy_(row)
-                self.host_meta[dst] = (block_hash, xxhash.xxh3_64_intdigest(self.host[dst].numpy()))
+                self.host_meta[dst] = (block_hash, digest)
             else:
                 data = row.cpu().numpy().tobytes()
                 self._queue_write(dst, block_hash, xxhash.xxh3_64_intdigest(data), data)
@@ -175,8 +188,11 @@ class KVTiers:
                 raise TierRefused(f"host tier slot {slot} does not hold the block named", block_hash)
             data = self.host[slot].clone()
             if xxhash.xxh3_64_intdigest(data.numpy()) != meta[1]:
-                self.host_meta[slot] = None
+                if self.shared_host is None:    # a shared slot may be another's good write by now: the scheduler
+                    self.host_meta[slot] = None     # forgets the block it named (refused_tier_hash) instead
                 raise TierRefused(f"host tier slot {slot}: digest mismatch", block_hash)
+            if self.shared_host is not None and self.host_meta[slot] != meta:
+                raise TierRefused(f"shared host tier slot {slot}: written while it was read", block_hash)
             self.counters["loaded_host"] += 1
             return data
         with self._lock:
@@ -246,6 +262,12 @@ class KVTiers:
             with self._lock:
                 if self._pending.get(slot) is item:
                     del self._pending[slot]
+
+    def close(self) -> None:
+        """Let go of a shared host tier (the last executor holding it removes it)."""
+        if self.shared_host is not None:
+            self.host = torch.empty((0, self.block_bytes), dtype=torch.uint8)
+            self.shared_host.close()
 
     def flush(self, seconds: float = 30.0) -> None:
         """Wait for queued disk writes (tests, and a graceful stop)."""

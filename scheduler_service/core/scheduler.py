@@ -334,6 +334,8 @@ class Scheduler:
 
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput) -> list[RequestDelta]:
         """Append sampled tokens, apply stop conditions, free finished requests; return per-request deltas."""
+        if scheduler_output.tier_moves is not None:
+            self.kv.tiers.done(scheduler_output.tier_moves)
         return apply_runner_output(self, scheduler_output, runner_output)
 
     # ------------------------------------------------------------------ introspection

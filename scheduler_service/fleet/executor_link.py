@@ -22,6 +22,7 @@ import grpc
 
 from observability.log_limits import Every, held_note
 from scheduler_service.core.fair_share import FleetClock
+from scheduler_service.core.kv_cache.tier_slots import SharedHostTiers
 from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.fleet import migration
@@ -33,6 +34,7 @@ from scheduler_service.fleet.step_loop import StepLoop
 from scheduler_service.fleet.wire import HandleTable
 from scheduler_service.settings import SchedulerSettings
 from scheduler_service.telemetry.lifecycle import Lifecycles
+from stepwire.contract.kv_tiers import HOST
 from stepwire.internal import executor_pb2, executor_pb2_grpc
 
 log = logging.getLogger("stepwire.scheduler")
@@ -53,8 +55,10 @@ class ExecutorLink(StepLoop):
                  on_export: Callable[[ExecutorLink, object], None] = lambda link, which: None,
                  on_bad_adapter: Callable[[ExecutorLink, str], None] = lambda link, key: None,
                  refuse: Callable[[ExecutorLink, tuple[str, str]], str] = lambda link, weights: "",
-                 tenants: FleetClock | None = None):
+                 tenants: FleetClock | None = None, host_tiers: SharedHostTiers | None = None):
         self.address = address
+        # The fleet's shared host tiers (kv_cache/tier_slots.py): executors on one host may share theirs.
+        self.host_tiers = SharedHostTiers() if host_tiers is None else host_tiers
         self.tenants = tenants            # the fleet's tenant virtual times, shared by every link's core
         self.settings = settings
         self.lifecycles = lifecycles
@@ -206,6 +210,8 @@ class ExecutorLink(StepLoop):
             finally:
                 self.connected = False
                 self.stub = None
+                if self.core is not None:
+                    self.core.kv.tiers.release()     # a shared host tier forgets its unanswered steps
                 self.on_change()
                 await channel.close()
             self.on_lost(self)
@@ -237,8 +243,10 @@ class ExecutorLink(StepLoop):
         # A new epoch: the executor's slots start empty as far as this core knows (and may be another size now).
         self.core.adapters.configure(d.max_loras, d.max_cpu_loras)
         # Its KV tiers, and what they hold (a restarted executor's disk tier: what it kept).
-        self.core.kv.configure_tiers(d.kv_host_blocks, d.kv_disk_blocks,
-                                     [(b.tier, b.slot, b.hash) for b in d.kv_tier_blocks])
+        held = [(b.tier, b.slot, b.hash) for b in d.kv_tier_blocks]
+        shared = self.host_tiers.join(d.kv_host_shared, d.kv_host_blocks,
+                                      [(s, h) for t, s, h in held if t == HOST]) if d.kv_host_shared else None
+        self.core.kv.configure_tiers(d.kv_host_blocks, d.kv_disk_blocks, held, shared)
         # Epochs only grow; a clock reading stays above any earlier one, across scheduler restarts too.
         self.epoch = max(self.epoch + 1, time.time_ns())
         self.last_sent_step = -1

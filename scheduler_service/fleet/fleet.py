@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import grpc
 
 from scheduler_service.core.fair_share import FleetClock
+from scheduler_service.core.kv_cache.tier_slots import SharedHostTiers
 from scheduler_service.core.request import Request
 from scheduler_service.fleet.adapter_registry import AdapterRegistry
 from scheduler_service.fleet.executor_link import ExecutorLink
@@ -47,6 +48,7 @@ class Fleet:
         self.limits = lifecycles.limits = TenantLimits(settings.rate_limit_window_seconds)
         # Tenants' virtual times, one for every executor's core: the shares hold across the fleet (fair_share.py).
         self.tenants = FleetClock()
+        self.host_tiers = SharedHostTiers()          # KV host tiers executors on one host share (tier_slots.py)
         self.on_change = on_change
         self.links: dict[str, ExecutorLink] = {}
         self.streams: dict[str, object] = {}         # request id -> its stream; shared by every link
@@ -84,7 +86,7 @@ class Fleet:
         link = ExecutorLink(address, self.settings, streams=self.streams, lifecycles=self.lifecycles,
                             on_change=self._changed, on_lost=self.evacuate, on_drain=self.drain_queue,
                             on_export=self.kv_moves.export_running, on_bad_adapter=self.drop_adapter,
-                            refuse=self.refuse, tenants=self.tenants)
+                            refuse=self.refuse, tenants=self.tenants, host_tiers=self.host_tiers)
         self.links[address] = link
         link.start().add_done_callback(lambda _: self._ended(link))
         log.info("executor %s joined the fleet", address)

@@ -102,8 +102,13 @@ class StepLoop:
             if reply is grpc.aio.EOF:
                 raise ConnectionError("executor closed the step stream")
             if step.stale:
-                return        # sent before a resync: its result belongs to the epoch that ended
+                # Sent before a resync: its result belongs to the epoch that ended. It has run (or was refused),
+                # and so have the steps before it: a shared host tier may give their slots again.
+                if step.out.tier_moves is not None:
+                    core.kv.tiers.done(step.out.tier_moves)
+                return
             if reply.HasField("resync"):
+                core.kv.tiers.refused(reply.resync.refused_tier_hash, step.out.tier_moves)
                 moved = [r.request_id for r in core.reset_executor_state()]
                 held = self.resync_log.ready()
                 if held is not None:

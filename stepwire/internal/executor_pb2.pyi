@@ -12,7 +12,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("model", "architecture", "vocab_size", "max_model_len", "block_size", "num_blocks", "dtype", "device", "eos_token_ids", "instance_id", "tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "kv_layout", "role", "max_loras", "max_lora_rank", "max_cpu_loras", "kv_cache_file", "run_ahead", "quantization", "kv_host_blocks", "kv_disk_blocks", "kv_tier_blocks")
+    __slots__ = ("model", "architecture", "vocab_size", "max_model_len", "block_size", "num_blocks", "dtype", "device", "eos_token_ids", "instance_id", "tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "kv_layout", "role", "max_loras", "max_lora_rank", "max_cpu_loras", "kv_cache_file", "run_ahead", "quantization", "kv_host_blocks", "kv_disk_blocks", "kv_tier_blocks", "kv_host_shared")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,7 @@ class DescribeResponse(_message.Message):
     KV_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_DISK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_TIER_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_HOST_SHARED_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     vocab_size: int
@@ -61,7 +62,8 @@ class DescribeResponse(_message.Message):
     kv_host_blocks: int
     kv_disk_blocks: int
     kv_tier_blocks: _containers.RepeatedCompositeFieldContainer[TierBlock]
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., kv_layout: _Optional[str] = ..., role: _Optional[str] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., max_cpu_loras: _Optional[int] = ..., kv_cache_file: _Optional[str] = ..., run_ahead: _Optional[bool] = ..., quantization: _Optional[str] = ..., kv_host_blocks: _Optional[int] = ..., kv_disk_blocks: _Optional[int] = ..., kv_tier_blocks: _Optional[_Iterable[_Union[TierBlock, _Mapping]]] = ...) -> None: ...
+    kv_host_shared: str
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., kv_layout: _Optional[str] = ..., role: _Optional[str] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., max_cpu_loras: _Optional[int] = ..., kv_cache_file: _Optional[str] = ..., run_ahead: _Optional[bool] = ..., quantization: _Optional[str] = ..., kv_host_blocks: _Optional[int] = ..., kv_disk_blocks: _Optional[int] = ..., kv_tier_blocks: _Optional[_Iterable[_Union[TierBlock, _Mapping]]] = ..., kv_host_shared: _Optional[str] = ...) -> None: ...
 
 class CheckAdapterRequest(_message.Message):
     __slots__ = ("name", "path")

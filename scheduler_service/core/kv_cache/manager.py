@@ -49,9 +49,11 @@ class KVCacheManager:
         self.recomputed_tokens = 0      # tokens computed again after their KV was lost (preemption, a move)
         self.tiers = KVTierIndex()      # the executor's KV tiers (tiers.py): none until it says it has some
 
-    def configure_tiers(self, host_slots: int, disk_slots: int, held=()) -> None:
-        """The executor's KV tiers as its Describe gives them: slots of each, and the blocks they hold."""
-        self.tiers = KVTierIndex(host_slots, disk_slots, held)
+    def configure_tiers(self, host_slots: int, disk_slots: int, held=(), shared_host=None) -> None:
+        """The executor's KV tiers as its Describe gives them: slots of each, and the blocks they hold; its host
+        tier may be one it shares with executors on its host (tier_slots.SharedHostTier)."""
+        self.tiers.release()
+        self.tiers = KVTierIndex(host_slots, disk_slots, held, shared_host)
         self.pool.tiers = self.tiers if self.tiers.enabled and self.enable_caching else None
 
     def tier_hits(self, request: Request, num_pool_hits: int) -> list[tuple[int, int, bytes]]:
