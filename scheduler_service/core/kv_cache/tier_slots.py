@@ -6,7 +6,9 @@ Sharing is safe only with two rules, because each executor runs its own steps at
 executor wrote is read by another only once the step that wrote it has been answered (before that, the write may
 not have happened). And a slot a step loads from is given to no other block until that step has been answered (a
 spill made at the start of another executor's step could overwrite it while it is read). The writer reading its
-own block early is safe: an executor makes its steps' moves in order.
+own block early is safe: an executor makes its steps' moves in order. And because an executor that resyncs or is
+lost may still run the steps it had queued, their slots are held, neither hit nor given, until they cannot run
+(`SharedHostTier.held`). The executor's digests are the last line: a slot torn despite all this is refused.
 """
 
 from __future__ import annotations
@@ -191,8 +193,10 @@ class SharedHostTiers:
         """The tier `key` names; a new one indexes `held` (what the segment kept, as its first executor says)."""
         for k in [k for k, t in self._tiers.items() if not t.members and k != key]:
             del self._tiers[k]                  # no executor uses it any more
+        # One key is one file, whose header fixes its slots: every executor mapping it has as many. (One that
+        # said otherwise would refuse a step naming a slot it lacks, and be resynced.)
         tier = self._tiers.get(key)
-        if tier is None or tier.size != slots:
+        if tier is None:
             tier = self._tiers[key] = SharedHostTier(slots, held)
         return tier
 
