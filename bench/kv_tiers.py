@@ -20,12 +20,18 @@ p50 of the turn after the restart (the first turn of a restarted executor), warm
 
 Prints a table and `RESULT kv_tiers hit_ratio=<...> ttft_p50_ratio=<...> throughput_ratio=<...>
 warm_restart_ttft_ratio=<...> identical=<yes|no>`.
+`--shared` runs instead two executors with a host tier each, then with one tier of the same memory that both
+share (--kv-host-shared), executor-0 killed before the middle turn and not started again, and prints the hit
+ratio and TTFT p50 of the turn after the kill (no RESULT line: the issue's keys are the runs above).
+
 Usage: bench/kv_tiers.py [--conversations 24] [--turns 4] [--clients 8] [--pool-blocks 160] [--think 1.0]
+[--shared]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import shutil
 import statistics
@@ -76,8 +82,18 @@ class Trace:
                       for _ in range(conversations)]
 
 
-def run(stack: Stack, trace: Trace, clients: int, restart_after: int | None = None, cold: Path | None = None):
-    """Play the trace; returns (answers, ttfts by turn, seconds, generated tokens, prompt tokens and hits)."""
+def prefix_totals(stub) -> tuple[int, int, list[int]]:
+    """Prompt tokens queried and hit in the prefix cache, and blocks loaded from each tier, over every executor."""
+    es = stub.Stats(scheduler_pb2.StatsRequest()).executors
+    return (sum(e.prefix_cache_queries for e in es), sum(e.prefix_cache_hits for e in es),
+            [sum(e.kv_tier_hits[t] for e in es if e.kv_tier_hits) for t in (0, 1)])
+
+
+def run(stack: Stack, trace: Trace, clients: int, restart_after: int | None = None, cold: Path | None = None,
+        kill_after: int | None = None):
+    """Play the trace; returns (answers, ttfts by turn, seconds, generated tokens, prompt tokens and hits, and the
+    hit ratio of each turn). `restart_after`: the executor is killed and started again before that turn (on an
+    emptied disk directory with `cold`); `kill_after`: executor-0 is killed then, and not started again."""
     channel = grpc.insecure_channel(stack["scheduler"].address)
     stub = scheduler_pb2_grpc.SchedulerStub(channel)
     n = len(trace.system)
@@ -88,7 +104,13 @@ def run(stack: Stack, trace: Trace, clients: int, restart_after: int | None = No
     generated = 0
     lock = threading.Lock()
     t0 = time.monotonic()
+    turn_hits = []
     for turn in range(trace.turns):
+        if kill_after is not None and turn == kill_after:
+            stack.kill("executor-0")
+            stack.wait_until(lambda: sum(e.connected for e in stub.Stats(scheduler_pb2.StatsRequest()).executors)
+                             == 1, "the scheduler to see executor-0 gone", 60)
+        before = prefix_totals(stub)
         if restart_after is not None and turn == restart_after:
             stack.kill("executor")
             if cold is not None:
@@ -123,10 +145,12 @@ def run(stack: Stack, trace: Trace, clients: int, restart_after: int | None = No
             t.start()
         for t in threads:
             t.join()
+        after = prefix_totals(stub)
+        turn_hits.append((after[1] - before[1]) / max(after[0] - before[0], 1))
     seconds = time.monotonic() - t0
-    e = stub.Stats(scheduler_pb2.StatsRequest()).executors[0]
+    totals = prefix_totals(stub)
     channel.close()
-    return answers, ttft, seconds, generated, (e.prefix_cache_queries, e.prefix_cache_hits, list(e.kv_tier_hits))
+    return answers, ttft, seconds, generated, totals, turn_hits
 
 
 def moves_share(metrics_address: str) -> float:
@@ -153,6 +177,44 @@ def stack_for(tmp: Path, name: str, pool_blocks: int, host_blocks: int, disk: Pa
     return Stack([Service("executor", flags=flags), Service("scheduler", flags={"--metrics-address": ""})], work)
 
 
+def shared_stack(tmp: Path, name: str, pool_blocks: int, host_blocks: int, shared: bool):
+    """Two executors, each with a host tier of `host_blocks`, or one tier of twice that which both share."""
+    bb = block_bytes()
+    flags = {"--model": MODEL, "--kv-cache-memory": (pool_blocks + 1) * bb, "--max-num-seqs": 8,
+             "--deterministic": True, "--kv-host-memory": (2 if shared else 1) * host_blocks * bb}
+    if shared:
+        flags["--kv-host-shared"] = f"bench-{os.getpid()}"
+    work = tmp / name
+    work.mkdir()
+    return Stack([Service("executor", f"executor-{i}", flags=dict(flags)) for i in range(2)]
+                 + [Service("scheduler", flags={"--metrics-address": ""})], work)
+
+
+def compare_shared(a, trace: Trace) -> None:
+    """Two executors with a host tier each, against one host tier of the same memory that both share; executor-0
+    is killed before the middle turn and not started again (a node losing a pod, or an upgrade without a disk
+    tier): its conversations go on on executor-1."""
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        for name, shared in (("own host tiers", False), ("shared host tier", True)):
+            with shared_stack(tmp, name.replace(" ", "_"), a.pool_blocks, a.pool_blocks, shared) as s:
+                answers, ttft, seconds, generated, (queries, hits, tier_hits), turn_hits = run(
+                    s, trace, a.clients, kill_after=a.turns // 2)
+            after = a.turns // 2
+            rows.append((name, statistics.median(ttft[after]) * 1e3, turn_hits[after], hits / max(queries, 1),
+                         tier_hits[0], generated / seconds, answers))
+    print(f"cpu: {cpu_model()}  model: SmolLM2-135M-Instruct, deterministic  two executors, pools of "
+          f"{a.pool_blocks} blocks; host tiers of {a.pool_blocks} blocks each, or one of {2 * a.pool_blocks} shared; "
+          f"executor-0 killed before turn {a.turns // 2 + 1}  think: {a.think}s")
+    print(f"{'run':<18} {'ttft p50 after kill ms':>23} {'hit ratio after kill':>21} {'hit ratio':>10} "
+          f"{'host tier hits':>15} {'tok/s':>8}")
+    for name, ttft, after_hit, hit, host_hits, tput, _ in rows:
+        print(f"{name:<18} {ttft:>23.0f} {after_hit:>21.3f} {hit:>10.3f} {host_hits:>15} {tput:>8.1f}")
+    print(f"shared host tier after the kill: ttft p50 {rows[1][1] / rows[0][1]:.2f}x, hit ratio "
+          f"{rows[0][2]:.3f} -> {rows[1][2]:.3f}; same tokens: {'yes' if rows[0][6] == rows[1][6] else 'no'}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--conversations", type=int, default=24)
@@ -160,10 +222,15 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--pool-blocks", type=int, default=160)
     ap.add_argument("--think", type=float, default=1.0, help="mean seconds a user waits before a turn (0: none)")
+    ap.add_argument("--shared", action="store_true", help="instead: two executors, each with its own host tier "
+                    "or sharing one (--kv-host-shared), one of them killed mid-run")
     a = ap.parse_args()
     if not (MODEL / "config.json").exists():
         sys.exit("the embedded model is not prepared: make model")
     trace = Trace(a.conversations, a.turns, a.think)
+    if a.shared:
+        compare_shared(a, trace)
+        return
     working = sum(SYSTEM + a.turns * (USER + ANSWER) for _ in range(a.conversations))
     rows, results = [], {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -179,7 +246,7 @@ def main() -> None:
                         cold=disk if restart == "cold" else None)
                 share = moves_share(s["executor"].flags["--metrics-address"])
             results[name] = r
-            answers, ttft, seconds, generated, (queries, hits, tier_hits) = r
+            answers, ttft, seconds, generated, (queries, hits, tier_hits), _ = r
             all_ttft = [x for t in ttft.values() for x in t]
             rows.append((name, statistics.median(all_ttft) * 1e3, generated / seconds, hits / max(queries, 1),
                          tier_hits, share))
