@@ -167,12 +167,17 @@ class KVTiers:
                 continue
             row = self.kv[src]
             if kind == TO_HOST:
-                # The digest is of the block as the cache holds it, not of the slot: a slot that another writer
-                # tore meanwhile (a shared tier's) then fails it, whatever meta it ends with.
-                digest = xxhash.xxh3_64_intdigest(row.numpy())
-                self.host_meta[dst] = None      # while it is written, a reader (of a shared tier) finds no block
-                self.host[dst].copy_(row)
-                self.host_meta[dst] = (block_hash, digest)
+                if self.shared_host is None:
+                    self.host[dst].copy_(row)
+                    self.host_meta[dst] = (block_hash, xxhash.xxh3_64_intdigest(self.host[dst].numpy()))
+                else:
+                    # The digest is of the block as the cache holds it, not of the slot: a slot another writer
+                    # tore meanwhile then fails it, whatever meta it ends with. (A GPU's block is staged first.)
+                    block = row if row.device.type == "cpu" else row.cpu()
+                    digest = xxhash.xxh3_64_intdigest(block.numpy())
+                    self.host_meta[dst] = None      # while it is written, a reader finds no block
+                    self.host[dst].copy_(block)
+                    self.host_meta[dst] = (block_hash, digest)
             else:
                 data = row.cpu().numpy().tobytes()
                 self._queue_write(dst, block_hash, xxhash.xxh3_64_intdigest(data), data)

@@ -211,7 +211,7 @@ class ExecutorLink(StepLoop):
                 self.connected = False
                 self.stub = None
                 if self.core is not None:
-                    self.core.kv.tiers.release()     # a shared host tier forgets its unanswered steps
+                    self.core.kv.tiers.release()     # a shared host tier holds its unanswered steps' slots
                 self.on_change()
                 await channel.close()
             self.on_lost(self)

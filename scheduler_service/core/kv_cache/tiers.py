@@ -69,8 +69,8 @@ class KVTierIndex:
 
     def reset(self, held=()) -> None:
         """Forget every slot but those `held` ((tier, slot, hash): what the executor announced at connect). A
-        shared host tier keeps what others' steps wrote, and forgets only what this executor's unanswered steps
-        did."""
+        shared host tier keeps what others wrote and this executor's answered steps did; what its unanswered steps
+        wrote leaves it, their slots held until those steps can no longer run (tier_slots.py)."""
         if self.shared_host is not None:
             self.shared_host.release(self, self._in_flight, getattr(self, "pending", None))
             host = self.shared_host
@@ -84,7 +84,8 @@ class KVTierIndex:
         self._deferred: list = []         # those of the step before: written through to disk with this one
 
     def release(self) -> None:
-        """The executor is gone (or this index is replaced): a shared host tier forgets its unanswered steps."""
+        """The executor is gone (or this index is replaced): a shared host tier holds its unanswered steps' slots
+        until they can no longer run, and undoes the step it was building."""
         if self.shared_host is not None:
             self.shared_host.release(self, self._in_flight, self.pending)
             self._in_flight, self.pending = deque(), TierMoves()
