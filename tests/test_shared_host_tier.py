@@ -134,9 +134,16 @@ def test_executors_that_announce_the_same_shared_tier_get_one_index_and_an_unuse
     tiers = SharedHostTiers()
     one = tiers.join("stepwire-kvhost-x:aa", 8, [(3, h(1))])
     assert tiers.join("stepwire-kvhost-x:aa", 8, [(4, h(2))]) is one and one.lru == {h(1): 3}
-    KVTierIndex(shared_host=one).release()          # joined and left: nobody uses it
-    other = tiers.join("stepwire-kvhost-x:bb", 8)
-    assert other is not one and len(tiers) == 1
+    index = KVTierIndex(shared_host=one)
+    index.spill(1, h(5))
+    index.take_moves()
+    index.release()                                 # lost with a step that may still write its slot
+    assert tiers.join("stepwire-kvhost-x:bb", 8) is not one and len(tiers) == 2, "kept while its step may run"
+    assert tiers.join("stepwire-kvhost-x:aa", 8) is one and one.held_slots == {0: 1}
+    one.clock = lambda: float("inf")
+    one.expire()
+    tiers.join("stepwire-kvhost-x:bb", 8)
+    assert len(tiers) == 1, "nobody uses it, and nothing it held may still run"
 
 
 @pytest.mark.parametrize("seed", range(24))

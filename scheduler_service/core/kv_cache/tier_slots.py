@@ -157,20 +157,23 @@ class SharedHostTier(SlotTier):
             self._free(slot)
 
     def _let_go(self, which) -> None:
-        kept = []
-        for o, moves, deadline in self.held:
-            if not which(o, moves, deadline):
-                kept.append((o, moves, deadline))
-                continue
+        going = [rec for rec in self.held if which(*rec)]
+        if not going:
+            return
+        self.held = [rec for rec in self.held if not any(rec is g for g in going)]
+        # One look at the index and the free list for all of them (a tier may have 100k slots; this is the
+        # scheduler's event loop).
+        indexed, free = set(self.lru.values()), set(self.free)
+        for _, moves, _ in going:
             for _, _, slot, _ in moves.host_loads():
                 self._unpin(slot)
             for slot, _ in moves.host_writes():
                 self.held_slots[slot] -= 1
                 if self.held_slots[slot] <= 0:
                     del self.held_slots[slot]
-                    if slot not in self.lru.values():
-                        self._free(slot)
-        self.held = kept
+                    if slot not in indexed and slot not in free:
+                        self.free.append(slot)
+                        free.add(slot)
 
     def _free(self, slot: int) -> None:
         if not self.held_slots[slot] and slot not in self.free:
@@ -191,8 +194,10 @@ class SharedHostTiers:
 
     def join(self, key: str, slots: int, held=()) -> SharedHostTier:
         """The tier `key` names; a new one indexes `held` (what the segment kept, as its first executor says)."""
-        for k in [k for k, t in self._tiers.items() if not t.members and k != key]:
-            del self._tiers[k]                  # no executor uses it any more
+        # No executor uses it any more, and none of their steps may still run (a tier whose executors are all
+        # reconnecting keeps the slots their old steps hold).
+        for k in [k for k, t in self._tiers.items() if not t.members and not t.held and k != key]:
+            del self._tiers[k]
         # One key is one file, whose header fixes its slots: every executor mapping it has as many. (One that
         # said otherwise would refuse a step naming a slot it lacks, and be resynced.)
         tier = self._tiers.get(key)
