@@ -113,8 +113,7 @@ class SharedHostTier(SlotTier):
         for _, _, slot, _ in moves.host_loads():
             self._unpin(slot)
         for slot, block_hash in moves.host_writes():
-            w = self.writers.get(block_hash)
-            if w is not None and w[0] is owner and w[1] is moves and self.lru.get(block_hash) == slot:
+            if self._last_write(block_hash, owner, moves) and self.lru.get(block_hash) == slot:
                 del self.writers[block_hash]
 
     def done_held(self, moves, owner) -> bool:
@@ -132,8 +131,7 @@ class SharedHostTier(SlotTier):
         deadline = self.clock() + HELD_SECONDS
         for moves in in_flight:
             for slot, block_hash in moves.host_writes():
-                w = self.writers.get(block_hash)
-                if w is not None and w[0] is owner and w[1] is moves:
+                if self._last_write(block_hash, owner, moves):
                     del self.writers[block_hash]
                     self.lru.pop(block_hash, None)
                 self.held_slots[slot] += 1
@@ -142,8 +140,7 @@ class SharedHostTier(SlotTier):
             for _, _, slot, _ in pending.host_loads():
                 self._unpin(slot)
             for _, block_hash in pending.host_writes():
-                w = self.writers.get(block_hash)
-                if w is not None and w[0] is owner and w[1] is pending:
+                if self._last_write(block_hash, owner, pending):
                     del self.writers[block_hash]
                     slot = self.lru.pop(block_hash, None)     # where its last write in the step put it
                     if slot is not None:
@@ -174,6 +171,11 @@ class SharedHostTier(SlotTier):
                     if slot not in indexed and slot not in free:
                         self.free.append(slot)
                         free.add(slot)
+
+    def _last_write(self, block_hash: bytes, owner, step) -> bool:
+        """Whether `owner`'s `step` made the block's latest write, still unanswered."""
+        w = self.writers.get(block_hash)
+        return w is not None and w[0] is owner and w[1] is step
 
     def _free(self, slot: int) -> None:
         if not self.held_slots[slot] and slot not in self.free:
